@@ -1,0 +1,3 @@
+from adpfleet.cli import main
+
+raise SystemExit(main())

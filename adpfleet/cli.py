@@ -1,0 +1,64 @@
+"""The `adpfleet` command line: one parser, each command dispatched to its own floor.
+
+Commands import their implementation lazily so that the operator's image (no torch) can run
+`adpfleet operator` and `adpfleet crds` without the runtime's dependencies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny",
+                   help="'tiny' (built-in MoE), 'tiny-dense' (built-in Llama) or a Hugging Face model directory")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    p.add_argument("--kv-blocks", type=int, default=512, help="KV cache blocks per rank")
+    p.add_argument("--tokens-per-block", type=int, default=16)
+    p.add_argument("--max-num-tokens", type=int, default=2048, help="token budget of one batch")
+    p.add_argument("--max-batch-size", type=int, default=64, help="requests in one batch")
+    p.add_argument("--max-num-active-requests", type=int, default=256,
+                   help="requests a rank holds at once (running + waiting for KV)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the built-in tiny models")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="adpfleet", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = sub.add_parser("serve", help="run an inference server (OpenAI-compatible HTTP API)")
+    serve.add_argument("--role", choices=["aggregated", "context", "generation"], default="aggregated")
+    serve.add_argument("--dp", type=int, default=1, help="attention-data-parallel ranks")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", default=None, help="model id reported by /v1/models")
+    serve.add_argument("--no-pad-empty-batch", action="store_true",
+                       help="disable post-schedule padding (only to reproduce the ADP stall)")
+    _add_engine_args(serve)
+    serve.set_defaults(run="adpfleet.runtime.server:main")
+
+    gen = sub.add_parser("generate", help="generate one completion and print it")
+    gen.add_argument("prompt")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    _add_engine_args(gen)
+    gen.set_defaults(run="adpfleet.runtime.generate:main")
+
+    demo = sub.add_parser("demo", help="run the whole loop on this machine")
+    demo.add_argument("--port", type=int, default=0, help="server port (0: pick a free one)")
+    demo.set_defaults(run="adpfleet.demo:main")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    module_name, func_name = args.run.split(":")
+    func = getattr(importlib.import_module(module_name), func_name)
+    return int(func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

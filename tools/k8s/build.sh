@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Build the development control plane (etcd, kube-apiserver, kube-controller-manager) and helm
+# from the Go module proxy, cached per version under $ADPFLEET_CACHE (default ~/.cache/adpfleet).
+# Prints the directory holding the binaries. Skips every binary already present.
+#
+# KUBEBUILDER_ASSETS (a directory with etcd and kube-apiserver, as envtest expects) or
+# TEST_ASSET_KUBE_APISERVER / TEST_ASSET_ETCD point at existing binaries; then those are not built.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+# shellcheck source=versions.env
+source "$here/versions.env"
+cache=${ADPFLEET_CACHE:-$HOME/.cache/adpfleet}
+out="$cache/k8s/$KUBERNETES_VERSION-etcd$ETCD_VERSION-helm$HELM_VERSION"
+mkdir -p "$out"
+export CGO_ENABLED=0 GOFLAGS=-buildvcs=false
+log() { echo "build.sh: $*" >&2; }
+
+link_existing() {  # name path: use a binary the user already has
+  local name=$1 path=$2
+  [ -x "$path" ] || { log "$name: $path is not an executable file"; exit 1; }
+  ln -sf "$(readlink -f "$path")" "$out/$name"
+}
+if [ -n "${KUBEBUILDER_ASSETS:-}" ]; then
+  link_existing kube-apiserver "$KUBEBUILDER_ASSETS/kube-apiserver"
+  link_existing etcd "$KUBEBUILDER_ASSETS/etcd"
+  [ -x "$KUBEBUILDER_ASSETS/kube-controller-manager" ] && link_existing kube-controller-manager "$KUBEBUILDER_ASSETS/kube-controller-manager"
+fi
+[ -n "${TEST_ASSET_KUBE_APISERVER:-}" ] && link_existing kube-apiserver "$TEST_ASSET_KUBE_APISERVER"
+[ -n "${TEST_ASSET_ETCD:-}" ] && link_existing etcd "$TEST_ASSET_ETCD"
+
+build() {  # name wrapper-dir package ldflags
+  local name=$1 dir=$2 pkg=$3 ldflags=$4
+  if [ -x "$out/$name" ]; then return; fi
+  log "building $name ($pkg); the first build takes several minutes"
+  local start=$SECONDS
+  (cd "$here/$dir" && go build -trimpath -ldflags "-s -w $ldflags" -o "$out/$name.tmp" "$pkg")
+  mv "$out/$name.tmp" "$out/$name"
+  log "built $name in $((SECONDS - start)) s"
+  echo "$name $((SECONDS - start))" >> "$out/build-times.txt"
+}
+
+kminor=${KUBERNETES_VERSION#*.}; kminor=${kminor%%.*}
+kver="-X k8s.io/component-base/version.gitVersion=v$KUBERNETES_VERSION -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=$kminor -X k8s.io/component-base/version.gitTreeState=clean -X k8s.io/component-base/version.buildDate=1970-01-01T00:00:00Z -X k8s.io/client-go/pkg/version.gitVersion=v$KUBERNETES_VERSION -X k8s.io/client-go/pkg/version.gitMajor=1 -X k8s.io/client-go/pkg/version.gitMinor=$kminor"
+build etcd etcd go.etcd.io/etcd/server/v3 "-X go.etcd.io/etcd/api/v3/version.GitSHA=v$ETCD_VERSION"
+build kube-apiserver kube k8s.io/kubernetes/cmd/kube-apiserver "$kver"
+build kube-controller-manager kube k8s.io/kubernetes/cmd/kube-controller-manager "$kver"
+build helm helm helm.sh/helm/v3/cmd/helm "-X helm.sh/helm/v3/internal/version.version=v$HELM_VERSION -X helm.sh/helm/v3/internal/version.gitTreeState=clean -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMinor=$kminor"
+echo "$out"
