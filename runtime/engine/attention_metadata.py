@@ -1,0 +1,114 @@
+"""One builder of attention metadata for every batch: prefill chunks, decode tokens, and padding.
+
+Real batches and dummy batches go through the same builder. Padding (to the token count the ADP
+ranks agreed on) is added as dummy decode requests of `decode_query_len` tokens each that read
+and write only the null block (block 0), so the padded metadata keeps the uniform-decode
+invariant: `num_decode_tokens == num_decodes * decode_query_len`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+NULL_BLOCK = 0  # never handed out; dummy tokens write their K/V here
+
+
+@dataclass
+class SeqChunk:
+    """The tokens one request runs this pass: `token_ids` at positions start_pos.. (K/V of the
+    positions before start_pos are already in the cache through `block_table`)."""
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    is_decode: bool
+
+
+@dataclass
+class AttentionMetadata:
+    num_prefills: int
+    num_prefill_tokens: int
+    num_decodes: int
+    num_decode_tokens: int
+    decode_query_len: int
+    num_actual_reqs: int  # before padding
+    num_actual_tokens: int
+    query_start_loc: list[int] = field(default_factory=list)  # prefills, len num_prefills + 1
+    context_lens: list[int] = field(default_factory=list)  # prefills: tokens already cached
+    prefill_slots: list[torch.Tensor | None] = field(default_factory=list)
+    slot_mapping: torch.Tensor | None = None  # [num_tokens]
+    decode_slots: torch.Tensor | None = None  # [num_decodes, max_seq_len]
+    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, decode_query_len, max_seq_len]
+
+    @property
+    def num_reqs(self) -> int:
+        return self.num_prefills + self.num_decodes
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+    @property
+    def num_padding_tokens(self) -> int:
+        return self.num_tokens - self.num_actual_tokens
+
+
+def dummy_decode(decode_query_len: int) -> SeqChunk:
+    return SeqChunk([0] * decode_query_len, 0, [NULL_BLOCK], is_decode=True)
+
+
+def build(chunks: list[SeqChunk], tokens_per_block: int, decode_query_len: int = 1,
+          pad_to_tokens: int | None = None, device: str | torch.device = "cpu"
+          ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """Order the chunks (prefills first), pad with dummy decodes up to `pad_to_tokens`, and return
+    (input_ids, positions, metadata)."""
+    prefills = [c for c in chunks if not c.is_decode]
+    decodes = [c for c in chunks if c.is_decode]
+    for c in decodes:
+        if len(c.token_ids) != decode_query_len:
+            raise ValueError(f"decode chunk of {len(c.token_ids)} tokens, expected {decode_query_len}")
+    actual = sum(len(c.token_ids) for c in chunks)
+    if pad_to_tokens is not None and pad_to_tokens > actual:
+        missing = pad_to_tokens - actual
+        decodes += [dummy_decode(decode_query_len) for _ in range(-(-missing // decode_query_len))]
+
+    bs = tokens_per_block
+    ids, pos, slots = [], [], []
+    for c in prefills + decodes:
+        ids += c.token_ids
+        for p in range(c.start_pos, c.start_pos + len(c.token_ids)):
+            pos.append(p)
+            slots.append(c.block_table[p // bs] * bs + p % bs)
+
+    meta = AttentionMetadata(
+        num_prefills=len(prefills), num_prefill_tokens=sum(len(c.token_ids) for c in prefills),
+        num_decodes=len(decodes), num_decode_tokens=len(decodes) * decode_query_len,
+        decode_query_len=decode_query_len, num_actual_reqs=len(chunks), num_actual_tokens=actual,
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device))
+    loc = 0
+    for c in prefills:
+        meta.query_start_loc.append(loc)
+        meta.context_lens.append(c.start_pos)
+        meta.prefill_slots.append(
+            _slots([c.block_table], c.start_pos + len(c.token_ids), bs, device)[0] if c.start_pos else None)
+        loc += len(c.token_ids)
+    meta.query_start_loc.append(loc)
+    if decodes:
+        seq_lens = torch.tensor([c.start_pos + decode_query_len for c in decodes], device=device)
+        max_len = int(seq_lens.max())
+        meta.decode_slots = _slots([c.block_table for c in decodes], max_len, bs, device)
+        key_pos = torch.arange(max_len, device=device)
+        q_pos = seq_lens[:, None] - decode_query_len + torch.arange(decode_query_len, device=device)
+        meta.decode_mask = (key_pos[None, None, :] <= q_pos[:, :, None]).unsqueeze(1)
+    return (torch.tensor(ids, dtype=torch.long, device=device),
+            torch.tensor(pos, dtype=torch.long, device=device), meta)
+
+
+def _slots(block_tables: list[list[int]], length: int, bs: int, device) -> torch.Tensor:
+    """Cache slots of positions 0..length-1 for each block table, [len(block_tables), length]."""
+    width = -(-length // bs)
+    table = torch.tensor([(bt + [NULL_BLOCK] * width)[:width] for bt in block_tables],
+                         dtype=torch.long, device=device)
+    p = torch.arange(length, device=device)
+    return table[:, p // bs] * bs + p % bs

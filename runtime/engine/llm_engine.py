@@ -1,0 +1,179 @@
+"""The engine of one rank: add requests, step, abort; `generate` runs them to completion.
+
+One `step()` is: fetch pending requests (up to max_num_active_requests), schedule, forward,
+sample, update request states (next chunk, new token, stop checks), free what finished.
+The ADP executor drives the same phases in lockstep across ranks.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import time
+from dataclasses import dataclass
+
+from adpfleet.runtime.config import EngineConfig
+from adpfleet.runtime.engine.kv_cache import KVCacheManager
+from adpfleet.runtime.engine.model_runner import ModelRunner
+from adpfleet.runtime.engine.request import Request, RequestState
+from adpfleet.runtime.engine.sampling import InvalidRequestError, SamplingParams
+from adpfleet.runtime.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from adpfleet.runtime.model.loader import load_model
+from adpfleet.runtime.model.parallel import SINGLE, ParallelContext
+from adpfleet.runtime.tokenizer import load_tokenizer
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, par: ParallelContext = SINGLE, model=None):
+        config.validate()
+        self.config = config
+        self.par = par
+        self.model = model or load_model(config.model, par, config.device, config.torch_dtype, config.seed)
+        self.model_config = self.model.cfg
+        self.tokenizer = load_tokenizer(config.model, self.model_config)
+        self.kv = KVCacheManager(config.kv_blocks, config.tokens_per_block)
+        self.scheduler = Scheduler(self.kv, SchedulerConfig(
+            config.max_num_tokens, config.max_batch_size, config.decode_query_len))
+        self.runner = ModelRunner(self.model, config.kv_blocks, config.tokens_per_block, config.device)
+        self.pending: collections.deque[Request] = collections.deque()
+        self.active: list[Request] = []  # fetched: waiting for KV, in context, or generating
+        self._ids = itertools.count()
+
+    # -- requests in and out ------------------------------------------------------------------
+    def make_request(self, prompt: str | list[int], params: SamplingParams,
+                     request_id: str | None = None) -> Request:
+        """Validates and tokenizes; raises InvalidRequestError naming the parameter."""
+        params.validate()
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+        else:
+            raise InvalidRequestError("'prompt' must be a string or a list of token ids", "prompt")
+        if not ids:
+            raise InvalidRequestError("'prompt' must not be empty", "prompt")
+        vocab = self.model_config.vocab_size
+        if any(t < 0 or t >= vocab for t in ids):
+            raise InvalidRequestError(f"'prompt' has token ids outside the vocabulary [0, {vocab})", "prompt")
+        limit = self.model_config.max_position_embeddings
+        if len(ids) + params.max_tokens > limit:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {limit} tokens; the prompt has {len(ids)} "
+                f"and max_tokens asks for {params.max_tokens} more", "prompt" if len(ids) >= limit else "max_tokens")
+        capacity = self.config.kv_blocks * self.config.tokens_per_block
+        if len(ids) + params.max_tokens > capacity:
+            raise InvalidRequestError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds this server's "
+                f"KV cache of {capacity} tokens per rank", "max_tokens")
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        return Request(rid, ids, params)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> Request:
+        req = self.make_request(prompt, params or SamplingParams(), request_id)
+        self.pending.append(req)
+        return req
+
+    def abort(self, request_id: str) -> bool:
+        for queue in (self.pending, self.active):
+            for req in list(queue):
+                if req.request_id == request_id:
+                    queue.remove(req)
+                    self.kv.free(req)
+                    req.state, req.finish_reason = RequestState.FINISHED, "abort"
+                    return True
+        return False
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.pending or self.active)
+
+    # -- the loop ------------------------------------------------------------------------------
+    def fetch(self) -> None:
+        while self.pending and len(self.active) < self.config.max_num_active_requests:
+            self.active.append(self.pending.popleft())
+
+    def schedule(self) -> ScheduledBatch:
+        waiting = [r for r in self.active if r.state is RequestState.WAITING]
+        running = [r for r in self.active if r.state in (RequestState.CONTEXT, RequestState.GENERATION)]
+        batch, _ = self.scheduler.schedule(waiting, running)
+        return batch
+
+    def step(self) -> list[RequestOutput]:
+        self.fetch()
+        batch = self.schedule()
+        if batch.is_empty:
+            return []
+        logits = self.runner.forward(batch)
+        return self.update(batch, self.runner.sample(batch, logits))
+
+    def update(self, batch: ScheduledBatch, sampled: dict[Request, int]) -> list[RequestOutput]:
+        """Advance every request of a pass that ran; emit outputs; free what finished."""
+        outputs = []
+        for req, n in batch.context:
+            req.num_computed_tokens += n
+        for req in batch.generation:
+            req.num_computed_tokens += batch.decode_query_len
+        for req in batch.requests:
+            if req.is_dummy:
+                continue
+            if req.state is RequestState.CONTEXT and req.remaining_prompt_tokens == 0:
+                req.state = RequestState.GENERATION
+            token = sampled.get(req)
+            if token is None:
+                continue
+            out = self._append_token(req, token)
+            if req.is_finished:
+                self.active.remove(req)
+                self.kv.free(req)
+            outputs.append(out)
+        return outputs
+
+    def _append_token(self, req: Request, token: int) -> RequestOutput:
+        p = req.params
+        req.output_token_ids.append(token)
+        reason = None
+        if (not p.ignore_eos and token in self.tokenizer.eos_token_ids) or token in p.stop_token_ids:
+            reason = "stop"
+        elif len(req.output_token_ids) >= p.max_tokens:
+            reason = "length"
+        text_ids = req.output_token_ids[:-1] if reason == "stop" else req.output_token_ids
+        text = self.tokenizer.decode(text_ids)
+        for stop in p.stop:
+            at = text.find(stop, max(0, len(req.output_text) - len(stop)))
+            if at != -1:
+                text, reason = text[:at], "stop"
+        if reason is None:
+            # hold back an unfinished UTF-8 sequence and anything that may begin a stop string
+            hold = max((len(s) - 1 for s in p.stop), default=0)
+            text = text.rstrip("\ufffd")
+            text = text[:max(len(req.output_text), len(text) - hold)]
+        delta = text[len(req.output_text):]
+        req.output_text = text
+        if reason:
+            req.state, req.finish_reason = RequestState.FINISHED, reason
+        return RequestOutput(req.request_id, [token], delta, reason is not None, reason,
+                             req.num_prompt_tokens, len(req.output_token_ids))
+
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]
+                 ) -> list[Request]:
+        """Runs the prompts to completion; returns the finished requests in prompt order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        reqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        deadline = time.monotonic() + 3600
+        while any(not r.is_finished for r in reqs):
+            self.step()
+            if time.monotonic() > deadline:
+                raise TimeoutError("generate made no progress for an hour")
+        return reqs

@@ -1,0 +1,66 @@
+"""A request's whole state lives here: tokens, progress through its prompt, its KV blocks."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from adpfleet.runtime.engine.sampling import SamplingParams
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"  # active on this rank, but not admitted: its KV does not fit yet
+    CONTEXT = "context"  # admitted, prompt being processed chunk by chunk
+    GENERATION = "generation"  # decoding
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    state: RequestState = RequestState.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    block_table: list[int] = field(default_factory=list)
+    reserved_blocks: int = 0  # blocks promised at admission (guaranteed no evict)
+    finish_reason: str | None = None
+    output_text: str = ""
+    is_dummy: bool = False  # padding: never progress, never responded to, never in stats
+    _generator: torch.Generator | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def max_total_tokens(self) -> int:
+        return len(self.prompt_token_ids) + self.params.max_tokens
+
+    @property
+    def remaining_prompt_tokens(self) -> int:
+        return max(0, len(self.prompt_token_ids) - self.num_computed_tokens)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.state is RequestState.FINISHED
+
+    def token_at(self, position: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
+
+    def generator(self) -> torch.Generator | None:
+        if self.params.seed is None:
+            return None
+        if self._generator is None:
+            self._generator = torch.Generator().manual_seed(self.params.seed)
+        return self._generator

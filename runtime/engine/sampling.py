@@ -1,0 +1,74 @@
+"""Sampling parameters and the sampler (greedy, temperature, top-k, top-p, per-request seed)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine refuses; `param` names the offending field (OpenAI's error `param`)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        def bad(param: str, why: str):
+            raise InvalidRequestError(f"'{param}' {why}", param)
+
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
+            bad("max_tokens", f"must be a positive integer, got {self.max_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature <= 100:
+            bad("temperature", f"must be a number in [0, 100], got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            bad("top_k", f"must be a non-negative integer, got {self.top_k!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            bad("seed", f"must be an integer, got {self.seed!r}")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            bad("stop", "must be a list of non-empty strings")
+        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be a list of non-negative integers")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class Sampler:
+    """Picks one token per row of logits. Greedy rows are batched; sampled rows use their own
+    generator so a seeded request draws the same tokens whatever it is batched with."""
+
+    def __call__(self, logits: torch.Tensor, requests) -> list[int]:
+        out = logits.argmax(dim=-1).tolist()
+        for row, req in enumerate(requests):
+            p = req.params
+            if p.greedy:
+                continue
+            x = logits[row].float() / p.temperature
+            if p.top_k and p.top_k < x.numel():
+                kth = torch.topk(x, p.top_k).values[-1]
+                x = x.masked_fill(x < kth, float("-inf"))
+            probs = torch.softmax(x, dim=-1)
+            if p.top_p < 1.0:
+                sorted_p, idx = probs.sort(descending=True)
+                drop = sorted_p.cumsum(0) - sorted_p > p.top_p  # keep the smallest prefix reaching top_p
+                sorted_p[drop] = 0
+                probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
+            out[row] = int(torch.multinomial(probs.cpu(), 1, generator=req.generator()).item())
+        return out

@@ -1,0 +1,112 @@
+"""Admission and batching: a capacity scheduler (guaranteed no evict) and a micro-batch scheduler.
+
+The capacity scheduler admits waiting requests in arrival order while the KV blocks for their
+prompt + max_tokens fit, and stops at the first that does not (head-of-line, as upstream).
+The micro-batch scheduler then fills the batch: generation requests first (one decode step
+each), then prompt chunks, within `max_num_tokens` tokens and `max_batch_size` requests.
+Scheduling allocates the blocks the batch will write (tentatively): `revert` gives them back if
+the pass does not run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from adpfleet.runtime.engine.kv_cache import KVCacheManager
+from adpfleet.runtime.engine.request import Request, RequestState
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_tokens: int = 2048
+    max_batch_size: int = 64
+    decode_query_len: int = 1  # 1 + draft tokens
+
+
+@dataclass
+class ScheduledBatch:
+    context: list[tuple[Request, int]] = field(default_factory=list)  # (request, chunk length)
+    generation: list[Request] = field(default_factory=list)
+    decode_query_len: int = 1
+
+    @property
+    def requests(self) -> list[Request]:
+        return [r for r, _ in self.context] + self.generation
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.context) + len(self.generation) * self.decode_query_len
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.context and not self.generation
+
+    @property
+    def num_real_requests(self) -> int:
+        return sum(1 for r in self.requests if not r.is_dummy)
+
+
+class CapacityScheduler:
+    def __init__(self, kv: KVCacheManager):
+        self.kv = kv
+
+    def admit(self, waiting: list[Request]) -> list[Request]:
+        admitted = []
+        for req in waiting:
+            if not self.kv.can_reserve(req):
+                break  # head-of-line: later requests wait behind it
+            self.kv.reserve(req)
+            req.state = RequestState.CONTEXT
+            admitted.append(req)
+        return admitted
+
+
+class MicroBatchScheduler:
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+
+    def select(self, running: list[Request]) -> ScheduledBatch:
+        cfg = self.config
+        batch = ScheduledBatch(decode_query_len=cfg.decode_query_len)
+        budget = cfg.max_num_tokens
+        for req in running:
+            if req.state is RequestState.GENERATION and len(batch.generation) < cfg.max_batch_size \
+                    and budget >= cfg.decode_query_len:
+                batch.generation.append(req)
+                budget -= cfg.decode_query_len
+        for req in running:
+            if req.state is not RequestState.CONTEXT or budget <= 0:
+                continue
+            if len(batch.generation) + len(batch.context) >= cfg.max_batch_size:
+                break
+            chunk = min(req.remaining_prompt_tokens, budget)
+            batch.context.append((req, chunk))
+            budget -= chunk
+        return batch
+
+
+class Scheduler:
+    """Admission + batch selection for one rank, with the tentative KV allocation of the batch."""
+
+    def __init__(self, kv: KVCacheManager, config: SchedulerConfig):
+        self.kv = kv
+        self.config = config
+        self.capacity = CapacityScheduler(kv)
+        self.micro = MicroBatchScheduler(config)
+
+    def schedule(self, waiting: list[Request], running: list[Request]) -> tuple[ScheduledBatch, list[Request]]:
+        """Returns the batch and the requests admitted from `waiting` (the caller moves them)."""
+        admitted = self.capacity.admit(waiting)
+        batch = self.micro.select(running + admitted)
+        for req, chunk in batch.context:
+            self.kv.grow(req, req.num_computed_tokens + chunk)
+        for req in batch.generation:
+            self.kv.grow(req, req.num_computed_tokens + self.config.decode_query_len)
+        return batch, admitted
+
+    def revert(self, batch: ScheduledBatch) -> None:
+        """Undo the tentative allocations of a batch that did not run. Dummies are skipped: the
+        scheduler never grew them, and shrinking one would corrupt it."""
+        for req in batch.requests:
+            if not req.is_dummy:
+                self.kv.shrink(req, req.num_computed_tokens)

@@ -1,0 +1,76 @@
+"""Tokenizers: a byte-level one for the built-in models, `tokenizers` for model directories."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from adpfleet.runtime.model.config import ModelLoadError
+from adpfleet.runtime.model.tiny import BOS, BYTE_VOCAB, EOS, TINY_MODELS
+
+
+class ByteTokenizer:
+    """UTF-8 bytes are tokens 0..255; 256 is BOS and 257 EOS."""
+
+    bos_token_id = BOS
+    chat_template = None
+
+    def __init__(self, eos_token_ids: tuple[int, ...] = (EOS,)):
+        self.eos_token_ids = tuple(eos_token_ids)
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        return ([BOS] if add_bos else []) + list(text.encode("utf-8"))
+
+    def decode(self, ids) -> str:
+        return bytes(i for i in ids if i < BYTE_VOCAB).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A model directory's `tokenizer.json`, with BOS/EOS and chat template from its configs."""
+
+    def __init__(self, path: Path, eos_from_config: tuple[int, ...], bos_from_config: int | None):
+        from tokenizers import Tokenizer
+
+        try:
+            self._tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+        except Exception as e:  # the tokenizers library raises a bare Exception on bad JSON
+            raise ModelLoadError(f"{path / 'tokenizer.json'}: cannot be loaded ({e})") from None
+        tcfg = _read_json(path / "tokenizer_config.json")
+        gcfg = _read_json(path / "generation_config.json")
+        self.chat_template = tcfg.get("chat_template")
+        eos = gcfg.get("eos_token_id", list(eos_from_config))
+        eos = [eos] if isinstance(eos, int) else list(eos or [])
+        if not eos and isinstance(tcfg.get("eos_token"), str):
+            tid = self._tok.token_to_id(tcfg["eos_token"])
+            eos = [tid] if tid is not None else []
+        self.eos_token_ids = tuple(eos)
+        self.bos_token_id = gcfg.get("bos_token_id", bos_from_config)
+        self._add_bos = bool(tcfg.get("add_bos_token", False))
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if add_bos and self._add_bos and self.bos_token_id is not None:
+            ids = [self.bos_token_id] + ids
+        return ids
+
+    def decode(self, ids) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=True)
+
+
+def _read_json(file: Path) -> dict:
+    if not file.is_file():
+        return {}
+    try:
+        raw = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{file} is not valid JSON: {e}") from None
+    return raw if isinstance(raw, dict) else {}
+
+
+def load_tokenizer(spec: str, cfg) -> ByteTokenizer | HFTokenizer:
+    """The byte tokenizer for built-in models and for directories without `tokenizer.json`."""
+    if spec in TINY_MODELS:
+        return ByteTokenizer()
+    if not (Path(spec) / "tokenizer.json").is_file():
+        return ByteTokenizer(cfg.eos_token_id)
+    return HFTokenizer(Path(spec), cfg.eos_token_id, cfg.bos_token_id)

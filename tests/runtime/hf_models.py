@@ -1,0 +1,55 @@
+"""Small random Hugging Face models saved to disk, and a way to run our model chunk by chunk."""
+
+from __future__ import annotations
+
+import torch
+
+from adpfleet.runtime.engine import attention_metadata
+from adpfleet.runtime.engine.attention_metadata import SeqChunk
+from adpfleet.runtime.engine.kv_cache import KVCacheManager
+from adpfleet.runtime.engine.request import Request
+from adpfleet.runtime.engine.sampling import SamplingParams
+
+COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+              initializer_range=0.2, rms_norm_eps=1e-5, tie_word_embeddings=False,
+              bos_token_id=1, eos_token_id=2)
+
+
+def save_hf_model(kind: str, path, seed: int = 0):
+    """Build a random LlamaForCausalLM or MixtralForCausalLM, save it, return it (eval, float32)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(**COMMON, rope_theta=500000.0)
+        model = transformers.LlamaForCausalLM(cfg)
+    else:
+        cfg = transformers.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2, rope_theta=1e6)
+        model = transformers.MixtralForCausalLM(cfg)
+    model.eval()
+    model.save_pretrained(str(path))
+    return model
+
+
+def chunked_logits(model, prompt: list[int], chunk: int, decode: list[int] = (), tokens_per_block: int = 4):
+    """Our model's logits for every position: the prompt in chunks of `chunk` tokens, then each
+    token of `decode` as a paged decode step. Returns [len(prompt) + len(decode), vocab]."""
+    kv = KVCacheManager(num_blocks=64, tokens_per_block=tokens_per_block)
+    cache = model.allocate_kv_cache((kv.num_blocks + 1) * tokens_per_block)
+    req = Request("r", list(prompt), SamplingParams(max_tokens=len(decode) + 1))
+    rows = []
+    for start in range(0, len(prompt), chunk):
+        piece = prompt[start:start + chunk]
+        kv.grow(req, start + len(piece))
+        rows.append(_run(model, cache, SeqChunk(piece, start, req.block_table, False), tokens_per_block))
+    for i, tok in enumerate(decode):
+        pos = len(prompt) + i
+        kv.grow(req, pos + 1)
+        rows.append(_run(model, cache, SeqChunk([tok], pos, req.block_table, True), tokens_per_block))
+    return torch.cat(rows)
+
+
+def _run(model, cache, chunk: SeqChunk, tokens_per_block: int) -> torch.Tensor:
+    ids, pos, meta = attention_metadata.build([chunk], tokens_per_block)
+    return model.compute_logits(model(ids, pos, meta, cache))
