@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 
@@ -57,7 +58,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     module_name, func_name = args.run.split(":")
     func = getattr(importlib.import_module(module_name), func_name)
-    return int(func(args) or 0)
+    try:
+        return int(func(args) or 0)
+    except ValueError as e:  # bad flags, a broken model directory, ...: the message says which
+        if os.environ.get("ADPFLEET_DEBUG"):
+            raise
+        print(f"adpfleet {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

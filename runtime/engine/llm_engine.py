@@ -16,7 +16,9 @@ from adpfleet.runtime.config import EngineConfig
 from adpfleet.runtime.engine.kv_cache import KVCacheManager
 from adpfleet.runtime.engine.model_runner import ModelRunner
 from adpfleet.runtime.engine.request import Request, RequestState
-from adpfleet.runtime.engine.sampling import InvalidRequestError, SamplingParams
+from adpfleet.runtime.engine.sampling import SamplingParams
+from adpfleet.runtime.engine.validation import make_request
+from adpfleet.runtime.metrics import RankStats
 from adpfleet.runtime.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from adpfleet.runtime.model.loader import load_model
 from adpfleet.runtime.model.parallel import SINGLE, ParallelContext
@@ -49,35 +51,14 @@ class LLMEngine:
         self.pending: collections.deque[Request] = collections.deque()
         self.active: list[Request] = []  # fetched: waiting for KV, in context, or generating
         self._ids = itertools.count()
+        self.stats = RankStats(kv_cache_blocks_total=config.kv_blocks)
 
     # -- requests in and out ------------------------------------------------------------------
     def make_request(self, prompt: str | list[int], params: SamplingParams,
                      request_id: str | None = None) -> Request:
         """Validates and tokenizes; raises InvalidRequestError naming the parameter."""
-        params.validate()
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            ids = list(prompt)
-        else:
-            raise InvalidRequestError("'prompt' must be a string or a list of token ids", "prompt")
-        if not ids:
-            raise InvalidRequestError("'prompt' must not be empty", "prompt")
-        vocab = self.model_config.vocab_size
-        if any(t < 0 or t >= vocab for t in ids):
-            raise InvalidRequestError(f"'prompt' has token ids outside the vocabulary [0, {vocab})", "prompt")
-        limit = self.model_config.max_position_embeddings
-        if len(ids) + params.max_tokens > limit:
-            raise InvalidRequestError(
-                f"this model's maximum context length is {limit} tokens; the prompt has {len(ids)} "
-                f"and max_tokens asks for {params.max_tokens} more", "prompt" if len(ids) >= limit else "max_tokens")
-        capacity = self.config.kv_blocks * self.config.tokens_per_block
-        if len(ids) + params.max_tokens > capacity:
-            raise InvalidRequestError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds this server's "
-                f"KV cache of {capacity} tokens per rank", "max_tokens")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        return Request(rid, ids, params)
+        return make_request(prompt, params, rid, self.tokenizer, self.model_config, self.config)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> Request:
@@ -92,6 +73,7 @@ class LLMEngine:
                     queue.remove(req)
                     self.kv.free(req)
                     req.state, req.finish_reason = RequestState.FINISHED, "abort"
+                    self.stats.requests_finished["abort"] += 1
                     return True
         return False
 
@@ -113,16 +95,29 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         self.fetch()
         batch = self.schedule()
-        if batch.is_empty:
-            return []
-        logits = self.runner.forward(batch)
-        return self.update(batch, self.runner.sample(batch, logits))
+        self.stats.iterations += 1
+        outputs = []
+        if not batch.is_empty:
+            logits = self.runner.forward(batch)
+            self.stats.forward_steps += 1
+            outputs = self.update(batch, self.runner.sample(batch, logits))
+        self.refresh_gauges()
+        return outputs
+
+    def refresh_gauges(self) -> None:
+        s = self.stats
+        s.requests_running = sum(1 for r in self.active if r.state is not RequestState.WAITING and not r.is_dummy)
+        s.requests_waiting = len(self.pending) + sum(1 for r in self.active if r.state is RequestState.WAITING)
+        s.kv_cache_blocks_used = self.kv.num_used_blocks
 
     def update(self, batch: ScheduledBatch, sampled: dict[Request, int]) -> list[RequestOutput]:
         """Advance every request of a pass that ran; emit outputs; free what finished."""
         outputs = []
+        progress = 0
         for req, n in batch.context:
             req.num_computed_tokens += n
+            progress += 0 if req.is_dummy else n
+        self.stats.prompt_tokens += progress
         for req in batch.generation:
             req.num_computed_tokens += batch.decode_query_len
         for req in batch.requests:
@@ -134,10 +129,15 @@ class LLMEngine:
             if token is None:
                 continue
             out = self._append_token(req, token)
+            progress += 1
+            self.stats.generation_tokens += 1
             if req.is_finished:
                 self.active.remove(req)
                 self.kv.free(req)
+                self.stats.requests_finished[req.finish_reason] += 1
             outputs.append(out)
+        if progress:
+            self.stats.last_progress_timestamp = time.time()
         return outputs
 
     def _append_token(self, req: Request, token: int) -> RequestOutput:

@@ -1,0 +1,37 @@
+"""Turning a user's prompt and parameters into a Request, or a clear error naming the parameter.
+
+Shared by the engine and by the HTTP front end (which validates before a rank sees anything).
+"""
+
+from __future__ import annotations
+
+from adpfleet.runtime.engine.request import Request
+from adpfleet.runtime.engine.sampling import InvalidRequestError, SamplingParams
+
+
+def make_request(prompt, params: SamplingParams, request_id: str, tokenizer, model_config,
+                 engine_config) -> Request:
+    params.validate()
+    if isinstance(prompt, str):
+        ids = tokenizer.encode(prompt)
+    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        ids = list(prompt)
+    else:
+        raise InvalidRequestError("'prompt' must be a string or a list of token ids", "prompt")
+    if not ids:
+        raise InvalidRequestError("'prompt' must not be empty", "prompt")
+    vocab = model_config.vocab_size
+    if any(t < 0 or t >= vocab for t in ids):
+        raise InvalidRequestError(f"'prompt' has token ids outside the vocabulary [0, {vocab})", "prompt")
+    limit = model_config.max_position_embeddings
+    if len(ids) + params.max_tokens > limit:
+        raise InvalidRequestError(
+            f"this model's maximum context length is {limit} tokens; the prompt has {len(ids)} "
+            f"and max_tokens asks for {params.max_tokens} more",
+            "prompt" if len(ids) >= limit else "max_tokens")
+    capacity = engine_config.kv_blocks * engine_config.tokens_per_block
+    if len(ids) + params.max_tokens > capacity:
+        raise InvalidRequestError(
+            f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds this server's "
+            f"KV cache of {capacity} tokens per rank", "max_tokens")
+    return Request(request_id, ids, params)

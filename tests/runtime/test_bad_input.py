@@ -1,0 +1,107 @@
+"""Bad model directories fail with one clear error; bad requests fail alone, the engine goes on."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from adpfleet.runtime.config import EngineConfig
+from adpfleet.runtime.engine.llm_engine import LLMEngine
+from adpfleet.runtime.engine.sampling import InvalidRequestError, SamplingParams
+from adpfleet.runtime.model.config import ModelLoadError
+from adpfleet.runtime.model.loader import load_model
+from adpfleet.runtime.model.tiny import tiny_checkpoint
+
+
+@pytest.fixture
+def tiny_dir(tmp_path):
+    cfg, weights = tiny_checkpoint("tiny-dense")
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_hf_dict()))
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    return tmp_path, weights
+
+
+def test_a_saved_tiny_model_loads_like_the_builtin_one(tiny_dir):
+    path, _ = tiny_dir
+    ids = torch.tensor([1, 2, 3])
+    a, b = load_model(path), load_model("tiny-dense")
+    for (na, pa), (nb, pb) in zip(a.named_parameters(), b.named_parameters()):
+        assert na == nb and torch.equal(pa, pb)
+    assert ids.numel() == 3
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("missing_dir", "does not exist"),
+    ("no_config", "config.json is missing"),
+    ("bad_json", "is not valid JSON"),
+    ("unknown_arch", "unsupported model_type 'gpt2'"),
+    ("no_weights", "has no *.safetensors"),
+    ("corrupt_weights", "not a readable safetensors file"),
+    ("wrong_shape", "tensor 'model.layers.0.self_attn.o_proj.weight' has shape (128, 64)"),
+    ("missing_tensor", "no weights for parameter 'layers.1.mlp.down_proj.weight'"),
+    ("extra_tensor", "unexpected tensor 'model.vision_tower.weight'"),
+    ("extra_layer", "is for layer 9, but config.json has num_hidden_layers=2"),
+])
+def test_broken_model_directories_name_the_culprit(tiny_dir, case, expected):
+    path, weights = tiny_dir
+    raw = json.loads((path / "config.json").read_text())
+    target = path
+    if case == "missing_dir":
+        target = path / "nope"
+    elif case == "no_config":
+        (path / "config.json").unlink()
+    elif case == "bad_json":
+        (path / "config.json").write_text("{not json")
+    elif case == "unknown_arch":
+        (path / "config.json").write_text(json.dumps({**raw, "model_type": "gpt2"}))
+    elif case == "no_weights":
+        (path / "model.safetensors").unlink()
+    elif case == "corrupt_weights":
+        (path / "model.safetensors").write_bytes(b"\x00garbage")
+    else:
+        weights = dict(weights)
+        if case == "wrong_shape":
+            weights["model.layers.0.self_attn.o_proj.weight"] = torch.zeros(128, 64)
+        elif case == "missing_tensor":
+            del weights["model.layers.1.mlp.down_proj.weight"]
+        elif case == "extra_tensor":
+            weights["model.vision_tower.weight"] = torch.zeros(2)
+        elif case == "extra_layer":
+            weights["model.layers.9.input_layernorm.weight"] = torch.zeros(128)
+        save_file(weights, str(path / "model.safetensors"))
+    with pytest.raises(ModelLoadError) as err:
+        load_model(target)
+    assert expected in str(err.value)
+
+
+def test_the_cli_exits_nonzero_with_the_message(tmp_path, capsys):
+    from adpfleet.cli import main
+
+    assert main(["generate", "hi", "--model", str(tmp_path)]) != 0
+    assert "config.json is missing" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return LLMEngine(EngineConfig(model="tiny", kv_blocks=16, tokens_per_block=16))
+
+
+@pytest.mark.parametrize("prompt, params, param", [
+    ("x" * 5000, SamplingParams(max_tokens=4), "prompt"),
+    ("hello", SamplingParams(max_tokens=0), "max_tokens"),
+    ("hello", SamplingParams(max_tokens=-3), "max_tokens"),
+    ("hello", SamplingParams(max_tokens=4000), "max_tokens"),  # beyond the 256-token KV cache
+    ("", SamplingParams(), "prompt"),
+    ([1, 2, 99999], SamplingParams(), "prompt"),
+    ({"a": 1}, SamplingParams(), "prompt"),
+    ("hello", SamplingParams(temperature="hot"), "temperature"),
+    ("hello", SamplingParams(top_p=0), "top_p"),
+    ("hello", SamplingParams(stop=[""]), "stop"),
+])
+def test_a_bad_request_is_refused_alone_and_the_engine_keeps_serving(engine, prompt, params, param):
+    with pytest.raises(InvalidRequestError) as err:
+        engine.add_request(prompt, params)
+    assert err.value.param == param
+    [ok] = engine.generate(["still serving"], SamplingParams(max_tokens=3))
+    assert ok.finish_reason in ("length", "stop") and ok.output_token_ids

@@ -1,0 +1,98 @@
+"""The HTTP surface through the official openai client, and bad input over HTTP."""
+
+import httpx
+import openai
+import pytest
+
+from servers import Server
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = Server("--model", "tiny", "--kv-blocks", "64", log_path=tmp_path_factory.mktemp("srv") / "server.log")
+    try:
+        yield s.wait_healthy()
+    finally:
+        s.stop()
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_models_lists_the_served_model(client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+
+
+def test_greedy_completion_is_deterministic_and_reports_usage(client):
+    a = client.completions.create(model="tiny", prompt="Hello", max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    b = client.completions.create(model="tiny", prompt="Hello", max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    assert a.choices[0].text == b.choices[0].text
+    assert a.choices[0].finish_reason == "length"
+    assert (a.usage.prompt_tokens, a.usage.completion_tokens, a.usage.total_tokens) == (6, 12, 18)
+
+
+def test_seeded_sampling_repeats_and_different_seeds_differ(client):
+    def draw(seed):
+        return client.completions.create(model="tiny", prompt="abc", max_tokens=16, temperature=1.0, seed=seed,
+                                         extra_body={"ignore_eos": True}).choices[0].text
+    assert draw(7) == draw(7)
+    assert len({draw(s) for s in range(4)}) > 1
+
+
+def test_streaming_concatenates_to_the_full_text_and_ends_with_usage(client):
+    full = client.completions.create(model="tiny", prompt="stream me", max_tokens=20, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    chunks = list(client.completions.create(model="tiny", prompt="stream me", max_tokens=20, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full
+    assert chunks[-1].usage.completion_tokens == 20 and not chunks[-1].choices
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_stop_string_truncates_and_finishes(client):
+    base = client.completions.create(model="tiny", prompt="Hello", max_tokens=12, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = base[3:5]
+    assert stop and stop not in base[:3]
+    out = client.completions.create(model="tiny", prompt="Hello", max_tokens=12, temperature=0, stop=[stop],
+                                    extra_body={"ignore_eos": True}).choices[0]
+    assert out.text == base[:base.index(stop)] and out.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("body, status, param", [
+    (b"{not json", 400, None),
+    (b"[1, 2]", 400, None),
+    ({"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ({"prompt": "x" * 5000}, 400, "prompt"),
+    ({"prompt": 12}, 400, "prompt"),
+    ({}, 400, "prompt"),
+    ({"prompt": "x", "n": 2}, 400, "n"),
+    ({"prompt": "x", "logprobs": 1}, 400, "logprobs"),
+    ({"prompt": "x", "frobnicate": True}, 400, "frobnicate"),
+    ({"prompt": "x", "model": "gpt-4"}, 404, "model"),
+])
+def test_bad_requests_get_an_openai_error_naming_the_parameter(server, body, status, param):
+    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(server.url + "/v1/completions", timeout=30, **kw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"] and err["type"]
+    assert httpx.get(server.url + "/health").status_code == 200
+    ok = httpx.post(server.url + "/v1/completions", json={"prompt": "still up", "max_tokens": 2}, timeout=30)
+    assert ok.status_code == 200
+
+
+def test_metrics_expose_every_counter_from_startup(server):
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("adpfleet_iterations_total", "adpfleet_forward_steps_total", "adpfleet_forward_vetoed_total",
+                 "adpfleet_empty_batch_iterations_total", "adpfleet_padding_dummies_total",
+                 "adpfleet_prompt_tokens_total", "adpfleet_generation_tokens_total",
+                 "adpfleet_requests_finished_total", "adpfleet_kv_cache_blocks_total"):
+        assert f"\n{name}{{" in text, name
+    assert 'adpfleet_kv_cache_blocks_total{role="aggregated",rank="0"} 64.0' in text

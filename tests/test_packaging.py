@@ -1,0 +1,30 @@
+"""One distribution, two towers: the operator side must install and import without torch."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_operator_extra_does_not_pull_torch():
+    uv = Path(sys.executable).with_name("uv")
+    out = subprocess.run([str(uv), "pip", "compile", "--quiet", "--no-header", "--extra", "operator",
+                          str(ROOT / "pyproject.toml")], capture_output=True, text=True, check=True).stdout
+    names = {line.split("==")[0].strip().lower() for line in out.splitlines() if "==" in line}
+    assert "kopf" in names and "kubernetes" in names  # it did resolve the operator's dependencies
+    assert not names & {"torch", "transformers", "safetensors", "nvidia-cuda-runtime-cu12"}
+
+
+def test_bare_operator_import_from_the_repository_root_is_the_standard_library():
+    code = ("import operator, adpfleet.operator as op; "
+            "assert operator.itemgetter(1)([5, 6]) == 6; "
+            "assert op.__name__ == 'adpfleet.operator'; print(operator.__name__)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+
+
+def test_cli_help_lists_the_commands_without_importing_torch():
+    code = ("import sys; from adpfleet.cli import build_parser; build_parser(); "
+            "assert 'torch' not in sys.modules, 'the CLI imported torch just to parse arguments'")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
