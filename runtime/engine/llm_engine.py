@@ -37,7 +37,7 @@ class RequestOutput:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, par: ParallelContext = SINGLE, model=None):
+    def __init__(self, config: EngineConfig, par: ParallelContext = SINGLE, model=None, kv_hold=None):
         config.validate()
         self.config = config
         self.par = par
@@ -47,6 +47,8 @@ class LLMEngine:
         self.kv = KVCacheManager(config.kv_blocks, config.tokens_per_block)
         self.scheduler = Scheduler(self.kv, SchedulerConfig(
             config.max_num_tokens, config.max_batch_size, config.decode_query_len))
+        # context role: finished prompts keep their KV for the generation server (see KVHold)
+        self.kv_hold = kv_hold(self.kv) if kv_hold else None
         self.runner = ModelRunner(self.model, config.kv_blocks, config.tokens_per_block, config.device)
         self.pending: collections.deque[Request] = collections.deque()
         self.active: list[Request] = []  # fetched: waiting for KV, in context, or generating
@@ -81,34 +83,45 @@ class LLMEngine:
     def has_work(self) -> bool:
         return bool(self.pending or self.active)
 
+    @property
+    def num_active_real(self) -> int:
+        return sum(1 for r in self.active if not r.is_dummy)
+
     # -- the loop ------------------------------------------------------------------------------
     def fetch(self) -> None:
         while self.pending and len(self.active) < self.config.max_num_active_requests:
             self.active.append(self.pending.popleft())
 
-    def schedule(self) -> ScheduledBatch:
+    def schedule_batch(self) -> ScheduledBatch:
         waiting = [r for r in self.active if r.state is RequestState.WAITING]
         running = [r for r in self.active if r.state in (RequestState.CONTEXT, RequestState.GENERATION)]
         batch, _ = self.scheduler.schedule(waiting, running)
         return batch
 
+    def empty_batch(self) -> ScheduledBatch:
+        return ScheduledBatch(decode_query_len=self.config.decode_query_len)
+
     def step(self) -> list[RequestOutput]:
         self.fetch()
-        batch = self.schedule()
+        batch = self.schedule_batch()
         self.stats.iterations += 1
         outputs = []
         if not batch.is_empty:
             logits = self.runner.forward(batch)
             self.stats.forward_steps += 1
             outputs = self.update(batch, self.runner.sample(batch, logits))
+            if self.kv_hold is not None:
+                self.kv_hold.reap()
         self.refresh_gauges()
         return outputs
 
     def refresh_gauges(self) -> None:
         s = self.stats
         s.requests_running = sum(1 for r in self.active if r.state is not RequestState.WAITING and not r.is_dummy)
-        s.requests_waiting = len(self.pending) + sum(1 for r in self.active if r.state is RequestState.WAITING)
+        s.requests_waiting = len(self.pending) + sum(
+            1 for r in self.active if r.state is RequestState.WAITING and not r.is_dummy)
         s.kv_cache_blocks_used = self.kv.num_used_blocks
+        s.kv_transfers_in_flight = self.kv_hold.blocks_in_flight if self.kv_hold else 0
 
     def update(self, batch: ScheduledBatch, sampled: dict[Request, int]) -> list[RequestOutput]:
         """Advance every request of a pass that ran; emit outputs; free what finished."""
@@ -133,7 +146,10 @@ class LLMEngine:
             self.stats.generation_tokens += 1
             if req.is_finished:
                 self.active.remove(req)
-                self.kv.free(req)
+                if self.kv_hold is not None:
+                    self.kv_hold.hold(req)
+                else:
+                    self.kv.free(req)
                 self.stats.requests_finished[req.finish_reason] += 1
             outputs.append(out)
         if progress:

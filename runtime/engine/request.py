@@ -31,7 +31,7 @@ class Request:
     reserved_blocks: int = 0  # blocks promised at admission (guaranteed no evict)
     finish_reason: str | None = None
     output_text: str = ""
-    is_dummy: bool = False  # padding: never progress, never responded to, never in stats
+    dummy_phase: str | None = None  # padding dummies: "pre_schedule" / "post_schedule"
     _generator: torch.Generator | None = None
 
     @property
@@ -49,6 +49,11 @@ class Request:
     @property
     def remaining_prompt_tokens(self) -> int:
         return max(0, len(self.prompt_token_ids) - self.num_computed_tokens)
+
+    @property
+    def is_dummy(self) -> bool:
+        """Padding: never progress, never responded to, never in balancing or statistics."""
+        return self.dummy_phase is not None
 
     @property
     def is_finished(self) -> bool:

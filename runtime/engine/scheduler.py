@@ -105,8 +105,9 @@ class Scheduler:
         return batch, admitted
 
     def revert(self, batch: ScheduledBatch) -> None:
-        """Undo the tentative allocations of a batch that did not run. Dummies are skipped: the
-        scheduler never grew them, and shrinking one would corrupt it."""
+        """Undo the tentative allocations of a batch that did not run. The post-schedule dummy is
+        skipped: it joined after scheduling, the scheduler never grew it, and shrinking it would
+        corrupt it (the padding code rolls it back as a whole)."""
         for req in batch.requests:
-            if not req.is_dummy:
+            if req.dummy_phase != "post_schedule":
                 self.kv.shrink(req, req.num_computed_tokens)

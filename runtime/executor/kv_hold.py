@@ -1,0 +1,80 @@
+"""The context server's KV hold: a finished prompt keeps its KV blocks until a generation server
+has pulled them, or until its lease expires.
+
+Completions are reaped in the lockstep phase after a forward, as upstream does. So while every
+pass is vetoed, nothing is released: a rank that is starved because its blocks are held for
+transfers stays starved — the condition under which the ADP stall lasts forever.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from adpfleet.runtime.engine.kv_cache import KVCacheManager
+from adpfleet.runtime.engine.request import Request
+
+
+class SimulatedPuller:
+    """Stands in for the generation servers: a held request counts as pulled `latency_s` after
+    it was first held. (The network transfer itself replaces this in the serving layer.)"""
+
+    def __init__(self, latency_s: float = 0.05):
+        self.latency_s = latency_s
+
+    def pulled(self, request_id: str, held_since: float, now: float) -> bool:
+        return now - held_since >= self.latency_s
+
+
+class LedgerPuller:
+    """Pulled when a completion has been reported (by the transfer server, or a test)."""
+
+    def __init__(self):
+        self.completed: set[str] = set()
+
+    def complete(self, request_id: str) -> None:
+        self.completed.add(request_id)
+
+    def pulled(self, request_id: str, held_since: float, now: float) -> bool:
+        return request_id in self.completed
+
+
+@dataclass
+class Held:
+    request: Request
+    since: float
+    deadline: float
+
+
+class KVHold:
+    def __init__(self, kv: KVCacheManager, puller, lease_s: float = 60.0):
+        self.kv, self.puller, self.lease_s = kv, puller, lease_s
+        self.held: dict[str, Held] = {}
+        self.pulled = 0
+        self.expired = 0
+
+    def hold(self, request: Request) -> None:
+        now = time.monotonic()
+        self.held[request.request_id] = Held(request, now, now + self.lease_s)
+
+    @property
+    def blocks_in_flight(self) -> int:
+        return sum(len(h.request.block_table) for h in self.held.values())
+
+    def reap(self) -> list[str]:
+        """Free the KV of every pulled or expired request; returns their ids."""
+        now = time.monotonic()
+        done = []
+        for rid, h in list(self.held.items()):
+            if self.puller.pulled(rid, h.since, now):
+                self.pulled += 1
+            elif now >= h.deadline:
+                self.expired += 1
+            else:
+                continue
+            self.kv.free(h.request)
+            del self.held[rid]
+            done.append(rid)
+        if hasattr(self.puller, "completed"):
+            self.puller.completed.difference_update(done)
+        return done
