@@ -48,6 +48,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(gen)
     gen.set_defaults(run="adpfleet.runtime.generate:main")
 
+    cluster = sub.add_parser("cluster", help="the local Kubernetes control plane and node agent (no Docker)")
+    cluster.add_argument("action", choices=["up", "down", "status"])
+    cluster.add_argument("--state-dir", default=None,
+                         help="certificates, data, logs and the kubeconfig (default: $ADPFLEET_CLUSTER_DIR "
+                              "or ~/.local/state/adpfleet/cluster)")
+    cluster.add_argument("--apiserver-port", type=int, default=0, help="up: apiserver port (0: a free one)")
+    cluster.add_argument("--agent-arg", action="append", default=[], metavar="ARG",
+                         help="up: extra node-agent argument, e.g. --agent-arg=--gpus=4")
+    cluster.set_defaults(run="adpfleet.cluster.cli:main")
+
     demo = sub.add_parser("demo", help="run the whole loop on this machine")
     demo.add_argument("--port", type=int, default=0, help="server port (0: pick a free one)")
     demo.set_defaults(run="adpfleet.demo:main")

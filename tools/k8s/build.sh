@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build the development control plane (etcd, kube-apiserver, kube-controller-manager) and helm
+# Build the development control plane (etcd, kube-apiserver, kube-controller-manager), kubectl and helm
 # from the Go module proxy, cached per version under $ADPFLEET_CACHE (default ~/.cache/adpfleet).
 # Prints the directory holding the binaries. Skips every binary already present.
 #
@@ -44,5 +44,7 @@ kver="-X k8s.io/component-base/version.gitVersion=v$KUBERNETES_VERSION -X k8s.io
 build etcd etcd go.etcd.io/etcd/server/v3 "-X go.etcd.io/etcd/api/v3/version.GitSHA=v$ETCD_VERSION"
 build kube-apiserver kube k8s.io/kubernetes/cmd/kube-apiserver "$kver"
 build kube-controller-manager kube k8s.io/kubernetes/cmd/kube-controller-manager "$kver"
+# kubectl of the pinned version: tests and users must not depend on whatever kubectl a machine has.
+build kubectl kube k8s.io/kubernetes/cmd/kubectl "$kver"
 build helm helm helm.sh/helm/v3/cmd/helm "-X helm.sh/helm/v3/internal/version.version=v$HELM_VERSION -X helm.sh/helm/v3/internal/version.gitTreeState=clean -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMinor=$kminor"
 echo "$out"

@@ -1,0 +1,356 @@
+"""One container of a pod: a local process, its probes, and its restarts.
+
+The loop, like the kubelet's for one container:
+    start (or adopt the process a previous agent started) → running → probes decide started,
+    ready, or kill → exited → restartPolicy says whether to run again → back-off → start ...
+
+The process is `podinit.py` exec'ing the container's command in a new session, so its process
+group holds everything it forks; stopping sends SIGTERM to the group, waits the grace period,
+then SIGKILLs the group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import psutil
+
+from adpfleet.cluster.agent import podenv
+from adpfleet.cluster.agent.events import now_iso
+from adpfleet.cluster.agent.probes import Prober, ProbeTarget
+
+if TYPE_CHECKING:
+    from adpfleet.cluster.agent.pod import PodWorker
+
+PODINIT = str(Path(__file__).with_name("podinit.py"))
+UNKNOWN_EXIT = 255  # the process ended while no agent watched it: its exit code is lost
+
+
+class ContainerProcess:
+    """A container's main process, waited on through a pidfd: no thread per process, and the
+    same for a process a previous agent started (adopted), whose exit code is unknowable.
+
+    Plain `subprocess.Popen`, not asyncio's subprocess: asyncio kills its children when the loop
+    closes, and pods must outlive the agent.
+    """
+
+    def __init__(self, pid: int, popen: subprocess.Popen | None = None):
+        self.pid, self.popen = pid, popen
+
+    @property
+    def adopted(self) -> bool:
+        return self.popen is None
+
+    async def wait(self) -> int:
+        try:
+            fd = os.pidfd_open(self.pid)
+        except ProcessLookupError:
+            fd = None
+        if fd is not None:
+            loop = asyncio.get_running_loop()
+            exited = loop.create_future()
+            loop.add_reader(fd, lambda: exited.done() or exited.set_result(None))
+            try:
+                await exited
+            finally:
+                loop.remove_reader(fd)
+                os.close(fd)
+        if self.popen is None:
+            return UNKNOWN_EXIT
+        code = self.popen.wait()
+        return code if code >= 0 else 128 - code  # killed by signal N: 128 + N, like a shell
+
+
+class ContainerRunner:
+    def __init__(self, pod: "PodWorker", spec: dict, *, init: bool, previous: dict | None):
+        self.pod, self.spec, self.name, self.init = pod, spec, spec["name"], init
+        previous = previous or {}
+        self.restart_count = int(previous.get("restartCount", 0))
+        self.state: dict = {"waiting": {"reason": "ContainerCreating"}}
+        self.last_state: dict = previous.get("lastState") or {}
+        self.previous_state: dict = previous.get("state") or {}
+        self.ready = False
+        self.started = False
+        self.ever_started = self.restart_count > 0 or bool(self.last_state) or "terminated" in self.previous_state
+        self.pid: int | None = None
+        self.finished = asyncio.Event()   # set when it will not run again
+        self.exit_code: int | None = None
+        self._kill = asyncio.Event()
+        self._kill_grace: float = 0.0
+        self._stopping = False
+        self._backoff = 0.0
+
+    # ---- status ----
+
+    def status(self) -> dict:
+        status = {"name": self.name, "image": self.spec.get("image", ""), "imageID": "",
+                  "ready": self.ready, "restartCount": self.restart_count, "started": self.started,
+                  "state": self.state, "lastState": self.last_state}
+        if self.pid:
+            status["containerID"] = f"adpfleet://{self.pid}"
+        return status
+
+    def _set(self, state: dict) -> None:
+        self.state = state
+        self.pod.changed()
+
+    # ---- the loop ----
+
+    async def run(self, adopted: psutil.Process | None) -> None:
+        if not adopted and self._already_done():
+            return
+        if not adopted and self.previous_state.get("running"):
+            self._ended_unobserved()
+            if not self._should_restart(UNKNOWN_EXIT):
+                return self._finish()
+            self.restart_count += 1
+        while adopted or not self._stopping:
+            if adopted:  # even a pod being deleted: its adopted process must still be stopped
+                handle, started_at = ContainerProcess(adopted.pid), _create_time(adopted)
+                adopted = None
+                self.pid = handle.pid
+                since = self.previous_state.get("running", {}).get("startedAt") or now_iso()
+                self._set({"running": {"startedAt": since}})
+            else:
+                handle = await self._start()
+                if handle is None:
+                    continue
+                started_at = time.time()
+            self.ever_started = True
+            code = await self._supervise(handle, time.monotonic() - (time.time() - started_at))
+            ran_for = time.time() - started_at
+            if self._stopping:
+                break
+            if not self._should_restart(code):
+                return self._finish()
+            delay = self._next_backoff(ran_for)
+            if delay:
+                message = (f"back-off {delay:g}s restarting failed container={self.name} "
+                           f"pod={self.pod.name}_{self.pod.namespace}({self.pod.uid})")
+                self._set({"waiting": {"reason": "CrashLoopBackOff", "message": message}})
+                self.pod.events.emit(self.pod.pod, "Warning", "BackOff",
+                                     f"Back-off restarting failed container {self.name}", self.name)
+                await self._sleep_unless_stopped(delay)
+                if self._stopping:
+                    break
+            self.restart_count += 1
+        self._finish()
+
+    def _already_done(self) -> bool:
+        """After an agent restart: a container that finished for good stays finished."""
+        terminated = self.previous_state.get("terminated")
+        if terminated and not self._should_restart(int(terminated.get("exitCode", 1))):
+            self.state = self.previous_state
+            self.exit_code = int(terminated.get("exitCode", 1))
+            self.ready = self.init and self.exit_code == 0
+            self._finish()
+            return True
+        return False
+
+    def _ended_unobserved(self) -> None:
+        self.last_state = {"terminated": {
+            "exitCode": UNKNOWN_EXIT, "reason": "Unknown", "finishedAt": now_iso(),
+            "startedAt": self.previous_state["running"].get("startedAt"),
+            "message": "the process ended while the node agent was not running; its exit code is unknown"}}
+        self.exit_code = UNKNOWN_EXIT
+
+    def _should_restart(self, code: int) -> bool:
+        policy = self.pod.pod["spec"].get("restartPolicy", "Always")
+        if self.init:  # init containers run until they succeed, unless the pod never restarts
+            return code != 0 and policy != "Never"
+        return policy == "Always" or (policy == "OnFailure" and code != 0)
+
+    def _next_backoff(self, ran_for: float) -> float:
+        """The kubelet's back-off: the first restart is immediate, then initial, doubling, capped;
+        a container that ran longer than the cap starts over."""
+        config = self.pod.config
+        if ran_for > config.backoff_max:
+            self._backoff = 0.0
+        delay = self._backoff
+        self._backoff = min(config.backoff_max, max(config.backoff_initial, self._backoff * 2))
+        return delay
+
+    def _finish(self) -> None:
+        self.finished.set()
+        self.pod.changed()
+
+    async def _sleep_unless_stopped(self, seconds: float) -> None:
+        try:
+            await asyncio.wait_for(self._kill.wait(), seconds)
+        except asyncio.TimeoutError:
+            pass
+
+    # ---- one run of the process ----
+
+    async def _start(self):
+        pod = self.pod
+        try:
+            env = await podenv.container_env(pod.pod, self.spec, pod.ip, pod.node_context, pod.fetch,
+                                             pod.markers(self.name))
+            argv = podenv.command_line(self.spec, env)
+            mounts = pod.mounts_for(self.spec)
+        except podenv.ContainerConfigError as exc:
+            self._set({"waiting": {"reason": "CreateContainerConfigError", "message": str(exc)}})
+            pod.events.emit(pod.pod, "Warning", "Failed", f"Error: {exc}", self.name)
+            await self._sleep_unless_stopped(2.0)  # the kubelet retries on its next sync, too
+            return None
+        cwd = Path(self.spec.get("workingDir") or pod.work_dir)
+        pod.ensure_directory(cwd)
+        run_dir = pod.dir / "run"
+        run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # launch specs hold secret values
+        start_error = run_dir / f"{self.name}.start-error"
+        start_error.unlink(missing_ok=True)
+        launch = run_dir / f"{self.name}.json"
+        launch.write_text(json.dumps({"argv": argv, "env": env, "cwd": str(cwd), "mounts": mounts,
+                                      "startErrorFile": str(start_error)}))
+        log_path = pod.log_path(self.name, self.restart_count)
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as out:
+            proc = subprocess.Popen([sys.executable, "-I", "-S", PODINIT, str(launch)], env=env, cwd=str(cwd),
+                                    stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
+        self.pid = proc.pid
+        self._env, self._cwd = env, str(cwd)
+        self._set({"running": {"startedAt": now_iso()}})
+        pod.events.emit(pod.pod, "Normal", "Started", f"Started container {self.name}", self.name)
+        return ContainerProcess(proc.pid, proc)
+
+    async def _supervise(self, handle, started_monotonic: float) -> int:
+        self.started = False
+        probers = self._start_probers(handle, started_monotonic)
+        exited = asyncio.ensure_future(handle.wait())
+        killed = asyncio.ensure_future(self._kill.wait())
+        await asyncio.wait({exited, killed}, return_when=asyncio.FIRST_COMPLETED)
+        if not exited.done():
+            await self._terminate(handle, exited, self._kill_grace)
+        killed.cancel()
+        for task in probers:
+            task.cancel()
+        code = exited.result()
+        _kill_group(handle.pid, signal.SIGKILL)  # what the main process left behind goes with it
+        self._record_exit(code, adopted=handle.adopted)
+        if not self._stopping:
+            self._kill.clear()  # a liveness kill is spent; the back-off must not see it
+        return code
+
+    async def _terminate(self, handle, exited: asyncio.Future, grace: float) -> None:
+        _kill_group(handle.pid, signal.SIGTERM)
+        try:
+            await asyncio.wait_for(asyncio.shield(exited), grace)
+        except asyncio.TimeoutError:
+            _kill_group(handle.pid, signal.SIGKILL)
+            await exited
+
+    def _record_exit(self, code: int, adopted: bool) -> None:
+        running = self.state.get("running", {})
+        start_error = self.pod.dir / "run" / f"{self.name}.start-error"
+        terminated = {"exitCode": code, "startedAt": running.get("startedAt"), "finishedAt": now_iso(),
+                      "reason": "Completed" if code == 0 else "Error", "containerID": f"adpfleet://{self.pid}"}
+        if start_error.exists():
+            failure = json.loads(start_error.read_text())
+            terminated.update(reason=failure["reason"], message=failure["message"])
+            self.pod.events.emit(self.pod.pod, "Warning", "Failed", f"Error: {failure['message']}", self.name)
+        elif adopted:
+            terminated.update(reason="Unknown", message="the process was started by a previous node agent, "
+                                                        "so its exit code is unknown")
+        self.exit_code = code
+        self.ready = self.init and code == 0
+        self.started = False
+        self.last_state = {"terminated": terminated}
+        self._set({"terminated": terminated})
+
+    # ---- probes ----
+
+    def _start_probers(self, handle, started_monotonic: float) -> list[asyncio.Task]:
+        spec, pod = self.spec, self.pod
+        if self.init:
+            return []
+        self._target = ProbeTarget(pod_ip=pod.ip, ports={p["name"]: p["containerPort"] for p in spec.get("ports") or [] if p.get("name")},
+                                   env=getattr(self, "_env", {}), cwd=getattr(self, "_cwd", str(pod.work_dir)),
+                                   pid=handle.pid, private_mounts=bool(pod.private_mounts))
+        self._started_monotonic = started_monotonic
+        self._probe_tasks: list[asyncio.Task] = []
+        if "startupProbe" in spec:
+            self._spawn_prober("startup", spec["startupProbe"])
+        else:
+            self._on_started()
+        return self._probe_tasks
+
+    def _spawn_prober(self, kind: str, probe: dict) -> None:
+        prober = Prober(kind, probe, self._target, self.pod.probe_session, self._on_probe)
+        self._probe_tasks.append(asyncio.ensure_future(prober.run(self._started_monotonic)))
+
+    def _on_started(self) -> None:
+        self.started = True
+        if "livenessProbe" in self.spec:
+            self._spawn_prober("liveness", self.spec["livenessProbe"])
+        if "readinessProbe" in self.spec:
+            self._spawn_prober("readiness", self.spec["readinessProbe"])
+        else:
+            self.ready = True
+        self.pod.changed()
+
+    async def _on_probe(self, kind: str, ok: bool, message: str) -> None:
+        events, pod = self.pod.events, self.pod.pod
+        if kind == "readiness":
+            self.ready = ok
+            if not ok:
+                events.emit(pod, "Warning", "Unhealthy", f"Readiness probe failed: {message}", self.name)
+            self.pod.changed()
+            return
+        if ok:
+            if kind == "startup" and not self.started:
+                self._on_started()
+            return
+        label = "Liveness" if kind == "liveness" else "Startup"
+        events.emit(pod, "Warning", "Unhealthy", f"{label} probe failed: {message}", self.name)
+        events.emit(pod, "Normal", "Killing",
+                    f"Container {self.name} failed {kind} probe, will be restarted", self.name)
+        probe = self.spec[f"{kind}Probe"]
+        self.request_kill(float(probe.get("terminationGracePeriodSeconds") or self.pod.grace_period()))
+
+    # ---- commands from the pod ----
+
+    def request_kill(self, grace: float) -> None:
+        self._kill_grace = grace
+        self._kill.set()
+
+    def stop(self, grace: float) -> None:
+        """The pod is going away: terminate and never restart."""
+        self._stopping = True
+        self.request_kill(grace)
+
+
+def _kill_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+async def terminate_group(pgid: int, grace: float) -> None:
+    """SIGTERM a process group we cannot wait() on, then SIGKILL it after `grace` seconds."""
+    _kill_group(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and psutil.pid_exists(pgid):
+        try:
+            if psutil.Process(pgid).status() == psutil.STATUS_ZOMBIE:
+                break
+        except psutil.NoSuchProcess:
+            break
+        await asyncio.sleep(0.1)
+    _kill_group(pgid, signal.SIGKILL)
+
+
+def _create_time(proc: psutil.Process) -> float:
+    try:
+        return proc.create_time()
+    except psutil.NoSuchProcess:
+        return time.time()

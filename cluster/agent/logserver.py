@@ -1,0 +1,88 @@
+"""The node agent's kubelet-style HTTPS endpoint: `/healthz` and `/containerLogs/...`, which is
+what the apiserver calls for `kubectl logs` (with its kubelet client certificate). Exec, attach and
+port-forward are not offered: pods are plain processes, reach them directly."""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+if TYPE_CHECKING:
+    from adpfleet.cluster.agent.agent import NodeAgent
+
+FOLLOW_POLL = 0.25
+
+
+def tls_context(cert: Path, key: Path, client_ca: Path) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=str(client_ca))
+    ctx.load_cert_chain(str(cert), str(key))
+    ctx.verify_mode = ssl.CERT_REQUIRED  # only the apiserver (and `cluster status`) may read logs
+    return ctx
+
+
+def build_app(agent: "NodeAgent") -> web.Application:
+    async def healthz(_request: web.Request) -> web.Response:
+        if agent.healthy:
+            return web.Response(text="ok")
+        return web.Response(status=503, text="the node agent has not finished starting")
+
+    async def container_logs(request: web.Request) -> web.StreamResponse:
+        ns, pod, container = (request.match_info[k] for k in ("namespace", "pod", "container"))
+        worker = agent.worker_by_name(ns, pod)
+        runner = next((r for r in worker.all_runners() if r.name == container), None) if worker else None
+        if runner is None:
+            raise web.HTTPNotFound(text=f"container {container!r} of pod {ns}/{pod} is not on this node")
+        query = request.query
+        restart = runner.restart_count - (1 if query.get("previous") == "true" else 0)
+        path = worker.log_path(container, restart)
+        if restart < 0 or not path.exists():
+            raise web.HTTPNotFound(text=f"no {'previous ' if restart < runner.restart_count else ''}log for "
+                                        f"container {container!r} in pod {ns}/{pod}")
+        data = path.read_bytes()
+        if "tailLines" in query:
+            lines = data.splitlines(keepends=True)
+            data = b"".join(lines[-int(query["tailLines"]):]) if int(query["tailLines"]) else b""
+        if "limitBytes" in query:
+            data = data[:int(query["limitBytes"])]
+        response = web.StreamResponse(headers={"Content-Type": "text/plain"})
+        await response.prepare(request)
+        await response.write(data)
+        if query.get("follow") == "true":
+            await _follow(response, path, path.stat().st_size, runner, restart)
+        await response.write_eof()
+        return response
+
+    async def unsupported(request: web.Request) -> web.Response:
+        return web.Response(status=404, text=f"{request.path}: the adpfleet node agent serves only "
+                                             "/containerLogs and /healthz (no exec, attach or port-forward)")
+
+    app = web.Application()
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/containerLogs/{namespace}/{pod}/{container}", container_logs)
+    app.router.add_route("*", "/{tail:.*}", unsupported)
+    return app
+
+
+async def _follow(response: web.StreamResponse, path: Path, offset: int, runner, restart: int) -> None:
+    """Stream what the container writes until this run of it ends."""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        while True:
+            chunk = f.read(65536)
+            if chunk:
+                await response.write(chunk)
+                continue
+            if runner.restart_count != restart or "running" not in runner.state:
+                return
+            await asyncio.sleep(FOLLOW_POLL)
+
+
+async def serve(agent: "NodeAgent", host: str, port: int, ctx: ssl.SSLContext) -> web.AppRunner:
+    runner = web.AppRunner(build_app(agent), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port, ssl_context=ctx).start()
+    return runner

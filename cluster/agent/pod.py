@@ -1,0 +1,336 @@
+"""One pod bound to this node, from binding to the removal of its API object.
+
+    address → volumes → init containers, one after another → containers, side by side
+    ... until the pod is deleted: stop every container within the grace period, report the final
+    status, delete the API object (grace 0, uid precondition), remove the pod directory.
+
+Status is written by one loop: anything that changes marks the pod dirty, the loop rebuilds the
+whole status and patches it only when it differs from the last one written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import psutil
+
+from adpfleet.cluster.agent import volumes as volumes_mod
+from adpfleet.cluster.agent.container import ContainerRunner, terminate_group
+from adpfleet.cluster.agent.events import now_iso
+from adpfleet.cluster.agent.kubeapi import ApiError
+from adpfleet.cluster.agent.podenv import ContainerConfigError
+
+if TYPE_CHECKING:
+    from adpfleet.cluster.agent.agent import NodeAgent
+
+log = logging.getLogger(__name__)
+STATUS_ONLY_ANNOTATION = "adpfleet.io/node-agent"  # value "status-only": report Running/Ready, run nothing
+HOST_IP = "127.0.0.1"
+
+
+def pod_dir_name(pod: dict) -> str:
+    meta = pod["metadata"]
+    return f"{meta['namespace']}_{meta['name']}_{meta['uid']}"
+
+
+class PodWorker:
+    def __init__(self, agent: "NodeAgent", pod: dict, adopted: dict[str, psutil.Process]):
+        self.agent, self.pod = agent, pod
+        meta, status = pod["metadata"], pod.get("status") or {}
+        self.uid, self.name, self.namespace = meta["uid"], meta["name"], meta["namespace"]
+        self.config, self.events = agent.config, agent.events
+        self.node_context, self.probe_session = agent.node_context, agent.probe_session
+        self.private_mounts = agent.private_mounts
+        self.dir = agent.config.state_dir / "pods" / pod_dir_name(pod)
+        self.work_dir = self.dir / "work"
+        self.ip: str | None = status.get("podIP")
+        self.status_only = (agent.config.status_only
+                            or (meta.get("annotations") or {}).get(STATUS_ONLY_ANNOTATION) == "status-only")
+        self.start_time = status.get("startTime") or now_iso()
+        self.adopted = adopted
+        previous = {s["name"]: s for s in (status.get("containerStatuses") or [])
+                    + (status.get("initContainerStatuses") or [])}
+        self.init_runners = [ContainerRunner(self, c, init=True, previous=previous.get(c["name"]))
+                             for c in pod["spec"].get("initContainers") or []]
+        self.runners = [ContainerRunner(self, c, init=False, previous=previous.get(c["name"]))
+                        for c in pod["spec"]["containers"]]
+        self.volumes = volumes_mod.PodVolumes()
+        self.ready_to_start = False
+        self._conditions: dict[str, dict] = {c["type"]: c for c in status.get("conditions") or []
+                                             if c["type"] in _CONDITION_ORDER}
+        self._dirty = asyncio.Event()
+        self._deleting = asyncio.Event()
+        self._gone = False              # the API object no longer exists
+        self._tasks: list[asyncio.Task] = []   # one per container run
+        self._token_refresher: asyncio.Task | None = None
+        self._last_status: dict | None = None
+        self._mount_warning_sent = False
+
+    # ---- called by the agent ----
+
+    def update(self, pod: dict) -> None:
+        self.pod = pod
+        if pod["metadata"].get("deletionTimestamp"):
+            self._deleting.set()
+
+    def deleted(self) -> None:
+        """The API object is gone (force deletion): stop everything now."""
+        self._gone = True
+        self._deleting.set()
+
+    def changed(self) -> None:
+        self._dirty.set()
+
+    def grace_period(self) -> float:
+        return float(self.pod["spec"].get("terminationGracePeriodSeconds", 30))
+
+    def all_runners(self) -> list[ContainerRunner]:
+        return self.init_runners + self.runners
+
+    def log_path(self, container: str, restart_count: int) -> Path:
+        return self.dir / "logs" / container / f"{restart_count}.log"
+
+    def markers(self, container: str) -> dict[str, str]:
+        return {"ADPFLEET_CLUSTER": str(self.config.state_dir), "ADPFLEET_POD_UID": self.uid,
+                "ADPFLEET_CONTAINER": container}
+
+    # ---- the pod's life ----
+
+    async def run(self) -> None:
+        status_loop = asyncio.create_task(self._status_loop())
+        live = asyncio.create_task(self._live())
+        self.changed()
+        await self._deleting.wait()
+        live.cancel()
+        await asyncio.gather(live, return_exceptions=True)
+        await self._stop_containers()
+        await self._flush_status()
+        status_loop.cancel()
+        await self._remove()
+
+    async def _live(self) -> None:
+        self.ip = self.agent.addresses.allocate(self.uid, self.ip)
+        self.changed()
+        if self.status_only:
+            self.ready_to_start = True
+            self.changed()
+            return
+        await self._set_up_volumes()
+        self.ready_to_start = True
+        self.changed()
+        if self.volumes.tokens:
+            self._token_refresher = asyncio.create_task(self._refresh_tokens())
+        for runner in self.init_runners:
+            task = self._start_runner(runner)
+            await asyncio.wait([task])  # asyncio.wait: cancelling us must not cancel the runner
+            if runner.exit_code != 0:
+                return  # an init container failed for good: the pod has failed
+        for runner in self.runners:
+            self._start_runner(runner)
+
+    def _start_runner(self, runner: ContainerRunner) -> asyncio.Task:
+        task = asyncio.create_task(runner.run(self.adopted.pop(runner.name, None)))
+        self._tasks.append(task)
+        return task
+
+    async def _set_up_volumes(self) -> None:
+        delay = 1.0
+        while True:
+            try:
+                self.volumes = await volumes_mod.materialise(self.pod, self.dir, self.agent.api, self.fetch,
+                                                             self.ip, self.node_context)
+                return
+            except (volumes_mod.VolumeError, ContainerConfigError) as exc:
+                self.events.emit(self.pod, "Warning", "FailedMount", f"MountVolume.SetUp failed: {exc}")
+            await asyncio.sleep(delay)  # e.g. the namespace's kube-root-ca.crt is not published yet
+            delay = min(delay * 2, 10.0)
+
+    async def _refresh_tokens(self) -> None:
+        while True:
+            token = min(self.volumes.tokens, key=lambda t: t.refresh_at)
+            await asyncio.sleep(max(1.0, token.refresh_at - time.time()))
+            try:
+                await volumes_mod.refresh_token(self.agent.api, self.pod, token)
+            except volumes_mod.VolumeError as exc:
+                log.warning("%s/%s: %s; retrying in 10 s", self.namespace, self.name, exc)
+                token.refresh_at = time.time() + 10
+
+    async def _stop_containers(self) -> None:
+        meta = self.pod["metadata"]
+        grace = float(meta.get("deletionGracePeriodSeconds", self.grace_period()))
+        if self._gone:
+            grace = min(grace, 2.0)  # force-deleted: the kubelet's minimum grace
+        if any(r.pid and not r.finished.is_set() for r in self.all_runners()):
+            self.events.emit(self.pod, "Normal", "Killing", f"Stopping pod (grace period {grace:g}s)")
+        for runner in self.all_runners():
+            runner.stop(grace)
+        if self._token_refresher:
+            self._token_refresher.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        # Processes a previous agent started whose container never got to run here.
+        await asyncio.gather(*(terminate_group(p.pid, grace) for p in self.adopted.values()))
+
+    async def _remove(self) -> None:
+        if not self._gone:
+            path = f"/api/v1/namespaces/{self.namespace}/pods/{self.name}"
+            try:
+                await self.agent.api.request("DELETE", path, body={
+                    "apiVersion": "v1", "kind": "DeleteOptions", "gracePeriodSeconds": 0,
+                    "preconditions": {"uid": self.uid}})
+            except ApiError as exc:
+                if exc.status not in (404, 409):
+                    log.warning("%s/%s: deleting the pod object failed: %s", self.namespace, self.name, exc)
+        shutil.rmtree(self.dir, ignore_errors=True)
+        self.agent.addresses.release(self.uid)
+        self.agent.worker_done(self)
+
+    # ---- what containers ask of their pod ----
+
+    async def fetch(self, kind: str, name: str) -> dict | None:
+        plural = {"ConfigMap": "configmaps", "Secret": "secrets"}[kind]
+        try:
+            return await self.agent.api.get(f"/api/v1/namespaces/{self.namespace}/{plural}/{name}")
+        except ApiError as exc:
+            if exc.status == 404:
+                return None
+            raise ContainerConfigError(f"reading {kind} {name}: {exc}") from None
+
+    def ensure_directory(self, path: Path) -> None:
+        if self.dir in path.parents or path == self.dir:
+            path.mkdir(parents=True, exist_ok=True)
+        else:
+            self.agent.ensure_host_path(path, is_file=False)
+
+    def mounts_for(self, container: dict) -> list[dict]:
+        mounts = []
+        for vm in container.get("volumeMounts") or []:
+            source = self.volumes.paths.get(vm["name"])
+            if source is None:
+                raise ContainerConfigError(f"volumeMount {vm['name']!r}: the pod has no such volume")
+            if vm.get("subPath"):
+                source = source / vm["subPath"]
+                if not source.exists():
+                    source.mkdir(parents=True)  # like the kubelet: a missing subPath becomes a directory
+            mounts.append({"source": str(source), "target": vm["mountPath"], "readOnly": bool(vm.get("readOnly"))})
+        if mounts and not self.private_mounts:
+            if not self._mount_warning_sent:
+                self._mount_warning_sent = True
+                self.events.emit(self.pod, "Warning", "VolumesNotMounted",
+                                 f"private mount namespaces are unavailable ({self.agent.mount_problem}); "
+                                 f"volumes are only in {self.dir / 'volumes'}", container["name"])
+            return []
+        for m in mounts:
+            self.agent.ensure_host_path(Path(m["target"]), is_file=Path(m["source"]).is_file())
+        return mounts
+
+    # ---- status ----
+
+    async def _status_loop(self) -> None:
+        while True:
+            await self._dirty.wait()
+            await asyncio.sleep(0.02)  # coalesce the burst of changes one event causes
+            self._dirty.clear()
+            try:
+                await self._write_status()
+            except ApiError as exc:
+                if exc.status == 404:
+                    self._gone = True
+                    self._deleting.set()
+                    return
+                log.warning("%s/%s: status update failed: %s", self.namespace, self.name, exc)
+                await asyncio.sleep(1)
+                self._dirty.set()
+            except OSError as exc:
+                log.warning("%s/%s: status update failed: %s", self.namespace, self.name, exc)
+                await asyncio.sleep(1)
+                self._dirty.set()
+
+    async def _flush_status(self) -> None:
+        if self._gone:
+            return
+        try:
+            await self._write_status()
+        except (ApiError, OSError):
+            pass
+
+    async def _write_status(self) -> None:
+        status = copy.deepcopy(self.status())
+        if status == self._last_status:
+            return
+        await self.agent.api.request("PATCH", f"/api/v1/namespaces/{self.namespace}/pods/{self.name}/status",
+                                     body={"status": status}, patch="merge")
+        self._last_status = status
+
+    def status(self) -> dict:
+        containers = [self._container_status(r) for r in self.runners]
+        init = [self._container_status(r) for r in self.init_runners]
+        phase = self._phase()
+        initialized = all(r.finished.is_set() and r.exit_code == 0 for r in self.init_runners)
+        unready = [r.name for r in self.runners if not (self.status_only or r.ready)]
+        not_init = [r.name for r in self.init_runners if not (r.finished.is_set() and r.exit_code == 0)]
+        gates = [g["conditionType"] for g in self.pod["spec"].get("readinessGates") or []]
+        # Conditions other controllers own (readiness gates, DisruptionTarget) are passed through.
+        external = [c for c in (self.pod.get("status") or {}).get("conditions") or []
+                    if c["type"] not in _CONDITION_ORDER]
+        gates_open = all(any(c["type"] == g and c["status"] == "True" for c in external) for g in gates)
+        done = phase in ("Succeeded", "Failed")
+        self._condition("PodScheduled", True)
+        self._condition("PodReadyToStartContainers", self.ready_to_start)
+        self._condition("Initialized", initialized, "ContainersNotInitialized",
+                        f"containers with incomplete status: [{' '.join(not_init)}]")
+        self._condition("ContainersReady", not unready and not done,
+                        "PodCompleted" if done else "ContainersNotReady",
+                        "" if done else f"containers with unready status: [{' '.join(unready)}]")
+        ready_reason = "PodCompleted" if done else ("ContainersNotReady" if unready else "ReadinessGatesNotReady")
+        self._condition("Ready", not unready and not done and gates_open, ready_reason,
+                        "" if done else f"containers with unready status: [{' '.join(unready)}]")
+        status = {"phase": phase, "hostIP": HOST_IP, "hostIPs": [{"ip": HOST_IP}],
+                  "startTime": self.start_time,
+                  "conditions": sorted(self._conditions.values(), key=lambda c: _CONDITION_ORDER[c["type"]]) + external,
+                  "containerStatuses": containers}
+        if init:
+            status["initContainerStatuses"] = init
+        if self.ip:
+            status["podIP"], status["podIPs"] = self.ip, [{"ip": self.ip}]
+        return status
+
+    def _container_status(self, runner: ContainerRunner) -> dict:
+        if not self.status_only:
+            return runner.status()
+        return {"name": runner.name, "image": runner.spec.get("image", ""), "imageID": "", "ready": True,
+                "started": True, "restartCount": 0, "state": {"running": {"startedAt": self.start_time}},
+                "lastState": {}}
+
+    def _phase(self) -> str:
+        if self.status_only:
+            return "Running" if self.ip else "Pending"
+        if any(r.finished.is_set() and r.exit_code not in (0, None) for r in self.init_runners):
+            return "Failed"
+        if not all(r.finished.is_set() for r in self.init_runners):
+            return "Pending"
+        if all(r.finished.is_set() for r in self.runners):
+            return "Succeeded" if all(r.exit_code == 0 for r in self.runners) else "Failed"
+        return "Running" if any(r.ever_started for r in self.runners) else "Pending"
+
+    def _condition(self, type_: str, ok: bool, reason: str = "", message: str = "") -> None:
+        status = "True" if ok else "False"
+        old = self._conditions.get(type_)
+        if old and old["status"] == status and (ok or old.get("reason", "") == reason):
+            if not ok and old.get("message", "") != message:
+                old["message"] = message
+            return
+        condition = {"type": type_, "status": status, "lastProbeTime": None, "lastTransitionTime": now_iso()}
+        if not ok:
+            condition.update(reason=reason, message=message)
+        self._conditions[type_] = condition
+
+
+_CONDITION_ORDER = {"PodReadyToStartContainers": 0, "Initialized": 1, "Ready": 2, "ContainersReady": 3,
+                    "PodScheduled": 4}
+

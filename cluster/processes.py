@@ -1,0 +1,129 @@
+"""Starting, finding and stopping the processes the local cluster owns.
+
+Every component and every pod container runs in its own process group (a new session), so one
+signal reaches everything it forked. Processes are identified by pid *and* start time, so a pid
+recycled after a reboot is never mistaken for ours; pod processes also carry marker environment
+variables, so they can be found and stopped even when no record of them survives.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import psutil
+
+
+@dataclass(frozen=True)
+class ProcessRecord:
+    pid: int
+    create_time: float
+
+    @classmethod
+    def of(cls, pid: int) -> "ProcessRecord":
+        return cls(pid, psutil.Process(pid).create_time())
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    def alive(self) -> bool:
+        try:
+            proc = psutil.Process(self.pid)
+            return (abs(proc.create_time() - self.create_time) < 0.01
+                    and proc.status() != psutil.STATUS_ZOMBIE)
+        except psutil.Error:
+            return False
+
+
+def spawn(argv: list[str], log: Path, *, env: dict[str, str] | None = None,
+          cwd: Path | None = None) -> ProcessRecord:
+    """Start `argv` detached in its own session, appending stdout and stderr to `log`."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as out:
+        out.write(f"\n--- {time.strftime('%Y-%m-%dT%H:%M:%S')} starting: {' '.join(argv)}\n".encode())
+        out.flush()
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                env=env, cwd=cwd, start_new_session=True)
+    # Reap it when it exits, so a dead component never lingers as a zombie of a long-lived caller
+    # (pytest); a short-lived caller (the CLI) leaves that to init.
+    threading.Thread(target=proc.wait, daemon=True, name=f"reap-{proc.pid}").start()
+    return ProcessRecord.of(proc.pid)
+
+
+def group_members(pgid: int) -> list[psutil.Process]:
+    """Live (non-zombie) processes of a process group."""
+    members = []
+    for proc in psutil.process_iter():
+        try:
+            if os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE:
+                members.append(proc)
+        except (psutil.Error, ProcessLookupError):
+            continue
+    return members
+
+
+def stop_group(pgid: int, grace: float) -> None:
+    """SIGTERM the group, give it `grace` seconds, then SIGKILL whatever is left."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + wait
+        while group_members(pgid):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        else:
+            return
+
+
+def processes_with_env(key: str, value: str) -> list[psutil.Process]:
+    """Processes whose initial environment has key=value (how pod processes are marked)."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get(key) == value and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def port_owner(host: str, port: int) -> str | None:
+    """None when `host:port` can be bound; else who holds it, as precisely as we can tell."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+            return None
+        except OSError:
+            pass
+    for conn in psutil.net_connections(kind="tcp"):
+        if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port and conn.pid:
+            try:
+                proc = psutil.Process(conn.pid)
+                return f"pid {conn.pid} ({' '.join(proc.cmdline())[:120]})"
+            except psutil.Error:
+                return f"pid {conn.pid}"
+    return "another process"
+
+
+def log_tail(path: Path, lines: int = 15) -> str:
+    try:
+        text = path.read_text(errors="replace").rstrip().splitlines()
+    except FileNotFoundError:
+        return "(no log written)"
+    return "\n".join("    " + line for line in text[-lines:])
