@@ -3,7 +3,8 @@
 Real batches and dummy batches go through the same builder. Padding (to the token count the ADP
 ranks agreed on) is added as dummy decode requests of `decode_query_len` tokens each that read
 and write only the null block (block 0), so the padded metadata keeps the uniform-decode
-invariant: `num_decode_tokens == num_decodes * decode_query_len`.
+invariant: `num_decode_tokens == num_decodes * decode_query_len` — the padded token count goes
+to the builder together with the padded request count, never one without the other.
 """
 
 from __future__ import annotations
@@ -70,8 +71,12 @@ def build(chunks: list[SeqChunk], tokens_per_block: int, decode_query_len: int =
             raise ValueError(f"decode chunk of {len(c.token_ids)} tokens, expected {decode_query_len}")
     actual = sum(len(c.token_ids) for c in chunks)
     if pad_to_tokens is not None and pad_to_tokens > actual:
-        missing = pad_to_tokens - actual
-        decodes += [dummy_decode(decode_query_len) for _ in range(-(-missing // decode_query_len))]
+        # Every rank must reach exactly the agreed count: whole dummy decodes, and a remainder
+        # (only when decode_query_len > 1) as one short dummy prefill on the null block.
+        full, rest = divmod(pad_to_tokens - actual, decode_query_len)
+        decodes += [dummy_decode(decode_query_len) for _ in range(full)]
+        if rest:
+            prefills.append(SeqChunk([0] * rest, 0, [NULL_BLOCK], is_decode=False))
 
     bs = tokens_per_block
     ids, pos, slots = [], [], []
