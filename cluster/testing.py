@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+import shutil
 import subprocess
 import time
 from dataclasses import dataclass
@@ -59,6 +60,27 @@ def wait_for(check: Callable[[], T], *, timeout: float, what: str, interval: flo
 def pod_ready(pod) -> bool:
     conditions = (pod.status and pod.status.conditions) or []
     return any(c.type == "Ready" and c.status == "True" for c in conditions)
+
+
+def pod_manifest(name: str, command: list[str], *, env: list[dict] | None = None, container: dict | None = None,
+                 metadata: dict | None = None, **spec) -> dict:
+    """A one-container pod whose POD_IP, POD_NAME and POD_NAMESPACE come from the downward API."""
+    downward = [{"name": var, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+                for var, path in (("POD_IP", "status.podIP"), ("POD_NAME", "metadata.name"),
+                                  ("POD_NAMESPACE", "metadata.namespace"))]
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, **(metadata or {})},
+            "spec": {"terminationGracePeriodSeconds": 5, **spec,
+                     "containers": [{"name": "main", "image": "ignored", "command": command,
+                                     "env": downward + (env or []), **(container or {})}]}}
+
+
+def http_server_pod(name: str, port: int = 8080, *, probe_period: int = 1, **kwargs) -> dict:
+    """A trivial HTTP server on the pod's own address, Ready when it answers."""
+    container = {"ports": [{"name": "http", "containerPort": port}],
+                 "readinessProbe": {"httpGet": {"path": "/", "port": "http"}, "periodSeconds": probe_period},
+                 **kwargs.pop("container", {})}
+    return pod_manifest(name, ["python3", "-m", "http.server", "--bind", "$(POD_IP)", str(port)],
+                        container=container, **kwargs)
 
 
 @dataclass
@@ -142,6 +164,8 @@ def start_cluster(state_dir: Path, agent_args: list[str] | None = None) -> Local
 def k8s_cluster(tmp_path_factory: pytest.TempPathFactory):
     cluster = start_cluster(tmp_path_factory.mktemp("k8s"))
     yield cluster
+    # `down` removes the state directory; pytest keeps its last few base directories, logs included.
+    shutil.copytree(cluster.plane.logs, tmp_path_factory.getbasetemp() / "k8s-logs", dirs_exist_ok=True)
     cluster.plane.down()
 
 

@@ -73,14 +73,17 @@ class ContainerRunner:
     def __init__(self, pod: "PodWorker", spec: dict, *, init: bool, previous: dict | None):
         self.pod, self.spec, self.name, self.init = pod, spec, spec["name"], init
         previous = previous or {}
+        self.previous = previous
         self.restart_count = int(previous.get("restartCount", 0))
-        self.state: dict = {"waiting": {"reason": "ContainerCreating"}}
-        self.last_state: dict = previous.get("lastState") or {}
+        # After an agent restart, start from what the previous agent reported, so that a pod whose
+        # process is adopted reports no transition at all.
         self.previous_state: dict = previous.get("state") or {}
-        self.ready = False
-        self.started = False
+        self.state: dict = self.previous_state or {"waiting": {"reason": "ContainerCreating"}}
+        self.last_state: dict = previous.get("lastState") or {}
+        self.ready = bool(previous.get("ready"))
+        self.started = bool(previous.get("started"))
         self.ever_started = self.restart_count > 0 or bool(self.last_state) or "terminated" in self.previous_state
-        self.pid: int | None = None
+        self.pid: int | None = _pid_of(previous.get("containerID", "")) if "running" in self.previous_state else None
         self.finished = asyncio.Event()   # set when it will not run again
         self.exit_code: int | None = None
         self._kill = asyncio.Event()
@@ -156,6 +159,7 @@ class ContainerRunner:
         return False
 
     def _ended_unobserved(self) -> None:
+        self.ready = self.started = False
         self.last_state = {"terminated": {
             "exitCode": UNKNOWN_EXIT, "reason": "Unknown", "finishedAt": now_iso(),
             "startedAt": self.previous_state["running"].get("startedAt"),
@@ -217,14 +221,16 @@ class ContainerRunner:
             proc = subprocess.Popen([sys.executable, "-I", "-S", PODINIT, str(launch)], env=env, cwd=str(cwd),
                                     stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
         self.pid = proc.pid
+        self.ready = False
         self._env, self._cwd = env, str(cwd)
         self._set({"running": {"startedAt": now_iso()}})
         pod.events.emit(pod.pod, "Normal", "Started", f"Started container {self.name}", self.name)
         return ContainerProcess(proc.pid, proc)
 
     async def _supervise(self, handle, started_monotonic: float) -> int:
+        resumed = handle.adopted and bool(self.previous.get("started"))
         self.started = False
-        probers = self._start_probers(handle, started_monotonic)
+        probers = self._start_probers(handle, started_monotonic, resumed)
         exited = asyncio.ensure_future(handle.wait())
         killed = asyncio.ensure_future(self._kill.wait())
         await asyncio.wait({exited, killed}, return_when=asyncio.FIRST_COMPLETED)
@@ -268,7 +274,7 @@ class ContainerRunner:
 
     # ---- probes ----
 
-    def _start_probers(self, handle, started_monotonic: float) -> list[asyncio.Task]:
+    def _start_probers(self, handle, started_monotonic: float, resumed: bool) -> list[asyncio.Task]:
         spec, pod = self.spec, self.pod
         if self.init:
             return []
@@ -277,7 +283,7 @@ class ContainerRunner:
                                    pid=handle.pid, private_mounts=bool(pod.private_mounts))
         self._started_monotonic = started_monotonic
         self._probe_tasks: list[asyncio.Task] = []
-        if "startupProbe" in spec:
+        if "startupProbe" in spec and not resumed:
             self._spawn_prober("startup", spec["startupProbe"])
         else:
             self._on_started()
@@ -354,3 +360,8 @@ def _create_time(proc: psutil.Process) -> float:
         return proc.create_time()
     except psutil.NoSuchProcess:
         return time.time()
+
+
+def _pid_of(container_id: str) -> int | None:
+    pid = container_id.removeprefix("adpfleet://")
+    return int(pid) if pid.isdigit() else None

@@ -61,7 +61,8 @@ class PodWorker:
         self.runners = [ContainerRunner(self, c, init=False, previous=previous.get(c["name"]))
                         for c in pod["spec"]["containers"]]
         self.volumes = volumes_mod.PodVolumes()
-        self.ready_to_start = False
+        self.ready_to_start = any(c["type"] == "PodReadyToStartContainers" and c["status"] == "True"
+                                  for c in status.get("conditions") or [])
         self._conditions: dict[str, dict] = {c["type"]: c for c in status.get("conditions") or []
                                              if c["type"] in _CONDITION_ORDER}
         self._dirty = asyncio.Event()
@@ -217,7 +218,9 @@ class PodWorker:
                 source = source / vm["subPath"]
                 if not source.exists():
                     source.mkdir(parents=True)  # like the kubelet: a missing subPath becomes a directory
-            mounts.append({"source": str(source), "target": vm["mountPath"], "readOnly": bool(vm.get("readOnly"))})
+            # Like the kubelet: API-fed volumes are always read-only, whatever the mount says.
+            read_only = bool(vm.get("readOnly")) or self.volumes.api_fed(vm["name"])
+            mounts.append({"source": str(source), "target": vm["mountPath"], "readOnly": read_only})
         if mounts and not self.private_mounts:
             if not self._mount_warning_sent:
                 self._mount_warning_sent = True

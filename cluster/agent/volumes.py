@@ -37,6 +37,10 @@ class TokenFile:
 class PodVolumes:
     paths: dict[str, Path] = field(default_factory=dict)
     tokens: list[TokenFile] = field(default_factory=list)
+    kinds: dict[str, str] = field(default_factory=dict)
+
+    def api_fed(self, name: str) -> bool:
+        return self.kinds.get(name) in ("configMap", "secret", "downwardAPI", "projected")
 
 
 async def materialise(pod: dict, pod_dir: Path, api: KubeApi, fetch: podenv.Fetch, pod_ip: str,
@@ -45,6 +49,7 @@ async def materialise(pod: dict, pod_dir: Path, api: KubeApi, fetch: podenv.Fetc
     for volume in pod["spec"].get("volumes") or []:
         name = volume["name"]
         kind = next((k for k in volume if k != "name"), "unknown")
+        result.kinds[name] = kind
         if kind == "hostPath":
             host = Path(volume["hostPath"]["path"])
             if volume["hostPath"].get("type") == "DirectoryOrCreate":

@@ -1,0 +1,63 @@
+"""The agent binds a pod only when it fits, and says why when it does not."""
+
+from adpfleet.cluster.agent import quantity
+from adpfleet.cluster.agent.addresses import AddressPool
+from adpfleet.cluster.agent.scheduling import unschedulable_reason
+
+NODE = {"metadata": {"labels": {"kubernetes.io/hostname": "adpfleet-node", "gpu": "h100"}},
+        "spec": {},
+        "status": {"allocatable": {"cpu": "2", "memory": "8Gi", "pods": "10", "nvidia.com/gpu": "4"}}}
+
+
+def pod(requests=None, limits=None, **spec):
+    return {"metadata": {"name": "p"}, "status": {},
+            "spec": {"containers": [{"name": "c", "resources": {"requests": requests or {}, "limits": limits or {}}}],
+                     **spec}}
+
+
+def test_quantities_parse_like_kubernetes():
+    assert quantity.parse("500m") == 0.5
+    assert quantity.parse("1Gi") == 2**30
+    assert quantity.parse("2") == 2
+    assert quantity.parse("1e3") == 1000
+
+
+def test_a_pod_that_fits_is_schedulable():
+    assert unschedulable_reason(pod({"cpu": "1"}, {"nvidia.com/gpu": "2"}), NODE, []) is None
+
+
+def test_gpus_already_requested_by_bound_pods_are_not_available_again():
+    bound = [pod(limits={"nvidia.com/gpu": "3"})]
+    reason = unschedulable_reason(pod(limits={"nvidia.com/gpu": "2"}), NODE, bound)
+    assert reason == "0/1 nodes are available: 1 Insufficient nvidia.com/gpu."
+
+
+def test_finished_pods_hold_no_resources():
+    done = pod(limits={"nvidia.com/gpu": "4"})
+    done["status"]["phase"] = "Succeeded"
+    assert unschedulable_reason(pod(limits={"nvidia.com/gpu": "4"}), NODE, [done]) is None
+
+
+def test_node_selector_and_required_affinity_must_match_the_node_labels():
+    assert unschedulable_reason(pod(nodeSelector={"gpu": "h100"}), NODE, []) is None
+    assert "node affinity/selector" in unschedulable_reason(pod(nodeSelector={"gpu": "a100"}), NODE, [])
+    affinity = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["a100"]}]}]}}}
+    assert "node affinity/selector" in unschedulable_reason(pod(affinity=affinity), NODE, [])
+
+
+def test_user_taints_need_a_toleration_but_lifecycle_taints_do_not_block():
+    tainted = {**NODE, "spec": {"taints": [{"key": "dedicated", "value": "llm", "effect": "NoSchedule"},
+                                           {"key": "node.kubernetes.io/not-ready", "effect": "NoSchedule"}]}}
+    assert "untolerated taint {dedicated: llm}" in unschedulable_reason(pod(), tainted, [])
+    tolerations = [{"key": "dedicated", "operator": "Equal", "value": "llm", "effect": "NoSchedule"}]
+    assert unschedulable_reason(pod(tolerations=tolerations), tainted, []) is None
+
+
+def test_every_pod_gets_its_own_loopback_address_and_keeps_it():
+    pool = AddressPool()
+    a, b = pool.allocate("a"), pool.allocate("b")
+    assert a != b and a.startswith("127.") and not a.startswith("127.0.0.")
+    assert pool.allocate("a") == a
+    pool.release("a")
+    assert pool.allocate("c", preferred=a) == a  # an adopted pod keeps the address it had
