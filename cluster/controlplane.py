@@ -388,7 +388,11 @@ class ControlPlane:
 
     def _kcm_health(self) -> str | None:
         port = self.state["ports"]["controller_manager"]
-        return self._https_ok(f"https://{HOST}:{port}/healthz", verify=False)  # self-signed serving cert
+        problem = self._https_ok(f"https://{HOST}:{port}/healthz", verify=False)  # self-signed serving cert
+        # Pods are refused until the default service account exists: wait for it, so that
+        # `kubectl run` works the moment `up` returns.
+        return problem or self._https_ok(f"{self.server}/api/v1/namespaces/default/serviceaccounts/default",
+                                         client=self.pki.client("admin"))
 
     def _agent_argv(self) -> list[str]:
         serving = self.pki.client("node-agent-serving")

@@ -218,3 +218,32 @@ def test_status_only_pods_are_reported_ready_without_running_anything(k8s_cluste
     pod = k8s_cluster.wait_for_pod(k8s_namespace, "ghost")
     assert pod.status.pod_ip.startswith("127.") and container_status(pod).state.running
     assert not pod_processes(pod.metadata.uid)
+
+
+def test_init_containers_finish_before_the_container_starts_and_share_its_empty_dir(k8s_cluster, k8s_namespace):
+    mount = [{"name": "shared", "mountPath": "/data/adpfleet-test/shared"}]
+    pod = pod_manifest("staged", ["sh", "-c", "cat /data/adpfleet-test/shared/greeting; exec sleep 3600"],
+                       container={"volumeMounts": mount}, volumes=[{"name": "shared", "emptyDir": {}}],
+                       initContainers=[{"name": "prepare", "image": "ignored", "volumeMounts": mount,
+                                        "command": ["sh", "-c", "echo prepared > /data/adpfleet-test/shared/greeting"]}])
+    k8s_cluster.apply(pod, k8s_namespace)
+    pod = k8s_cluster.wait_for_pod(k8s_namespace, "staged")
+    init = pod.status.init_container_statuses[0]
+    assert init.state.terminated.exit_code == 0 and init.state.terminated.reason == "Completed"
+    assert wait_for(lambda: logs(k8s_cluster, k8s_namespace, "staged").strip(), timeout=10,
+                    what="the greeting") == "prepared"
+
+
+def test_a_startup_probe_holds_back_readiness_until_it_passes_inside_the_pods_mounts(k8s_cluster, k8s_namespace):
+    startup = {"exec": {"command": ["test", "-f", "/flags/started"]}, "periodSeconds": 1, "failureThreshold": 60}
+    pod = pod_manifest("slow", ["sleep", "3600"], volumes=[{"name": "flags", "emptyDir": {}}],
+                       container={"startupProbe": startup, "volumeMounts": [{"name": "flags", "mountPath": "/flags"}]})
+    k8s_cluster.apply(pod, k8s_namespace)
+    pod = k8s_cluster.wait_for_pod(k8s_namespace, "slow", lambda p: p.status.container_statuses
+                                   and p.status.container_statuses[0].state.running, what="the process to run")
+    assert not container_status(pod).started and not container_status(pod).ready
+    # The flag appears in the pod's emptyDir, which on the host lives in the pod's directory.
+    volume = k8s_cluster.plane.agent_dir / "pods" / f"{k8s_namespace}_slow_{pod.metadata.uid}" / "volumes" / "flags"
+    (volume / "started").touch()
+    pod = k8s_cluster.wait_for_pod(k8s_namespace, "slow", timeout=10)
+    assert container_status(pod).started
