@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
+import threading
 import time
 
 from fastapi import FastAPI, Request
@@ -19,11 +19,14 @@ from adpfleet.runtime.engine.sampling import InvalidRequestError
 from adpfleet.runtime.serving import protocol
 
 log = logging.getLogger("adpfleet.server")
+EXIT_GRACE_S = 1.0
 
 
 def build_app(engine_client, model_name: str, role: str = "aggregated"):
+    from adpfleet.runtime.serving.engine_client import EngineUnavailable
+
     app = FastAPI(title="adpfleet", version="0.1.0")
-    engine = engine_client.engine
+    engine = engine_client
 
     def bad(e: InvalidRequestError, status: int = 400) -> JSONResponse:
         return JSONResponse(protocol.error_body(str(e), e.param), status_code=status)
@@ -42,7 +45,7 @@ def build_app(engine_client, model_name: str, role: str = "aggregated"):
 
     @app.get("/metrics")
     async def prometheus():
-        return PlainTextResponse(metrics.render(role, [(0, engine.stats)]),
+        return PlainTextResponse(metrics.render(role, engine.group.rank_stats()),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/v1/completions")
@@ -69,9 +72,12 @@ def build_app(engine_client, model_name: str, role: str = "aggregated"):
         created = int(time.time())
         if not req.stream:
             text, last = [], None
-            async for out in engine_client.generate(ereq):
-                text.append(out.new_text)
-                last = out
+            try:
+                async for out in engine_client.generate(ereq):
+                    text.append(out.new_text)
+                    last = out
+            except EngineUnavailable as e:
+                return JSONResponse(protocol.error_body(f"server failed: {e}", kind="server_error"), status_code=503)
             return protocol.completion_body(rid, model_name, "".join(text), last.finish_reason,
                                             protocol.usage(last.prompt_tokens, last.completion_tokens), created)
 
@@ -79,11 +85,16 @@ def build_app(engine_client, model_name: str, role: str = "aggregated"):
 
         async def events():
             last = None
-            async for out in engine_client.generate(ereq):
-                last = out
-                if out.new_text or out.finished:
-                    chunk = protocol.completion_body(rid, model_name, out.new_text, out.finish_reason, None, created)
-                    yield f"data: {json.dumps(chunk)}\n\n"
+            try:
+                async for out in engine_client.generate(ereq):
+                    last = out
+                    if out.new_text or out.finished:
+                        chunk = protocol.completion_body(rid, model_name, out.new_text, out.finish_reason, None,
+                                                         created)
+                        yield f"data: {json.dumps(chunk)}\n\n"
+            except EngineUnavailable as e:  # the stream already started: end it with an explicit error
+                yield f"data: {json.dumps(protocol.error_body(f'server failed: {e}', kind='server_error'))}\n\n"
+                return
             if include_usage and last is not None:
                 chunk = protocol.completion_body(rid, model_name, "", None,
                                                  protocol.usage(last.prompt_tokens, last.completion_tokens), created)
@@ -100,20 +111,37 @@ def main(args) -> int:
     import uvicorn
 
     from adpfleet.runtime.config import EngineConfig
-    from adpfleet.runtime.engine.llm_engine import LLMEngine
-    from adpfleet.runtime.serving.async_engine import AsyncEngine
+    from adpfleet.runtime.serving.engine_client import EngineClient
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.dp != 1:
-        print("adpfleet serve: --dp > 1 is not available yet in this build", file=sys.stderr)
-        return 2
+    if args.dp < 1:
+        raise ValueError(f"--dp must be a positive integer, got {args.dp}")
     config = EngineConfig.from_args(args)
-    engine = LLMEngine(config)
-    client = AsyncEngine(engine)
+    server: uvicorn.Server | None = None
+    failure: list[str] = []
+
+    def on_dead(reason: str) -> None:  # a rank died or hung: unhealthy now, exit non-zero shortly
+        failure.append(reason)
+
+        def stop():
+            if server is not None:
+                server.should_exit = True
+        # the grace lets in-flight requests get their explicit error and probes see the 503
+        threading.Timer(EXIT_GRACE_S, stop).start()
+
+    client = EngineClient(config, args.dp, args.role, on_dead=on_dead,
+                          pad_empty_batch=not args.no_pad_empty_batch,
+                          collective_timeout_s=args.collective_timeout)
     name = args.served_model_name or (args.model if args.model in ("tiny", "tiny-dense")
                                       else args.model.rstrip("/").rsplit("/", 1)[-1])
     app = build_app(client, name, args.role)
-    log.info("serving %s (%s) on http://%s:%d", name, args.role, args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
-    client.shutdown()
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
+    log.info("serving %s (%s, %d ADP ranks) on http://%s:%d", name, args.role, args.dp, args.host, args.port)
+    try:
+        server.run()
+    finally:
+        client.close()
+    if failure:
+        log.error("exiting: %s", failure[0])
+        return 1
     return 0

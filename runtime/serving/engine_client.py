@@ -1,0 +1,85 @@
+"""The HTTP front end's view of the engine: validate here, run on the ranks, stream back.
+
+The server process holds no weights: it validates and tokenizes requests with the model's
+config and tokenizer, hands them to the rank group, and turns the ranks' outputs (delivered on
+reader threads) into per-request asyncio streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+from collections.abc import AsyncIterator
+
+from adpfleet.runtime.config import EngineConfig
+from adpfleet.runtime.engine.llm_engine import RequestOutput
+from adpfleet.runtime.engine.request import Request
+from adpfleet.runtime.engine.sampling import SamplingParams
+from adpfleet.runtime.engine.validation import make_request
+from adpfleet.runtime.executor.rank_group import RankGroup
+from adpfleet.runtime.model.config import ModelConfig
+from adpfleet.runtime.model.tiny import TINY_MODELS, tiny_config
+from adpfleet.runtime.tokenizer import load_tokenizer
+
+
+class EngineUnavailable(RuntimeError):
+    pass
+
+
+def model_config_for(spec: str) -> ModelConfig:
+    return tiny_config(spec) if spec in TINY_MODELS else ModelConfig.from_dir(spec)
+
+
+class EngineClient:
+    def __init__(self, config: EngineConfig, dp: int, role: str, on_dead=None, **group_kw):
+        config.validate()
+        self.config = config
+        self.role = role
+        self.model_config = model_config_for(config.model)
+        self.tokenizer = load_tokenizer(config.model, self.model_config)
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self.group = RankGroup(config, dp, role, on_output=self._deliver, on_dead=on_dead, **group_kw)
+
+    def make_request(self, prompt, params: SamplingParams, request_id: str | None = None) -> Request:
+        rid = request_id or f"req-{next(self._ids)}"
+        return make_request(prompt, params, rid, self.tokenizer, self.model_config, self.config)
+
+    def health(self) -> tuple[bool, str]:
+        return self.group.health()
+
+    async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            self._streams[request.request_id] = (asyncio.get_running_loop(), queue)
+        finished = False
+        try:
+            try:
+                self.group.submit(request)
+            except RuntimeError as e:
+                raise EngineUnavailable(str(e)) from None
+            while True:
+                out: RequestOutput = await queue.get()
+                if out.finish_reason == "error":
+                    raise EngineUnavailable(self.group.dead or "the engine failed this request")
+                yield out
+                if out.finished:
+                    finished = True
+                    return
+        finally:
+            with self._lock:
+                self._streams.pop(request.request_id, None)
+            if not finished:  # the client went away or the server failed: free the request's KV
+                self.group.abort(request.request_id)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        with self._lock:
+            target = self._streams.get(out.request_id)
+        if target:
+            loop, queue = target
+            loop.call_soon_threadsafe(queue.put_nowait, out)
+
+    def close(self) -> None:
+        self.group.close()
