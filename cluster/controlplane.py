@@ -280,9 +280,8 @@ class ControlPlane:
 
     def _stop_pods(self) -> list[str]:
         pods = processes.processes_with_env(POD_MARKER_ENV, str(self.agent_dir))
-        groups = {os.getpgid(p.pid) for p in pods if _pgid_or_none(p.pid)}
-        for pgid in groups:
-            processes.stop_group(pgid, grace=5)
+        groups = {pgid for p in pods if (pgid := _pgid_or_none(p.pid))}
+        processes.stop_groups(groups, grace=5)
         return [f"stopped {len(groups)} pod container(s)"] if groups else []
 
     def _stop_strays(self) -> list[str]:

@@ -56,32 +56,35 @@ def spawn(argv: list[str], log: Path, *, env: dict[str, str] | None = None,
     return ProcessRecord.of(proc.pid)
 
 
-def group_members(pgid: int) -> list[psutil.Process]:
-    """Live (non-zombie) processes of a process group."""
-    members = []
+def live_groups() -> set[int]:
+    """Process groups that still have a live (non-zombie) member."""
+    groups = set()
     for proc in psutil.process_iter():
         try:
-            if os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE:
-                members.append(proc)
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                groups.add(os.getpgid(proc.pid))
         except (psutil.Error, ProcessLookupError):
             continue
-    return members
+    return groups
+
+
+def stop_groups(pgids: set[int], grace: float) -> None:
+    """SIGTERM every group, give them `grace` seconds together, then SIGKILL whatever is left."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+        for pgid in pgids:
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + wait
+        while (pgids := pgids & live_groups()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not pgids:
+            return
 
 
 def stop_group(pgid: int, grace: float) -> None:
-    """SIGTERM the group, give it `grace` seconds, then SIGKILL whatever is left."""
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + wait
-        while group_members(pgid):
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-        else:
-            return
+    stop_groups({pgid}, grace)
 
 
 def processes_with_env(key: str, value: str) -> list[psutil.Process]:

@@ -10,10 +10,20 @@ here=$(cd "$(dirname "$0")" && pwd)
 # shellcheck source=versions.env
 source "$here/versions.env"
 cache=${ADPFLEET_CACHE:-$HOME/.cache/adpfleet}
-out="$cache/k8s/$KUBERNETES_VERSION-etcd$ETCD_VERSION-helm$HELM_VERSION"
-mkdir -p "$out"
+pinned="$cache/k8s/$KUBERNETES_VERSION-etcd$ETCD_VERSION-helm$HELM_VERSION"
+mkdir -p "$pinned"
 export CGO_ENABLED=0 GOFLAGS=-buildvcs=false
 log() { echo "build.sh: $*" >&2; }
+
+# With overrides, the binaries live in a directory of their own, named after the overrides, so the
+# pinned cache never holds (links to) binaries of other versions.
+overrides="${KUBEBUILDER_ASSETS:-}|${TEST_ASSET_KUBE_APISERVER:-}|${TEST_ASSET_ETCD:-}"
+if [ "$overrides" = "||" ]; then
+  out=$pinned
+else
+  out="$cache/k8s/override-$(printf '%s' "$overrides" | sha256sum | cut -c1-12)"
+  mkdir -p "$out"
+fi
 
 link_existing() {  # name path: use a binary the user already has
   local name=$1 path=$2
@@ -23,20 +33,25 @@ link_existing() {  # name path: use a binary the user already has
 if [ -n "${KUBEBUILDER_ASSETS:-}" ]; then
   link_existing kube-apiserver "$KUBEBUILDER_ASSETS/kube-apiserver"
   link_existing etcd "$KUBEBUILDER_ASSETS/etcd"
-  [ -x "$KUBEBUILDER_ASSETS/kube-controller-manager" ] && link_existing kube-controller-manager "$KUBEBUILDER_ASSETS/kube-controller-manager"
+  if [ -x "$KUBEBUILDER_ASSETS/kube-controller-manager" ]; then
+    link_existing kube-controller-manager "$KUBEBUILDER_ASSETS/kube-controller-manager"
+  fi
 fi
-[ -n "${TEST_ASSET_KUBE_APISERVER:-}" ] && link_existing kube-apiserver "$TEST_ASSET_KUBE_APISERVER"
-[ -n "${TEST_ASSET_ETCD:-}" ] && link_existing etcd "$TEST_ASSET_ETCD"
+if [ -n "${TEST_ASSET_KUBE_APISERVER:-}" ]; then link_existing kube-apiserver "$TEST_ASSET_KUBE_APISERVER"; fi
+if [ -n "${TEST_ASSET_ETCD:-}" ]; then link_existing etcd "$TEST_ASSET_ETCD"; fi
 
-build() {  # name wrapper-dir package ldflags
+build() {  # name wrapper-dir package ldflags: build into the pinned cache, link into $out
   local name=$1 dir=$2 pkg=$3 ldflags=$4
   if [ -x "$out/$name" ]; then return; fi
-  log "building $name ($pkg); the first build takes several minutes"
-  local start=$SECONDS
-  (cd "$here/$dir" && go build -trimpath -ldflags "-s -w $ldflags" -o "$out/$name.tmp" "$pkg")
-  mv "$out/$name.tmp" "$out/$name"
-  log "built $name in $((SECONDS - start)) s"
-  echo "$name $((SECONDS - start))" >> "$out/build-times.txt"
+  if [ ! -x "$pinned/$name" ]; then
+    log "building $name ($pkg); the first build takes several minutes"
+    local start=$SECONDS
+    (cd "$here/$dir" && go build -trimpath -ldflags "-s -w $ldflags" -o "$pinned/$name.tmp" "$pkg")
+    mv "$pinned/$name.tmp" "$pinned/$name"
+    log "built $name in $((SECONDS - start)) s"
+    echo "$name $((SECONDS - start))" >> "$pinned/build-times.txt"
+  fi
+  if [ "$out" != "$pinned" ]; then ln -sf "$pinned/$name" "$out/$name"; fi
 }
 
 kminor=${KUBERNETES_VERSION#*.}; kminor=${kminor%%.*}
