@@ -12,7 +12,9 @@ then SIGKILLs the group.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -30,6 +32,7 @@ from adpfleet.cluster.agent.probes import Prober, ProbeTarget
 if TYPE_CHECKING:
     from adpfleet.cluster.agent.pod import PodWorker
 
+log = logging.getLogger(__name__)
 PODINIT = str(Path(__file__).with_name("podinit.py"))
 UNKNOWN_EXIT = 255  # the process ended while no agent watched it: its exit code is lost
 
@@ -90,6 +93,8 @@ class ContainerRunner:
         self._kill_grace: float = 0.0
         self._stopping = False
         self._backoff = 0.0
+        self._env: dict[str, str] = {}   # of the current process, for exec probes
+        self._cwd = str(pod.work_dir)
 
     # ---- status ----
 
@@ -108,6 +113,14 @@ class ContainerRunner:
     # ---- the loop ----
 
     async def run(self, adopted: psutil.Process | None) -> None:
+        try:
+            await self._run(adopted)
+        except Exception as exc:  # noqa: BLE001 - a bug here must show on the pod, not vanish
+            log.exception("container %s of %s/%s", self.name, self.pod.namespace, self.pod.name)
+            self._set({"waiting": {"reason": "AgentError", "message": f"node agent error: {exc!r}"}})
+            self._finish()
+
+    async def _run(self, adopted: psutil.Process | None) -> None:
         if not adopted and self._already_done():
             return
         if not adopted and self.previous_state.get("running"):
@@ -115,9 +128,13 @@ class ContainerRunner:
             if not self._should_restart(UNKNOWN_EXIT):
                 return self._finish()
             self.restart_count += 1
+        elif not adopted and "waiting" in self.previous_state and "terminated" in self.last_state:
+            self.restart_count += 1  # the previous agent died during a back-off: this is that restart
         while adopted or not self._stopping:
             if adopted:  # even a pod being deleted: its adopted process must still be stopped
                 handle, started_at = ContainerProcess(adopted.pid), _create_time(adopted)
+                with contextlib.suppress(psutil.Error):
+                    self._env, self._cwd = adopted.environ(), adopted.cwd()
                 adopted = None
                 self.pid = handle.pid
                 since = self.previous_state.get("running", {}).get("startedAt") or now_iso()
@@ -202,10 +219,21 @@ class ContainerRunner:
             argv = podenv.command_line(self.spec, env)
             mounts = pod.mounts_for(self.spec)
         except podenv.ContainerConfigError as exc:
-            self._set({"waiting": {"reason": "CreateContainerConfigError", "message": str(exc)}})
-            pod.events.emit(pod.pod, "Warning", "Failed", f"Error: {exc}", self.name)
-            await self._sleep_unless_stopped(2.0)  # the kubelet retries on its next sync, too
-            return None
+            return await self._not_created("CreateContainerConfigError", str(exc))
+        except OSError as exc:  # a mount point or subPath that cannot be created
+            return await self._not_created("CreateContainerError", str(exc))
+        try:
+            return self._launch(env, argv, mounts)
+        except OSError as exc:
+            return await self._not_created("CreateContainerError", str(exc))
+
+    async def _not_created(self, reason: str, message: str) -> None:
+        self._set({"waiting": {"reason": reason, "message": message}})
+        self.pod.events.emit(self.pod.pod, "Warning", "Failed", f"Error: {message}", self.name)
+        await self._sleep_unless_stopped(2.0)  # the kubelet retries on its next sync, too
+
+    def _launch(self, env: dict[str, str], argv: list[str], mounts: list[dict]) -> ContainerProcess:
+        pod = self.pod
         cwd = Path(self.spec.get("workingDir") or pod.work_dir)
         pod.ensure_directory(cwd)
         run_dir = pod.dir / "run"
@@ -278,9 +306,9 @@ class ContainerRunner:
         spec, pod = self.spec, self.pod
         if self.init:
             return []
-        self._target = ProbeTarget(pod_ip=pod.ip, ports={p["name"]: p["containerPort"] for p in spec.get("ports") or [] if p.get("name")},
-                                   env=getattr(self, "_env", {}), cwd=getattr(self, "_cwd", str(pod.work_dir)),
-                                   pid=handle.pid, private_mounts=bool(pod.private_mounts))
+        named_ports = {p["name"]: p["containerPort"] for p in spec.get("ports") or [] if p.get("name")}
+        self._target = ProbeTarget(pod_ip=pod.ip, ports=named_ports, env=self._env, cwd=self._cwd,
+                                   pid=handle.pid, private_mounts=pod.private_mounts)
         self._started_monotonic = started_monotonic
         self._probe_tasks: list[asyncio.Task] = []
         if "startupProbe" in spec and not resumed:

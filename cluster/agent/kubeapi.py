@@ -98,14 +98,16 @@ def _params(params: dict | None) -> dict | None:
             if v is not None}
 
 
-async def retrying(what: str, call, *, attempts: int = 5, log=None):
-    """Run `call()` again on connection errors and 409/5xx answers, with a short back-off."""
+async def retrying(what: str, call, *, attempts: int = 5, retry_conflicts: bool = True, log=None):
+    """Run `call()` again on connection errors and 429/5xx (and 409, unless told not to) answers,
+    with a short back-off."""
     delay = 0.2
     for attempt in range(attempts):
         try:
             return await call()
         except ApiError as exc:
-            if exc.status not in (409, 429, 500, 503, 504) or attempt == attempts - 1:
+            retryable = {429, 500, 503, 504} | ({409} if retry_conflicts else set())
+            if exc.status not in retryable or attempt == attempts - 1:
                 raise
             err = exc
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:

@@ -23,7 +23,7 @@ import psutil
 from adpfleet.cluster.agent import volumes as volumes_mod
 from adpfleet.cluster.agent.container import ContainerRunner, terminate_group
 from adpfleet.cluster.agent.events import now_iso
-from adpfleet.cluster.agent.kubeapi import ApiError
+from adpfleet.cluster.agent.kubeapi import ApiError, retrying
 from adpfleet.cluster.agent.podenv import ContainerConfigError
 
 if TYPE_CHECKING:
@@ -60,6 +60,9 @@ class PodWorker:
                              for c in pod["spec"].get("initContainers") or []]
         self.runners = [ContainerRunner(self, c, init=False, previous=previous.get(c["name"]))
                         for c in pod["spec"]["containers"]]
+        for runner in self.runners if self.init_runners else []:
+            if runner.state == {"waiting": {"reason": "ContainerCreating"}}:
+                runner.state = {"waiting": {"reason": "PodInitializing"}}
         self.volumes = volumes_mod.PodVolumes()
         self.ready_to_start = any(c["type"] == "PodReadyToStartContainers" and c["status"] == "True"
                                   for c in status.get("conditions") or [])
@@ -116,6 +119,12 @@ class PodWorker:
         await self._remove()
 
     async def _live(self) -> None:
+        try:
+            await self._bring_up()
+        except Exception:  # noqa: BLE001 - logged; deletion still stops whatever did start
+            log.exception("%s/%s: starting the pod failed", self.namespace, self.name)
+
+    async def _bring_up(self) -> None:
         self.ip = self.agent.addresses.allocate(self.uid, self.ip)
         self.changed()
         if self.status_only:
@@ -147,7 +156,7 @@ class PodWorker:
                 self.volumes = await volumes_mod.materialise(self.pod, self.dir, self.agent.api, self.fetch,
                                                              self.ip, self.node_context)
                 return
-            except (volumes_mod.VolumeError, ContainerConfigError) as exc:
+            except Exception as exc:  # noqa: BLE001 - any failure here is retried, like the kubelet does
                 self.events.emit(self.pod, "Warning", "FailedMount", f"MountVolume.SetUp failed: {exc}")
             await asyncio.sleep(delay)  # e.g. the namespace's kube-root-ca.crt is not published yet
             delay = min(delay * 2, 10.0)
@@ -158,7 +167,7 @@ class PodWorker:
             await asyncio.sleep(max(1.0, token.refresh_at - time.time()))
             try:
                 await volumes_mod.refresh_token(self.agent.api, self.pod, token)
-            except volumes_mod.VolumeError as exc:
+            except Exception as exc:  # noqa: BLE001 - the current token is still valid for a while
                 log.warning("%s/%s: %s; retrying in 10 s", self.namespace, self.name, exc)
                 token.refresh_at = time.time() + 10
 
@@ -180,13 +189,16 @@ class PodWorker:
     async def _remove(self) -> None:
         if not self._gone:
             path = f"/api/v1/namespaces/{self.namespace}/pods/{self.name}"
+            body = {"apiVersion": "v1", "kind": "DeleteOptions", "gracePeriodSeconds": 0,
+                    "preconditions": {"uid": self.uid}}
             try:
-                await self.agent.api.request("DELETE", path, body={
-                    "apiVersion": "v1", "kind": "DeleteOptions", "gracePeriodSeconds": 0,
-                    "preconditions": {"uid": self.uid}})
+                await retrying(f"deleting {path}", lambda: self.agent.api.request("DELETE", path, body=body),
+                               retry_conflicts=False)
             except ApiError as exc:
-                if exc.status not in (404, 409):
+                if exc.status not in (404, 409):  # gone, or another pod of that name: not ours to delete
                     log.warning("%s/%s: deleting the pod object failed: %s", self.namespace, self.name, exc)
+            except Exception as exc:  # noqa: BLE001 - the next agent start finalises it
+                log.warning("%s/%s: deleting the pod object failed: %s", self.namespace, self.name, exc)
         shutil.rmtree(self.dir, ignore_errors=True)
         self.agent.addresses.release(self.uid)
         self.agent.worker_done(self)
@@ -201,6 +213,8 @@ class PodWorker:
             if exc.status == 404:
                 return None
             raise ContainerConfigError(f"reading {kind} {name}: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - connection trouble: the container start is retried
+            raise ContainerConfigError(f"reading {kind} {name}: {exc!r}") from None
 
     def ensure_directory(self, path: Path) -> None:
         if self.dir in path.parents or path == self.dir:
@@ -246,13 +260,14 @@ class PodWorker:
                     self._gone = True
                     self._deleting.set()
                     return
-                log.warning("%s/%s: status update failed: %s", self.namespace, self.name, exc)
-                await asyncio.sleep(1)
-                self._dirty.set()
-            except OSError as exc:
-                log.warning("%s/%s: status update failed: %s", self.namespace, self.name, exc)
-                await asyncio.sleep(1)
-                self._dirty.set()
+                await self._retry_status_later(exc)
+            except Exception as exc:  # noqa: BLE001 - connection trouble: the next attempt may work
+                await self._retry_status_later(exc)
+
+    async def _retry_status_later(self, exc: Exception) -> None:
+        log.warning("%s/%s: status update failed (retrying in 1 s): %s", self.namespace, self.name, exc)
+        await asyncio.sleep(1)
+        self._dirty.set()
 
     async def _flush_status(self) -> None:
         if self._gone:
