@@ -12,11 +12,14 @@ from adpfleet.cluster.controlplane import ClusterError, ControlPlane
 
 def main(args: argparse.Namespace) -> int:
     plane = ControlPlane(Path(args.state_dir) if args.state_dir else None,
-                         apiserver_port=args.apiserver_port, agent_args=args.agent_arg)
+                         apiserver_port=args.apiserver_port, agent_args=args.agent_arg or None)
     try:
         return {"up": _up, "down": _down, "status": _status}[args.action](plane)
     except (ClusterError, BinariesUnavailable) as exc:
         print(f"adpfleet cluster {args.action}: {exc}", file=sys.stderr)
+        if args.action == "up" and plane.state_file.exists():
+            print("What did start is still running: `adpfleet cluster status` shows it, "
+                  "`adpfleet cluster down` stops it.", file=sys.stderr)
         return 1
 
 

@@ -95,9 +95,10 @@ class _Component:
 class ControlPlane:
     def __init__(self, state_dir: Path | None = None, *, apiserver_port: int = 0,
                  agent_args: list[str] | None = None):
+        """`agent_args`: extra node-agent arguments; None keeps those of the running cluster."""
         self.dir = (state_dir or default_state_dir()).resolve()
         self.requested_apiserver_port = apiserver_port
-        self.agent_args = list(agent_args or [])
+        self.requested_agent_args = agent_args
         self.pki = PKI(self.dir / "pki")
         self.kubeconfig = self.dir / "kubeconfig"
         self.state_file = self.dir / "state.json"
@@ -123,6 +124,7 @@ class ControlPlane:
             self._assign_ports()
             self._write_kubeconfigs()
             report = UpReport(self.kubeconfig, self.server, self.dir, self.binaries)
+            self._apply_agent_args(report)
             for component in self.components:
                 self._ensure_running(component, report)
             return report
@@ -136,13 +138,10 @@ class ControlPlane:
             with contextlib.suppress(ClusterError):
                 self._load_state(for_up=False)
             records = self.state.get("components", {})
-            # The agent first, so that it does not restart the pods stopped next.
             for component in reversed(self.components):
+                done += self._stop_component(component.name, records.get(component.name))
                 if component.name == "node-agent":
-                    done += self._stop_component(component.name, records.get(component.name))
-                    done += self._stop_pods()
-                else:
-                    done += self._stop_component(component.name, records.get(component.name))
+                    done += self._stop_pods()  # after the agent, which would restart them
             done += self._stop_strays()
             done += self._remove_mountpoints()
         shutil.rmtree(self.dir, ignore_errors=True)
@@ -216,6 +215,20 @@ class ControlPlane:
             ports["apiserver"] = wanted
         for key in ("etcd", "etcd_peer", "apiserver", "controller_manager", "agent"):
             ports.setdefault(key, processes.free_port(HOST))
+        self._save_state()
+
+    def _apply_agent_args(self, report: UpReport) -> None:
+        """New agent arguments restart the agent (pods keep running; the new agent adopts them)."""
+        wanted = self.requested_agent_args
+        if wanted is None or wanted == self.state.get("agent_args", []):
+            return
+        record = _record(self.state.get("components", {}).get("node-agent"))
+        if record and record.alive():
+            processes.stop_group(record.pid, grace=10)
+            report.notes.append(f"restarting the node agent with arguments {wanted} "
+                                f"(was {self.state.get('agent_args', [])}); pods keep running")
+            del self.state["components"]["node-agent"]
+        self.state["agent_args"] = list(wanted)
         self._save_state()
 
     def _write_kubeconfigs(self) -> None:
@@ -400,7 +413,7 @@ class ControlPlane:
                 f"--node-name={NODE_NAME}", f"--port={self.state['ports']['agent']}",
                 f"--serving-cert={serving.cert}", f"--serving-key={serving.key}",
                 f"--client-ca={self.pki.ca.cert}", f"--kubelet-version=v{kubernetes_version()}",
-                *self.agent_args]
+                *self.state.get("agent_args", [])]
 
     def _agent_health(self) -> str | None:
         return self._https_ok(f"https://{HOST}:{self.state['ports']['agent']}/healthz",

@@ -12,6 +12,7 @@ import psutil
 import pytest
 
 from adpfleet.cluster import processes
+from adpfleet.cluster.binaries import ensure_binaries
 from adpfleet.cluster.controlplane import ClusterError, ControlPlane
 from adpfleet.cluster.testing import TEST_AGENT_ARGS, wait_for
 
@@ -47,6 +48,13 @@ def test_up_status_crash_recovery_and_down_leave_nothing_behind(tmp_path):
         status = cli("status", f"--state-dir={state}")
         assert status.returncode == 0, status.stdout
         assert status.stdout.count(" ok ") == 4
+
+        regpu = cli("up", f"--state-dir={state}", *agent_args, "--agent-arg=--gpus=2")
+        assert regpu.returncode == 0 and "restarting the node agent with arguments" in regpu.stdout
+        kubectl = [str(ensure_binaries().kubectl), f"--kubeconfig={state}/kubeconfig"]
+        gpus = subprocess.run([*kubectl, "get", "node", "adpfleet-node", "-o",
+                               r"jsonpath={.status.capacity.nvidia\.com/gpu}"], capture_output=True, text=True)
+        assert gpus.stdout == "2", gpus.stderr
 
         components = json.loads((state / "state.json").read_text())["components"]
         for name in ("etcd", "kube-apiserver"):
