@@ -54,14 +54,14 @@ def load(path: Path) -> Credentials:
     cluster = next(c["cluster"] for c in config["clusters"] if c["name"] == context["cluster"])
     user = next(u["user"] for u in config["users"] if u["name"] == context["user"])
 
-    def material(section: dict, name: str) -> str:
-        if name in section:
-            return str(path.parent / section[name])  # relative paths are relative to the file
-        data = base64.b64decode(section[f"{name}-data"])
-        with tempfile.NamedTemporaryFile(delete=False, prefix="adpfleet-kubeconfig-") as out:
-            out.write(data)
-        return out.name
+    with tempfile.TemporaryDirectory(prefix="adpfleet-kubeconfig-") as tmp:
+        def material(section: dict, name: str) -> str:
+            if name in section:
+                return str(path.parent / section[name])  # relative paths are relative to the file
+            file = Path(tmp) / name  # ssl reads files only: embedded data goes through one, briefly
+            file.write_bytes(base64.b64decode(section[f"{name}-data"]))
+            return str(file)
 
-    ctx = ssl.create_default_context(cafile=material(cluster, "certificate-authority"))
-    ctx.load_cert_chain(material(user, "client-certificate"), material(user, "client-key"))
+        ctx = ssl.create_default_context(cafile=material(cluster, "certificate-authority"))
+        ctx.load_cert_chain(material(user, "client-certificate"), material(user, "client-key"))
     return Credentials(cluster["server"], ctx)
