@@ -32,6 +32,12 @@ class RankStats:
     kv_cache_blocks_total: int = 0
     kv_transfers_in_flight: int = 0
     last_progress_timestamp: float = field(default_factory=time.time)
+    # internal (benchmarks), not exported
+    requests_fetched: int = 0
+    collective_calls: int = 0
+    control_collective_calls: int = 0
+    busy_passes: int = 0  # passes while the fleet had work
+    busy_pass_seconds: float = 0.0
 
 
 _COUNTERS = [

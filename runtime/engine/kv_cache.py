@@ -4,6 +4,10 @@ Block 0 is the null block: it is never handed out, and dummy tokens write their 
 Admission reserves the blocks a request can ever need (prompt + max_tokens), so an admitted
 request never waits for blocks mid-generation (guaranteed no evict); blocks are then allocated
 as tokens arrive, and trimmed back when a tentative allocation is rolled back.
+
+Under ADP with padding, `padding_reserve_blocks` are kept back from admission for the padding
+dummy: finished prompts held for transfer can then never take the last block, and a starved
+rank can always afford the dummy that lets its peers' forward (and its own reaping) run.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ class KVCacheManager:
         self.tokens_per_block = tokens_per_block
         self._free = list(range(num_blocks, 0, -1))  # block ids 1..num_blocks; 0 is the null block
         self._unallocated_reservations = 0
+        self.padding_reserve_blocks = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -38,22 +43,28 @@ class KVCacheManager:
 
     @property
     def num_available_blocks(self) -> int:
-        """Free blocks not promised to an admitted request."""
-        return len(self._free) - self._unallocated_reservations
+        """Free blocks not promised to an admitted request (nor kept for the padding dummy)."""
+        return max(0, len(self._free) - self._unallocated_reservations - self.padding_reserve_blocks)
+
+    def available_for(self, request: Request) -> int:
+        """What `request` may take: a padding dummy may also use the padding reserve."""
+        if request.is_dummy:
+            return len(self._free) - self._unallocated_reservations
+        return self.num_available_blocks
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.tokens_per_block)
 
     def can_reserve(self, request: Request, num_tokens: int | None = None) -> bool:
         need = self.blocks_for(num_tokens if num_tokens is not None else request.max_total_tokens)
-        return need - len(request.block_table) <= self.num_available_blocks
+        return need - len(request.block_table) <= self.available_for(request)
 
     def reserve(self, request: Request, num_tokens: int | None = None) -> None:
         """Promise `request` enough blocks for `num_tokens` (default: prompt + max_tokens)."""
         total = self.blocks_for(num_tokens if num_tokens is not None else request.max_total_tokens)
         extra = total - max(request.reserved_blocks, len(request.block_table))
-        if extra > self.num_available_blocks:
-            raise NoFreeBlocksError(request.request_id, extra, self.num_available_blocks)
+        if extra > self.available_for(request):
+            raise NoFreeBlocksError(request.request_id, extra, self.available_for(request))
         if extra > 0:
             self._unallocated_reservations += extra
             request.reserved_blocks = total
@@ -64,8 +75,8 @@ class KVCacheManager:
         if need <= 0:
             return
         from_reservation = min(need, max(0, request.reserved_blocks - len(request.block_table)))
-        if need - from_reservation > self.num_available_blocks:
-            raise NoFreeBlocksError(request.request_id, need - from_reservation, self.num_available_blocks)
+        if need - from_reservation > self.available_for(request):
+            raise NoFreeBlocksError(request.request_id, need - from_reservation, self.available_for(request))
         self._unallocated_reservations -= from_reservation
         request.block_table.extend(self._free.pop() for _ in range(need))
 

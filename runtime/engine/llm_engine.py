@@ -91,6 +91,7 @@ class LLMEngine:
     def fetch(self) -> None:
         while self.pending and len(self.active) < self.config.max_num_active_requests:
             self.active.append(self.pending.popleft())
+            self.stats.requests_fetched += 1
 
     def schedule_batch(self) -> ScheduledBatch:
         waiting = [r for r in self.active if r.state is RequestState.WAITING]

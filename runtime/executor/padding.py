@@ -15,7 +15,9 @@ Its rules:
   - no-op unless ADP is on, unless the batch is empty, when the rank has no active request
     (pre-schedule padding covers an idle rank), at `max_num_active_requests`, while the singleton
     dummy is live, and while the fill gate deliberately holds forwards;
-  - never raises: if the KV cache cannot afford the dummy (`unaffordable`) or the allocation
+  - affordable by construction: admission keeps the dummy's blocks in reserve under ADP, so
+    held transfers cannot take them;
+  - never raises: if the KV cache still cannot afford the dummy (`unaffordable`) or the allocation
     fails (`failed`) it logs once, counts, and leaves the batch empty — a rank-local exception
     here would strand the peers in the next collective;
   - a dummy on a rank whose vote still fails is rolled back (KV freed, removed from the active
@@ -44,6 +46,8 @@ class Padding:
         self.engine = engine
         self.adp = adp
         self.pad_empty_batch = pad_empty_batch
+        if adp and pad_empty_batch:  # keep the dummy affordable: admission never takes these blocks
+            engine.kv.padding_reserve_blocks = engine.kv.blocks_for(engine.config.decode_query_len)
         self.dummy: Request | None = None
         self._warned: set[str] = set()
 
@@ -77,7 +81,7 @@ class Padding:
                         state=RequestState.GENERATION, dummy_phase="post_schedule")
         dummy.output_token_ids = [0] * (qlen - 1)  # position 0.. of the decode query
         try:
-            if e.kv.blocks_for(qlen) > e.kv.num_available_blocks:
+            if e.kv.blocks_for(qlen) > e.kv.available_for(dummy):
                 self._count("post_schedule", "unaffordable")
                 self._warn_once("unaffordable", "post-schedule padding: the KV cache cannot afford a "
                                 "generation dummy; this pass stays empty and is vetoed")

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from adpfleet.runtime.config import EngineConfig
+from adpfleet.runtime.model.parallel import CALLS
 
 IDLE_WAIT_S = 0.02  # how long an idle rank waits for new requests before the next lockstep pass
 STATS_EVERY_S = 0.1
@@ -93,7 +94,13 @@ def run_rank(spec: RankSpec, conn) -> None:
                     puller.complete(msg[1])
                 elif msg[0] == "stop":
                     stop = True
+            started = time.perf_counter()
             result = executor.step(new, stop=stop)
+            if result.fleet_has_work:
+                engine.stats.busy_passes += 1
+                engine.stats.busy_pass_seconds += time.perf_counter() - started
+            engine.stats.control_collective_calls = executor.comm.calls
+            engine.stats.collective_calls = executor.comm.calls + CALLS["collectives"]
             busy = result.fleet_has_work
             if result.outputs:
                 conn.send(("out", result.outputs))

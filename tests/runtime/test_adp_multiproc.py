@@ -8,7 +8,7 @@ from adpfleet.runtime.config import EngineConfig
 from adpfleet.runtime.engine.llm_engine import LLMEngine
 from adpfleet.runtime.engine.sampling import SamplingParams
 
-from ranks import Ranks
+from adpfleet.runtime.executor.offline import OfflineRanks as Ranks
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 

@@ -200,3 +200,23 @@ def test_an_idle_rank_runs_a_dummy_batch_padded_to_its_peers_token_count():
     e.runner.forward = forward
     assert ADPExecutor(e, vote).step().ran
     assert seen["pad_to"] == 7
+
+
+def test_admission_leaves_the_dummys_block_free_so_held_transfers_cannot_take_it():
+    e = engine(kv_blocks=4)
+    ADPExecutor(e, FakeVote())  # ADP with padding: one block kept back
+    three = Request("three", [1] * 11, SamplingParams(max_tokens=1))  # 12 tokens: 3 blocks
+    four = Request("four", [1] * 15, SamplingParams(max_tokens=1))  # 16 tokens: 4 blocks
+    assert e.kv.can_reserve(three) and not e.kv.can_reserve(four)
+    e.kv.reserve(three)
+    e.kv.grow(three, 12)  # then held for a transfer: the rank is full for real requests
+    dummy = Request("adp-dummy", [0], SamplingParams(max_tokens=1), dummy_phase="post_schedule")
+    assert e.kv.available_for(dummy) == 1
+    e.kv.grow(dummy, 1)
+    assert e.kv.num_free_blocks == 0
+
+
+def test_without_padding_there_is_no_reserve():
+    e = engine(kv_blocks=4)
+    ADPExecutor(e, FakeVote(), pad_empty_batch=False)
+    assert e.kv.can_reserve(Request("four", [1] * 15, SamplingParams(max_tokens=1)))
