@@ -41,8 +41,37 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--collective-timeout", type=float, default=60.0,
                        help="seconds a rank may block in a collective (or stay silent) before the server "
                             "declares it hung, turns unhealthy and exits non-zero")
+    serve.add_argument("--kv-port", type=int, default=None,
+                       help="context role: rank r serves held KV on this port + r (default: --port + 1)")
+    serve.add_argument("--kv-lease", type=float, default=60.0,
+                       help="context role: seconds held KV waits to be pulled before it is freed")
+    serve.add_argument("--kv-transfer-timeout", type=float, default=30.0,
+                       help="generation role: seconds a KV pull may take before the request fails (the router retries)")
     _add_engine_args(serve)
     serve.set_defaults(run="adpfleet.runtime.server:main")
+
+    router = sub.add_parser("router", help="run the disaggregated router in front of context and generation servers")
+    router.add_argument("--host", default="127.0.0.1")
+    router.add_argument("--port", type=int, default=8000)
+    router.add_argument("--context", action="append", default=[], metavar="URL", help="a context server (repeatable)")
+    router.add_argument("--generation", action="append", default=[], metavar="URL",
+                        help="a generation server (repeatable)")
+    router.add_argument("--aggregated", action="append", default=[], metavar="URL",
+                        help="an aggregated server (repeatable); used when no context+generation pair is usable")
+    router.add_argument("--kube-namespace", default=None, help="discover the fleet's pods in this namespace")
+    router.add_argument("--kube-selector", default=None, metavar="SELECTOR",
+                        help="label selector of the fleet's pods, e.g. 'adpfleet.io/fleet=demo'")
+    router.add_argument("--server-port", type=int, default=8000, help="port of the servers in discovered pods")
+    router.add_argument("--request-timeout", type=float, default=300.0,
+                        help="seconds a request may take in all, retries included")
+    router.add_argument("--max-attempts", type=int, default=3,
+                        help="attempts per request while no token has reached the client")
+    router.add_argument("--first-token-timeout", type=float, default=None,
+                        help="seconds one attempt may wait for its first token before trying other servers "
+                             "(default: only the request timeout applies)")
+    router.add_argument("--health-interval", type=float, default=2.0,
+                        help="seconds between /health probes of every known server")
+    router.set_defaults(run="adpfleet.runtime.router.app:main")
 
     gen = sub.add_parser("generate", help="generate one completion and print it")
     gen.add_argument("prompt")

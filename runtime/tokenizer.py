@@ -10,10 +10,11 @@ from adpfleet.runtime.model.tiny import BOS, BYTE_VOCAB, EOS, TINY_MODELS
 
 
 class ByteTokenizer:
-    """UTF-8 bytes are tokens 0..255; 256 is BOS and 257 EOS."""
+    """UTF-8 bytes are tokens 0..255; 256 is BOS and 257 EOS. Chat messages are laid out as
+    `<|role|>\ncontent\n` followed by `<|assistant|>\n` (a fixed template, no Jinja)."""
 
     bos_token_id = BOS
-    chat_template = None
+    chat_template = "builtin"
 
     def __init__(self, eos_token_ids: tuple[int, ...] = (EOS,)):
         self.eos_token_ids = tuple(eos_token_ids)
@@ -23,6 +24,9 @@ class ByteTokenizer:
 
     def decode(self, ids) -> str:
         return bytes(i for i in ids if i < BYTE_VOCAB).decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
 
 
 class HFTokenizer:
@@ -55,6 +59,18 @@ class HFTokenizer:
 
     def decode(self, ids) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        """Renders the model's own Jinja chat template, as transformers does (sandboxed)."""
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        if not self.chat_template:
+            raise ValueError("this model has no chat template; use /v1/completions")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        bos = self._tok.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
+        eos = self._tok.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else ""
+        return env.from_string(self.chat_template).render(
+            messages=messages, add_generation_prompt=True, bos_token=bos or "", eos_token=eos or "")
 
 
 def _read_json(file: Path) -> dict:

@@ -12,6 +12,8 @@ import itertools
 import time
 from dataclasses import dataclass
 
+import torch
+
 from adpfleet.runtime.config import EngineConfig
 from adpfleet.runtime.engine.kv_cache import KVCacheManager
 from adpfleet.runtime.engine.model_runner import ModelRunner
@@ -34,6 +36,8 @@ class RequestOutput:
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
+    error: str | None = None  # with finish_reason "error"
+    rank: int = 0  # the rank that produced it (set by the rank group)
 
 
 class LLMEngine:
@@ -88,13 +92,35 @@ class LLMEngine:
         return sum(1 for r in self.active if not r.is_dummy)
 
     # -- the loop ------------------------------------------------------------------------------
-    def fetch(self) -> None:
+    def fetch(self) -> list[RequestOutput]:
+        """Move pending requests onto the rank (up to max_num_active_requests) and place the
+        generation-only ones whose KV has arrived; returns the outputs of their first tokens."""
         while self.pending and len(self.active) < self.config.max_num_active_requests:
             self.active.append(self.pending.popleft())
             self.stats.requests_fetched += 1
+        return [self._place_prefilled(r) for r in list(self.active)
+                if r.kv_payload is not None and r.state is RequestState.WAITING and self.kv.can_reserve(r)]
+
+    def _place_prefilled(self, req: Request) -> RequestOutput:
+        """Admit a request whose prompt KV was pulled from a context server: copy the KV into
+        its blocks and continue from the first token the context server sampled."""
+        n = req.num_prompt_tokens
+        self.kv.reserve(req)
+        self.kv.grow(req, n)
+        slots = torch.tensor([self.kv.slot(req, p) for p in range(n)], dtype=torch.long)
+        k_cache, v_cache = self.runner.kv_cache
+        dev = k_cache.device
+        k_cache.index_copy_(1, slots.to(dev), req.kv_payload.k.to(dev, k_cache.dtype))
+        v_cache.index_copy_(1, slots.to(dev), req.kv_payload.v.to(dev, v_cache.dtype))
+        req.kv_payload = None
+        req.num_computed_tokens = n
+        req.state = RequestState.GENERATION
+        out = self._append_token(req, req.first_token_id)
+        self._finish_if_done(req)
+        return out
 
     def schedule_batch(self) -> ScheduledBatch:
-        waiting = [r for r in self.active if r.state is RequestState.WAITING]
+        waiting = [r for r in self.active if r.state is RequestState.WAITING and r.remote_kv is None]
         running = [r for r in self.active if r.state in (RequestState.CONTEXT, RequestState.GENERATION)]
         batch, _ = self.scheduler.schedule(waiting, running)
         return batch
@@ -103,14 +129,13 @@ class LLMEngine:
         return ScheduledBatch(decode_query_len=self.config.decode_query_len)
 
     def step(self) -> list[RequestOutput]:
-        self.fetch()
+        outputs = self.fetch()
         batch = self.schedule_batch()
         self.stats.iterations += 1
-        outputs = []
         if not batch.is_empty:
             logits = self.runner.forward(batch)
             self.stats.forward_steps += 1
-            outputs = self.update(batch, self.runner.sample(batch, logits))
+            outputs += self.update(batch, self.runner.sample(batch, logits))
             if self.kv_hold is not None:
                 self.kv_hold.reap()
         self.refresh_gauges()
@@ -145,17 +170,32 @@ class LLMEngine:
             out = self._append_token(req, token)
             progress += 1
             self.stats.generation_tokens += 1
-            if req.is_finished:
-                self.active.remove(req)
-                if self.kv_hold is not None:
-                    self.kv_hold.hold(req)
-                else:
-                    self.kv.free(req)
-                self.stats.requests_finished[req.finish_reason] += 1
+            self._finish_if_done(req)
             outputs.append(out)
         if progress:
             self.stats.last_progress_timestamp = time.time()
         return outputs
+
+    def _finish_if_done(self, req: Request) -> None:
+        if not req.is_finished:
+            return
+        self.active.remove(req)
+        if self.kv_hold is not None:
+            self.kv_hold.hold(req)
+        else:
+            self.kv.free(req)
+        self.stats.requests_finished[req.finish_reason] += 1
+
+    def fail(self, req: Request, error: str) -> RequestOutput:
+        """End a request that cannot go on (e.g. its KV could not be pulled)."""
+        for queue in (self.pending, self.active):
+            if req in queue:
+                queue.remove(req)
+        self.kv.free(req)
+        req.state, req.finish_reason = RequestState.FINISHED, "error"
+        self.stats.requests_finished["error"] += 1
+        return RequestOutput(req.request_id, [], "", True, "error", req.num_prompt_tokens,
+                             len(req.output_token_ids), error=error)
 
     def _append_token(self, req: Request, token: int) -> RequestOutput:
         p = req.params

@@ -32,6 +32,10 @@ class Request:
     finish_reason: str | None = None
     output_text: str = ""
     dummy_phase: str | None = None  # padding dummies: "pre_schedule" / "post_schedule"
+    # generation role: where the prompt's KV is held (context server) and, once pulled, the KV
+    remote_kv: tuple[str, str] | None = None  # (endpoint, handle)
+    first_token_id: int | None = None
+    kv_payload: object = None
     _generator: torch.Generator | None = None
 
     @property

@@ -44,12 +44,14 @@ class ADPExecutor:
         result = PassResult()
         # 1. fetch
         e.pending.extend(new_requests)
-        e.fetch()
+        result.outputs = e.fetch()
         fleet = self.comm.all_gather_ints([e.num_active_real + len(e.pending), int(stop)])
         result.fleet_has_work = any(row[0] for row in fleet)
         result.stop = any(row[1] for row in fleet)
         stats.iterations += 1
         if not result.fleet_has_work:
+            if e.kv_hold is not None:  # an idle context server still hands its held KV back
+                e.kv_hold.reap()
             e.refresh_gauges()
             return result
         gate_held = self.fill_gate()
@@ -72,7 +74,7 @@ class ADPExecutor:
         if can_queue:
             logits = e.runner.forward(batch, pad_to)
             stats.forward_steps += 1
-            result.outputs = e.update(batch, e.runner.sample(batch, logits))
+            result.outputs += e.update(batch, e.runner.sample(batch, logits))
             if e.kv_hold is not None:
                 e.kv_hold.reap()
             result.ran = True

@@ -8,8 +8,11 @@ transfers stays starved — the condition under which the ADP stall lasts foreve
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
+
+import torch
 
 from adpfleet.runtime.engine.kv_cache import KVCacheManager
 from adpfleet.runtime.engine.request import Request
@@ -44,6 +47,7 @@ class Held:
     request: Request
     since: float
     deadline: float
+    transferring: bool = False  # a transfer is reading its blocks: never free them under it
 
 
 class KVHold:
@@ -52,10 +56,35 @@ class KVHold:
         self.held: dict[str, Held] = {}
         self.pulled = 0
         self.expired = 0
+        self._lock = threading.Lock()  # the transfer server's threads read `held` too
 
     def hold(self, request: Request) -> None:
         now = time.monotonic()
-        self.held[request.request_id] = Held(request, now, now + self.lease_s)
+        with self._lock:
+            self.held[request.request_id] = Held(request, now, now + self.lease_s)
+
+    def release(self, request_id: str) -> None:
+        """The request needs no transfer after all (it finished on the context server)."""
+        self.puller_complete(request_id)
+
+    def puller_complete(self, request_id: str) -> None:
+        if hasattr(self.puller, "complete"):
+            with self._lock:
+                self.puller.complete(request_id)
+                if request_id in self.held:
+                    self.held[request_id].transferring = False
+
+    def lookup(self, request_id: str):
+        """For the transfer server: the cache slots of a held prompt, and what to call once the
+        generation server confirmed it has every byte. None when not held."""
+        with self._lock:
+            h = self.held.get(request_id)
+            if h is None:
+                return None
+            h.transferring = True
+            req = h.request
+            slots = torch.tensor([self.kv.slot(req, p) for p in range(req.num_computed_tokens)], dtype=torch.long)
+        return slots, lambda: self.puller_complete(request_id)
 
     @property
     def blocks_in_flight(self) -> int:
@@ -65,16 +94,17 @@ class KVHold:
         """Free the KV of every pulled or expired request; returns their ids."""
         now = time.monotonic()
         done = []
-        for rid, h in list(self.held.items()):
-            if self.puller.pulled(rid, h.since, now):
-                self.pulled += 1
-            elif now >= h.deadline:
-                self.expired += 1
-            else:
-                continue
-            self.kv.free(h.request)
-            del self.held[rid]
-            done.append(rid)
-        if hasattr(self.puller, "completed"):
-            self.puller.completed.difference_update(done)
+        with self._lock:
+            for rid, h in list(self.held.items()):
+                if self.puller.pulled(rid, h.since, now):
+                    self.pulled += 1
+                elif now >= h.deadline and not h.transferring:
+                    self.expired += 1
+                else:
+                    continue
+                self.kv.free(h.request)
+                del self.held[rid]
+                done.append(rid)
+            if hasattr(self.puller, "completed"):
+                self.puller.completed.difference_update(done)
         return done

@@ -43,6 +43,7 @@ class RankGroup:
         self.loads = [[0, 0] for _ in range(dp)]
         self.owner: dict[str, tuple[int, int]] = {}  # request id -> (rank, tokens)
         self.ready: set[int] = set()
+        self.kv_endpoints: dict[int, str | None] = {}  # context role: where each rank serves held KV
         self.dead: str | None = None
         self._closing = False
         self._last_seen = [time.monotonic()] * dp
@@ -143,11 +144,13 @@ class RankGroup:
             self._last_seen[rank] = time.monotonic()
             kind = msg[0]
             if kind == "ready":
+                self.kv_endpoints[rank] = msg[2]
                 self.ready.add(rank)
             elif kind == "stats":
                 self.stats[rank] = msg[1]
             elif kind == "out":
                 for out in msg[1]:
+                    out.rank = rank
                     if out.finished:
                         self._release(out.request_id)
                     self.on_output(out)

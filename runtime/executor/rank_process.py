@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -35,6 +37,9 @@ class RankSpec:
     transfer: str = "ledger"  # context role: "ledger" (completions reported) or "simulated"
     transfer_latency_s: float = 0.05
     kv_lease_s: float = 60.0
+    kv_host: str = "127.0.0.1"  # context role: where this rank serves its held KV
+    kv_port: int = 0  # rank r listens on kv_port + r; 0: any free port
+    kv_transfer_timeout_s: float = 30.0  # generation role: a pull slower than this fails the request
     threads: int = 1
 
 
@@ -72,30 +77,62 @@ def _build(spec: RankSpec):
     return engine, ADPExecutor(engine, comm, spec.pad_empty_batch), puller
 
 
+def _start_kv_server(spec: RankSpec, engine):
+    from adpfleet.runtime.serving.kv_transfer import KVTransferServer
+
+    k_cache, v_cache = engine.runner.kv_cache
+    port = spec.kv_port + spec.rank if spec.kv_port else 0
+    return KVTransferServer(spec.kv_host, port, k_cache, v_cache, engine.kv_hold.lookup)
+
+
+def _pull(request, timeout: float, arrived: queue.SimpleQueue) -> None:
+    """Generation role, on its own thread: fetch the prompt's KV, then hand the request to the loop."""
+    from adpfleet.runtime.serving.kv_transfer import FAILED, KVTransferError, fetch
+
+    endpoint, handle = request.remote_kv
+    try:
+        request.kv_payload = fetch(endpoint, handle, timeout)
+        arrived.put((request, None))
+    except KVTransferError as e:
+        arrived.put((request, f"{FAILED} (from {endpoint}): {e}"))
+
+
 def run_rank(spec: RankSpec, conn) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{spec.rank} %(levelname)s %(name)s: %(message)s")
     try:
         engine, executor, puller = _build(spec)
-        conn.send(("ready", spec.rank))
+        kv_server = _start_kv_server(spec, engine) if spec.role == "context" else None
+        arrived: queue.SimpleQueue = queue.SimpleQueue()  # generation role: requests whose KV came
+        conn.send(("ready", spec.rank, kv_server.endpoint if kv_server else None))
         stop = False
         busy = False
         last_stats = 0.0
         while True:
-            new = []
-            wait = 0 if busy or stop else IDLE_WAIT_S
+            new, failed = [], []
+            wait = 0 if busy or stop or not arrived.empty() else IDLE_WAIT_S
             while conn.poll(wait):
                 wait = 0
                 msg = conn.recv()
-                if msg[0] == "add":
+                if msg[0] == "add" and msg[1].remote_kv is not None:
+                    threading.Thread(target=_pull, args=(msg[1], spec.kv_transfer_timeout_s, arrived),
+                                     daemon=True).start()
+                elif msg[0] == "add":
                     new.append(msg[1])
                 elif msg[0] == "abort":
                     engine.abort(msg[1])
-                elif msg[0] == "transfer_done" and puller is not None and hasattr(puller, "complete"):
-                    puller.complete(msg[1])
+                elif msg[0] == "transfer_done" and engine.kv_hold is not None:
+                    engine.kv_hold.release(msg[1])
                 elif msg[0] == "stop":
                     stop = True
+            while not arrived.empty():
+                req, error = arrived.get()
+                if error is None:
+                    new.append(req)
+                else:
+                    failed.append(engine.fail(req, error))
             started = time.perf_counter()
             result = executor.step(new, stop=stop)
+            result.outputs = failed + result.outputs
             if result.fleet_has_work:
                 engine.stats.busy_passes += 1
                 engine.stats.busy_pass_seconds += time.perf_counter() - started

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from adpfleet.runtime.config import EngineConfig
 from adpfleet.runtime.engine.llm_engine import RequestOutput
 from adpfleet.runtime.engine.request import Request
-from adpfleet.runtime.engine.sampling import SamplingParams
+from adpfleet.runtime.engine.sampling import InvalidRequestError, SamplingParams
 from adpfleet.runtime.engine.validation import make_request
 from adpfleet.runtime.executor.rank_group import RankGroup
 from adpfleet.runtime.model.config import ModelConfig
@@ -47,6 +47,21 @@ class EngineClient:
         rid = request_id or f"req-{next(self._ids)}"
         return make_request(prompt, params, rid, self.tokenizer, self.model_config, self.config)
 
+    def make_generation_request(self, params: SamplingParams, disagg, request_id: str) -> Request:
+        """Generation role: the prompt was run by a context server; its KV is pulled from there."""
+        req = make_request(list(disagg.prompt_token_ids), params, request_id, self.tokenizer,
+                           self.model_config, self.config)
+        if not 0 <= disagg.first_token_id < self.model_config.vocab_size:
+            raise InvalidRequestError("'disaggregated_params.first_token_id' is outside the vocabulary",
+                                      "disaggregated_params")
+        req.remote_kv = (disagg.kv_endpoint, disagg.kv_handle)
+        req.first_token_id = disagg.first_token_id
+        return req
+
+    def release_kv(self, output: RequestOutput) -> None:
+        """Context role: a request that finished at its first token needs no transfer."""
+        self.group.transfer_done(output.request_id, output.rank)
+
     def health(self) -> tuple[bool, str]:
         return self.group.health()
 
@@ -63,7 +78,8 @@ class EngineClient:
             while True:
                 out: RequestOutput = await queue.get()
                 if out.finish_reason == "error":
-                    raise EngineUnavailable(self.group.dead or "the engine failed this request")
+                    finished = True  # nothing left to abort on the rank
+                    raise EngineUnavailable(out.error or self.group.dead or "the engine failed this request")
                 yield out
                 if out.finished:
                     finished = True

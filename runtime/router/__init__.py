@@ -1,0 +1,17 @@
+"""The disaggregated router (`adpfleet router`): OpenAI requests in, context + generation servers out.
+
+One request, top to bottom (`app.py` → `pipeline.py`):
+
+1. `discovery.py` keeps the `ServerPool` (`pool.py`) up to date — a static list of URLs, or the
+   fleet's pods watched in Kubernetes (pod IP, readiness, role label, drain annotation);
+2. the pool picks the least-loaded usable server(s) for the request;
+3. disaggregated: the context server answers the prompt's first token plus `disaggregated_params`
+   (the KV handle); the generation server gets the client's body plus those params, pulls the KV
+   and answers the whole request, which the router relays (SSE for streams);
+   aggregated: the one server answers directly;
+4. a failure before any token reached the client is retried on other servers (`policy.py` says
+   which failures are retryable: never a 4xx); after that the stream ends with an explicit error
+   event; every request ends within its deadline.
+
+The router holds no model state; `metrics.py` exports its own counters on /metrics.
+"""

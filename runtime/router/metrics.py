@@ -1,0 +1,40 @@
+"""The router's own Prometheus series, in a registry of its own (no process collectors)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+from adpfleet.runtime.router.policy import REASONS
+from adpfleet.runtime.router.pool import Endpoint
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class RouterMetrics:
+    def __init__(self):
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "adpfleet_router_requests", "Client requests finished, by outcome: the HTTP status sent, "
+            "'stream_error' for a stream ended by an error event, 'client_closed' when the client left.",
+            ["status"], registry=self.registry)
+        self.retries = Counter("adpfleet_router_retries", "Attempts beyond the first, over all requests.",
+                               registry=self.registry)
+        self.errors = Counter("adpfleet_router_errors", "Failures seen by the router, retried or not.",
+                              ["reason"], registry=self.registry)
+        self.in_flight = Gauge("adpfleet_router_in_flight", "Requests the router has open on a server.",
+                               ["server", "role"], registry=self.registry)
+        self.servers = Gauge("adpfleet_router_servers", "Servers known to the router, by role and usability.",
+                             ["role", "usable"], registry=self.registry)
+        for reason in REASONS:
+            self.errors.labels(reason)
+        self._shown: set[Endpoint] = set()
+
+    def set_in_flight(self, counts: dict[Endpoint, int]) -> None:
+        for ep in self._shown - counts.keys():  # a server that left the pool leaves the metrics
+            self.in_flight.remove(ep.url, ep.role)
+        for ep, n in counts.items():
+            self.in_flight.labels(ep.url, ep.role).set(n)
+        self._shown = set(counts)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

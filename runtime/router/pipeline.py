@@ -1,0 +1,273 @@
+"""One client request through the fleet: pick servers, run context then generation (or one
+aggregated server), retry what failed before any token reached the client, relay the answer.
+
+`Router.prepare` runs every attempt up to the point of no return — the first event that carries
+output — and returns either a complete `Answer` or a committed `Relay`; `Router.relay` streams a
+committed answer to the end, or ends it with an explicit error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import httpx
+
+from adpfleet.runtime.router import sse
+from adpfleet.runtime.router.metrics import RouterMetrics
+from adpfleet.runtime.router.policy import (Failure, error_body, failure_from_status, final_error,
+                                             is_client_error, servers_to_avoid, should_retry)
+from adpfleet.runtime.router.pool import Endpoint, ServerPool
+
+log = logging.getLogger("adpfleet.router")
+
+
+@dataclass
+class Answer:
+    """A complete answer: a JSON body (dict, or the server's bytes passed through unchanged)."""
+    status: int
+    body: dict | bytes
+
+
+@dataclass
+class Relay:
+    """A stream the client will receive: `first` events are already in hand (nothing was sent
+    yet), `rest` continues from the server (None when the stream is complete)."""
+    first: list[bytes]
+    rest: AsyncIterator[sse.Event] | None = None
+    server: Endpoint | None = None
+    on_close: list = field(default_factory=list)
+    outcome: str = "client_closed"  # the requests_total label, set by Router.relay as it ends
+
+    async def close(self) -> None:
+        """Idempotent: closes the server's stream and releases its in-flight slot."""
+        while self.on_close:
+            await self.on_close.pop()()
+
+
+class AttemptFailed(Exception):
+    def __init__(self, failure: Failure):
+        super().__init__(failure.describe())
+        self.failure = failure
+
+
+@dataclass
+class _Attempt:
+    """Where one attempt is, so a timeout can be blamed on the server it was waiting for."""
+    context: Endpoint | None = None
+    waiting_on: Endpoint | None = None
+
+
+def _transport_failure(server: Endpoint, exc: httpx.TransportError) -> Failure:
+    if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
+        return Failure("connect_error", f"cannot connect: {exc!r}", server)
+    return Failure("server_error", f"connection lost: {exc!r}", server)
+
+
+class Router:
+    def __init__(self, pool: ServerPool, metrics: RouterMetrics, http: httpx.AsyncClient, *,
+                 request_timeout: float, max_attempts: int, first_token_timeout: float | None = None):
+        self.pool, self.metrics, self.http = pool, metrics, http
+        self.request_timeout, self.max_attempts = request_timeout, max_attempts
+        self.first_token_timeout = first_token_timeout
+
+    # -- the attempts ------------------------------------------------------------------------
+    async def prepare(self, path: str, body: dict, deadline: float) -> Answer | Relay:
+        """Attempts until one succeeds, a server rejects the input (4xx), or none is left."""
+        loop = asyncio.get_running_loop()
+        failures: list[Failure] = []
+        avoid: set[Endpoint] = set()
+        for attempt in range(1, self.max_attempts + 1):
+            if attempt > 1:
+                self.metrics.retries.inc()
+            state = _Attempt()
+            limit = deadline if not self.first_token_timeout else min(deadline, loop.time() + self.first_token_timeout)
+            try:
+                async with asyncio.timeout_at(limit):
+                    return await self._attempt(state, path, body, avoid)
+            except AttemptFailed as e:
+                failure = e.failure
+            except TimeoutError:
+                if loop.time() >= deadline:
+                    failure = Failure("deadline", f"no answer within the request deadline of {self.request_timeout:g} s",
+                                      state.waiting_on)
+                else:
+                    failure = Failure("attempt_timeout", f"no first token within {self.first_token_timeout:g} s",
+                                      state.waiting_on)
+            failures.append(failure)
+            self.metrics.errors.labels(failure.reason).inc()
+            if failure.server is not None and failure.reason not in ("kv_transfer_failed", "deadline"):
+                self.pool.report_failure(failure.server, time.monotonic())
+            log.warning("attempt %d/%d failed: %s", attempt, self.max_attempts, failure.describe())
+            if not should_retry(failure, attempt, self.max_attempts, False, deadline - loop.time()):
+                break
+            avoid |= servers_to_avoid(failure, state.context)
+        status, err = final_error(failures, deadline_passed=loop.time() >= deadline)
+        return Answer(status, err)
+
+    async def _attempt(self, state: _Attempt, path: str, body: dict, avoid: set[Endpoint]) -> Answer | Relay:
+        stream = bool(body.get("stream"))
+        mode = self.pool.mode(time.monotonic())
+        if mode is None:
+            known = ", ".join(f"{ep.role} {ep.url}" for ep in self.pool.endpoints()) or "none"
+            raise AttemptFailed(Failure("no_server", "no usable server: the router needs a context and a generation "
+                                        f"server, or an aggregated server (known: {known})"))
+        if mode == "aggregated":
+            return await self._answer_from(state, self._pick("aggregated", avoid), path, body, stream)
+
+        ctx = state.context = self._pick("context", avoid)
+        ctx_body = {k: v for k, v in body.items() if k != "stream_options"} | {"stream": False}
+        status, raw = await self._post(state, ctx, path, ctx_body)
+        if is_client_error(status):
+            return Answer(status, raw)
+        if status != 200:
+            raise AttemptFailed(failure_from_status(ctx, status, raw))
+        result = _json_object(raw)
+        choices = result.get("choices") if result else None
+        if not choices or not isinstance(choices, list) or not isinstance(choices[0], dict):
+            raise AttemptFailed(Failure("bad_response", "the context server's answer has no choices", ctx))
+        params = result.pop("disaggregated_params", None)
+        if choices[0].get("finish_reason") is not None:  # finished at its first token: no generation step
+            if not stream:
+                return Answer(200, result)
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            return Relay(sse.stream_of(result, path.endswith("/chat/completions"), include_usage))
+        if not isinstance(params, dict):
+            raise AttemptFailed(Failure("bad_response", "the context server answered without "
+                                        "'disaggregated_params' (is it running with --role context?)", ctx))
+        gen = self._pick("generation", avoid)
+        return await self._answer_from(state, gen, path, {**body, "disaggregated_params": params}, stream)
+
+    def _pick(self, role: str, avoid: set[Endpoint]) -> Endpoint:
+        ep = self.pool.pick(role, time.monotonic(), avoid)
+        if ep is None:  # the pool changed since mode() was asked
+            raise AttemptFailed(Failure("no_server", f"no {role} server is known"))
+        return ep
+
+    # -- talking to one server ---------------------------------------------------------------
+    def _acquire(self, server: Endpoint) -> None:
+        self.pool.acquire(server)
+        self.metrics.set_in_flight(self.pool.in_flight())
+
+    def _release(self, server: Endpoint) -> None:
+        self.pool.release(server)
+        self.metrics.set_in_flight(self.pool.in_flight())
+
+    async def _post(self, state: _Attempt, server: Endpoint, path: str, body: dict) -> tuple[int, bytes]:
+        state.waiting_on = server
+        self._acquire(server)
+        try:
+            resp = await self.http.post(server.url + path, json=body)
+            return resp.status_code, resp.content
+        except httpx.TransportError as e:
+            raise AttemptFailed(_transport_failure(server, e)) from None
+        finally:
+            self._release(server)
+
+    async def _answer_from(self, state: _Attempt, server: Endpoint, path: str, body: dict,
+                           stream: bool) -> Answer | Relay:
+        """The server that answers the whole request (generation or aggregated)."""
+        if not stream:
+            status, raw = await self._post(state, server, path, body)
+            if is_client_error(status):
+                return Answer(status, raw)
+            if status != 200:
+                raise AttemptFailed(failure_from_status(server, status, raw))
+            if _json_object(raw) is None:
+                raise AttemptFailed(Failure("bad_response", "the answer is not a JSON object", server))
+            return Answer(200, raw)
+
+        state.waiting_on = server
+        self._acquire(server)
+        resp: httpx.Response | None = None
+        relay: Relay | None = None
+        try:
+            resp = await self.http.send(self.http.build_request("POST", server.url + path, json=body), stream=True)
+            if resp.status_code != 200:
+                raw = await resp.aread()
+                if is_client_error(resp.status_code):
+                    return Answer(resp.status_code, raw)
+                raise AttemptFailed(failure_from_status(server, resp.status_code, raw))
+            events = sse.events(resp.aiter_lines())
+            held: list[bytes] = []
+            async for event in events:  # hold events until one carries output: until then a retry is invisible
+                if event.error:
+                    raise AttemptFailed(Failure("server_error", "error event before any token: "
+                                                f"{event.error.get('message')}", server))
+                held.append(event.raw)
+                if event.is_done or event.has_output:
+                    relay = Relay(held, events, server)
+                    relay.on_close += [self._releaser(server), resp.aclose]  # run last to first
+                    return relay
+            raise AttemptFailed(Failure("server_error", "the stream ended before any token", server))
+        except httpx.TransportError as e:
+            raise AttemptFailed(_transport_failure(server, e)) from None
+        finally:
+            if relay is None:
+                if resp is not None:
+                    await resp.aclose()
+                self._release(server)
+
+    def _releaser(self, server: Endpoint):
+        async def release() -> None:
+            self._release(server)
+        return release
+
+    # -- after the point of no return --------------------------------------------------------
+    async def relay(self, relay: Relay, deadline: float) -> AsyncIterator[bytes]:
+        """The committed stream to its end. A failure now cannot be retried (the client has
+        output): the stream ends with an error event (which OpenAI clients raise) and [DONE].
+        The caller runs `finish` afterwards, also when the client left midway."""
+        try:
+            for chunk in relay.first:
+                yield chunk
+            if relay.rest is None:
+                relay.outcome = "200"
+                return
+            failure = None
+            while failure is None:
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        event = await anext(relay.rest, None)
+                except TimeoutError:
+                    failure = Failure("deadline", f"the request deadline of {self.request_timeout:g} s passed "
+                                      "while streaming", relay.server)
+                    break
+                except httpx.TransportError as e:
+                    failure = Failure("stream_broken", f"connection lost after tokens were sent: {e!r}", relay.server)
+                    break
+                if event is None:
+                    failure = Failure("stream_broken", "the stream ended without [DONE]", relay.server)
+                    break
+                if event.error:
+                    failure = Failure("stream_broken", f"server error after tokens were sent: "
+                                      f"{event.error.get('message')}", relay.server)
+                    break
+                yield event.raw
+                if event.is_done:
+                    relay.outcome = "200"
+                    return
+            self.metrics.errors.labels(failure.reason).inc()
+            log.warning("stream failed after output: %s", failure.describe())
+            code = "deadline_exceeded" if failure.reason == "deadline" else "stream_broken"
+            yield sse.encode(error_body(f"the answer is incomplete: {failure.describe()}", "server_error", code))
+            yield sse.DONE
+            relay.outcome = "stream_error"
+        finally:
+            await relay.close()
+
+    async def finish(self, relay: Relay) -> None:
+        await relay.close()
+        self.metrics.requests.labels(relay.outcome).inc()
+
+
+def _json_object(raw: bytes) -> dict | None:
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return None
+    return body if isinstance(body, dict) else None

@@ -1,0 +1,134 @@
+"""The servers the router may use, and which one gets the next request.
+
+Pure bookkeeping, no I/O: discovery replaces the set of endpoints, the request path acquires and
+releases them and reports failures, the health prober reports probe results. Callers pass `now`
+so tests drive time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+ROLES = ("context", "generation", "aggregated")
+
+
+def normalize_url(url: str) -> str:
+    """'10.0.0.3:8000' or 'http://10.0.0.3:8000/' -> 'http://10.0.0.3:8000'."""
+    url = url.strip().rstrip("/")
+    if not url:
+        raise ValueError("a server URL is empty")
+    if "://" not in url:
+        url = "http://" + url
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"server URL {url!r}: only http:// and https:// are supported")
+    return url
+
+
+@dataclass(frozen=True, order=True)
+class Endpoint:
+    role: str
+    url: str
+
+    def __post_init__(self):
+        if self.role not in ROLES:
+            raise ValueError(f"unknown server role {self.role!r}; expected one of {', '.join(ROLES)}")
+
+
+@dataclass
+class _State:
+    in_flight: int = 0
+    present: bool = True       # still discovered; a vanished server lingers only while requests run on it
+    probe_ok: bool = True      # last active /health probe (optimistic until the first one)
+    down_until: float = 0.0    # after a failed request the server is avoided for a cool-down
+
+
+class ServerPool:
+    """Least-loaded selection (fewest in-flight requests; ties round robin) among usable servers.
+
+    Usable = discovered, last health probe passed, not cooling down after a failure. When no
+    server of a role is usable, `pick` still falls back to a discovered one that is merely
+    cooling down or failed its probe: trying it beats refusing the request outright.
+    """
+
+    def __init__(self, cooldown_s: float = 5.0):
+        self.cooldown_s = cooldown_s
+        self._servers: dict[Endpoint, _State] = {}
+        self._turn = dict.fromkeys(ROLES, 0)
+
+    # -- discovery ---------------------------------------------------------------------------
+    def set_endpoints(self, endpoints: Iterable[Endpoint]) -> None:
+        wanted = set(endpoints)
+        for ep in wanted:
+            state = self._servers.setdefault(ep, _State())
+            state.present = True
+        for ep, state in list(self._servers.items()):
+            if ep not in wanted:
+                state.present = False
+                if state.in_flight == 0:
+                    del self._servers[ep]
+
+    def endpoints(self, role: str | None = None) -> list[Endpoint]:
+        return sorted(ep for ep, s in self._servers.items() if s.present and role in (None, ep.role))
+
+    # -- health ------------------------------------------------------------------------------
+    def usable(self, role: str, now: float) -> list[Endpoint]:
+        return sorted(ep for ep, s in self._servers.items()
+                      if ep.role == role and s.present and s.probe_ok and now >= s.down_until)
+
+    def mode(self, now: float) -> str | None:
+        """'disaggregated' when a context and a generation server are usable, else 'aggregated'
+        when an aggregated one is, else None. Falls back to discovered-but-unhealthy servers the
+        same way, so a momentary probe failure does not refuse requests."""
+        for check in (lambda role: self.usable(role, now), self.endpoints):
+            if check("context") and check("generation"):
+                return "disaggregated"
+            if check("aggregated"):
+                return "aggregated"
+        return None
+
+    def healthy_mode(self, now: float) -> str | None:
+        if self.usable("context", now) and self.usable("generation", now):
+            return "disaggregated"
+        return "aggregated" if self.usable("aggregated", now) else None
+
+    def report_failure(self, ep: Endpoint, now: float) -> None:
+        if ep in self._servers:
+            self._servers[ep].down_until = now + self.cooldown_s
+
+    def report_probe(self, ep: Endpoint, ok: bool) -> None:
+        if ep in self._servers:
+            self._servers[ep].probe_ok = ok
+
+    # -- selection ---------------------------------------------------------------------------
+    def pick(self, role: str, now: float, avoid: Iterable[Endpoint] = ()) -> Endpoint | None:
+        """The least-loaded server of `role`, preferring (in this order) servers this request has
+        not failed on (`avoid`), then healthy ones, then fewer in-flight requests."""
+        avoid = set(avoid)
+        candidates = [(ep, s) for ep, s in self._servers.items() if ep.role == role and s.present]
+        if not candidates:
+            return None
+
+        def rank(item):
+            ep, s = item
+            return (ep in avoid, not (s.probe_ok and now >= s.down_until), s.in_flight)
+
+        best = min(rank(c) for c in candidates)
+        tied = sorted(ep for ep, s in candidates if rank((ep, s)) == best)
+        choice = tied[self._turn[role] % len(tied)]
+        self._turn[role] += 1
+        return choice
+
+    def acquire(self, ep: Endpoint) -> None:
+        self._servers.setdefault(ep, _State(present=False)).in_flight += 1
+
+    def release(self, ep: Endpoint) -> None:
+        state = self._servers.get(ep)
+        if state is None:
+            return
+        state.in_flight -= 1
+        if state.in_flight <= 0 and not state.present:
+            del self._servers[ep]
+
+    def in_flight(self) -> dict[Endpoint, int]:
+        return {ep: s.in_flight for ep, s in self._servers.items()}

@@ -1,0 +1,92 @@
+"""Server-sent events as the OpenAI streaming API uses them: read, classify, write."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+DONE = b"data: [DONE]\n\n"
+
+
+@dataclass
+class Event:
+    raw: bytes          # the event as received, blank-line terminated, ready to relay
+    data: str           # the joined `data:` fields
+
+    @property
+    def is_done(self) -> bool:
+        return self.data.strip() == "[DONE]"
+
+    def json(self):
+        try:
+            return json.loads(self.data)
+        except ValueError:
+            return None
+
+    @property
+    def error(self) -> dict | None:
+        body = self.json()
+        return body.get("error") if isinstance(body, dict) and isinstance(body.get("error"), dict) else None
+
+    @property
+    def has_output(self) -> bool:
+        """Whether the client learns something from it: text, a finish reason or usage. A chat
+        stream's opening `{"role": "assistant"}` delta does not count, so a failure right after
+        it is still retried."""
+        body = self.json()
+        if not isinstance(body, dict):
+            return False
+        if body.get("usage"):
+            return True
+        for choice in body.get("choices") or []:
+            delta = choice.get("delta") or {}
+            if choice.get("text") or delta.get("content") or choice.get("finish_reason"):
+                return True
+        return False
+
+
+async def events(lines: AsyncIterator[str]) -> AsyncIterator[Event]:
+    """Group an SSE line stream into events (comments and blank keep-alives are dropped)."""
+    data: list[str] = []
+    raw: list[str] = []
+    async for line in lines:
+        if line == "":
+            if data:
+                yield Event(("\n".join(raw) + "\n\n").encode(), "\n".join(data))
+            data, raw = [], []
+            continue
+        if line.startswith(":"):
+            continue
+        raw.append(line)
+        if line.startswith("data:"):
+            value = line[5:]
+            data.append(value[1:] if value.startswith(" ") else value)
+    if data:  # a last event without its blank line: the stream was cut
+        yield Event(("\n".join(raw) + "\n\n").encode(), "\n".join(data))
+
+
+def encode(body: dict) -> bytes:
+    return f"data: {json.dumps(body)}\n\n".encode()
+
+
+def stream_of(result: dict, chat: bool, include_usage: bool) -> list[bytes]:
+    """A finished (non-streamed) completion as the SSE events the client asked for: used when the
+    context server's first token already ended the request."""
+    base = {"id": result.get("id"), "created": result.get("created"), "model": result.get("model")}
+    chunks = []
+    for choice in result.get("choices") or []:
+        if chat:
+            message = choice.get("message") or {}
+            piece = {"index": choice.get("index", 0), "logprobs": None, "finish_reason": choice.get("finish_reason"),
+                     "delta": {"role": message.get("role", "assistant"), "content": message.get("content") or ""}}
+        else:
+            piece = {"index": choice.get("index", 0), "text": choice.get("text", ""), "logprobs": None,
+                     "finish_reason": choice.get("finish_reason")}
+        chunks.append(encode({**base, "object": "chat.completion.chunk" if chat else "text_completion",
+                              "choices": [piece]}))
+    if include_usage and result.get("usage"):
+        chunks.append(encode({**base, "object": "chat.completion.chunk" if chat else "text_completion",
+                              "choices": [], "usage": result["usage"]}))
+    chunks.append(DONE)
+    return chunks

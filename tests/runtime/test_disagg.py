@@ -1,0 +1,123 @@
+"""Context + generation servers (2 ADP ranks each): the same tokens as aggregated, KV handed over
+and freed, failures explicit."""
+
+import time
+
+import httpx
+import openai
+import pytest
+
+from servers import Server
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
+
+PROMPTS = ["Disaggregated serving", "x", "The prompt runs on one server and decodes on another. " * 3]
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("disagg")
+    servers = {role: Server("--model", "tiny", "--dp", "2", "--role", role, "--kv-blocks", "64",
+                            "--kv-lease", "30", log_path=logs / f"{role}.log")
+               for role in ("aggregated", "context", "generation")}
+    try:
+        for s in servers.values():
+            s.wait_healthy()
+        yield servers
+    finally:
+        for s in servers.values():
+            s.stop()
+
+
+def post(server, path, body, timeout=60):
+    return httpx.post(server.url + path, json=body, timeout=timeout)
+
+
+def disaggregated(fleet, path, body):
+    ctx = post(fleet["context"], path, {**body, "stream": False})
+    assert ctx.status_code == 200, ctx.text
+    c = ctx.json()
+    assert "disaggregated_params" in c and c["choices"][0]["finish_reason"] is None
+    gen = post(fleet["generation"], path, {**body, "disaggregated_params": c["disaggregated_params"]})
+    assert gen.status_code == 200, gen.text
+    return c, gen.json()
+
+
+def metric(server, name):
+    text = httpx.get(server.url + "/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def wait_until(cond, timeout):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_context_then_generation_equals_aggregated_token_for_token(fleet, prompt):
+    body = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    agg = post(fleet["aggregated"], "/v1/completions", body).json()
+    ctx, gen = disaggregated(fleet, "/v1/completions", body)
+    assert gen["choices"][0]["text"] == agg["choices"][0]["text"]
+    assert ctx["choices"][0]["text"] == agg["choices"][0]["text"][:len(ctx["choices"][0]["text"])]
+    assert gen["usage"] == agg["usage"] and gen["choices"][0]["finish_reason"] == "length"
+
+
+def test_chat_through_context_and_generation_equals_aggregated(fleet):
+    body = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}],
+            "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    agg = post(fleet["aggregated"], "/v1/chat/completions", body).json()
+    _, gen = disaggregated(fleet, "/v1/chat/completions", body)
+    assert gen["choices"][0]["message"]["content"] == agg["choices"][0]["message"]["content"]
+    assert gen["object"] == "chat.completion" and gen["usage"]["completion_tokens"] == 16
+
+
+def test_pulled_kv_is_freed_on_the_context_server(fleet):
+    disaggregated(fleet, "/v1/completions", {"prompt": "free me " * 20, "max_tokens": 4, "temperature": 0})
+    assert wait_until(lambda: metric(fleet["context"], "adpfleet_kv_cache_blocks_used") == 0, 10)
+    assert metric(fleet["context"], "adpfleet_kv_transfers_in_flight") == 0
+    assert wait_until(lambda: metric(fleet["generation"], "adpfleet_kv_cache_blocks_used") == 0, 10)
+
+
+def test_a_request_that_ends_at_its_first_token_needs_no_generation_server(fleet):
+    r = post(fleet["context"], "/v1/completions", {"prompt": "one", "max_tokens": 1}).json()
+    assert r["choices"][0]["finish_reason"] == "length" and "disaggregated_params" not in r
+    assert wait_until(lambda: metric(fleet["context"], "adpfleet_kv_cache_blocks_used") == 0, 10)
+
+
+def test_an_unreachable_context_server_fails_the_generation_request_explicitly(fleet):
+    params = {"ctx_request_id": "gone", "first_token_id": 65, "prompt_token_ids": [256, 65, 66],
+              "kv_endpoint": "127.0.0.1:1", "kv_handle": "gone"}
+    r = post(fleet["generation"], "/v1/completions", {"prompt": "ignored", "max_tokens": 4,
+                                                      "disaggregated_params": params})
+    assert r.status_code == 502 and r.json()["error"]["type"] == "kv_transfer_failed"
+    assert httpx.get(fleet["generation"].url + "/health").status_code == 200
+
+
+def test_a_handle_pulled_twice_is_refused_the_second_time(fleet):
+    body = {"prompt": "only once", "max_tokens": 4, "temperature": 0}
+    ctx, _ = disaggregated(fleet, "/v1/completions", body)
+    again = post(fleet["generation"], "/v1/completions", {**body, "disaggregated_params": ctx["disaggregated_params"]})
+    assert again.status_code == 502 and "no held KV" in again.json()["error"]["message"]
+
+
+def test_role_mismatches_are_bad_requests(fleet):
+    r = post(fleet["generation"], "/v1/completions", {"prompt": "x"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "disaggregated_params"
+
+
+def test_openai_client_chat_streaming_on_an_aggregated_server(fleet):
+    client = openai.OpenAI(base_url=fleet["aggregated"].url + "/v1", api_key="unused", max_retries=0)
+    full = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=10,
+                                          temperature=0, extra_body={"ignore_eos": True})
+    chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=10, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == full.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].usage.completion_tokens == 10 == full.usage.completion_tokens
