@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from adpfleet.runtime import metrics
 from adpfleet.runtime.engine.sampling import InvalidRequestError
+from adpfleet.runtime.engine.validation import tokenize
 from adpfleet.runtime.serving import kv_transfer, protocol
 
 log = logging.getLogger("adpfleet.server")
@@ -99,9 +100,8 @@ def build_app(engine, model_name: str, role: str = "aggregated"):
                 if req.disaggregated_params is not None:
                     raise InvalidRequestError(f"'disaggregated_params' is only for generation servers; this is a "
                                               f"{role} server", "disaggregated_params")
-                prompt = req.prompt_input(engine.tokenizer)
-                n = len(engine.tokenizer.encode(prompt)) if isinstance(prompt, str) else len(prompt)
-                max_tokens = req.requested_max_tokens(n, limit)
+                prompt = tokenize(req.prompt_input(engine.tokenizer), engine.tokenizer)
+                max_tokens = req.requested_max_tokens(len(prompt), limit)
                 # the context role runs the prompt and samples only the first token
                 ereq = engine.make_request(prompt, req.sampling_params(max_tokens), fmt.id)
                 if role == "context":

@@ -9,15 +9,23 @@ from adpfleet.runtime.engine.request import Request
 from adpfleet.runtime.engine.sampling import InvalidRequestError, SamplingParams
 
 
+def tokenize(prompt, tokenizer) -> list[int]:
+    """A text prompt's token ids (a list of ids passes through); InvalidRequestError if neither."""
+    if isinstance(prompt, str):
+        try:
+            return tokenizer.encode(prompt)
+        except UnicodeEncodeError as e:  # JSON allows lone surrogates ("\ud800"); text cannot hold them
+            raise InvalidRequestError(f"'prompt' is not valid Unicode text: {e.reason} at {e.start}",
+                                      "prompt") from None
+    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return list(prompt)
+    raise InvalidRequestError("'prompt' must be a string or a list of token ids", "prompt")
+
+
 def make_request(prompt, params: SamplingParams, request_id: str, tokenizer, model_config,
                  engine_config) -> Request:
     params.validate()
-    if isinstance(prompt, str):
-        ids = tokenizer.encode(prompt)
-    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        ids = list(prompt)
-    else:
-        raise InvalidRequestError("'prompt' must be a string or a list of token ids", "prompt")
+    ids = tokenize(prompt, tokenizer)
     if not ids:
         raise InvalidRequestError("'prompt' must not be empty", "prompt")
     vocab = model_config.vocab_size

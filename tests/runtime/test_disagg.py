@@ -121,3 +121,17 @@ def test_openai_client_chat_streaming_on_an_aggregated_server(fleet):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == full.choices[0].message.content
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-1].usage.completion_tokens == 10 == full.usage.completion_tokens
+
+
+def test_kv_that_is_never_pulled_is_freed_when_its_lease_expires(tmp_path):
+    ctx = Server("--model", "tiny", "--role", "context", "--kv-blocks", "64", "--kv-lease", "1",
+                 log_path=tmp_path / "context.log")
+    try:
+        ctx.wait_healthy()
+        r = post(ctx, "/v1/completions", {"prompt": "nobody pulls me " * 10, "max_tokens": 8}).json()
+        assert "disaggregated_params" in r
+        assert metric(ctx, "adpfleet_kv_transfers_in_flight") > 0
+        assert wait_until(lambda: metric(ctx, "adpfleet_kv_cache_blocks_used") == 0, 10)
+        assert metric(ctx, "adpfleet_kv_transfers_in_flight") == 0
+    finally:
+        ctx.stop()

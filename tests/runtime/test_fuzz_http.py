@@ -1,0 +1,73 @@
+"""No malformed request gets a 5xx: property-based bodies against a real server."""
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from servers import Server
+
+pytestmark = pytest.mark.slow
+
+json_leaf = st.one_of(st.none(), st.booleans(), st.integers(-2**40, 2**40), st.floats(allow_nan=False, allow_infinity=False),
+                      st.text(max_size=20))
+json_value = st.recursive(json_leaf, lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                                             st.dictionaries(st.text(max_size=8), inner, max_size=3)),
+                          max_leaves=8)
+small_tokens = st.one_of(st.integers(-3, 3), json_value)  # never ask for long generations
+COMMON = {"model": st.one_of(st.just("tiny"), json_value), "temperature": json_value, "top_p": json_value,
+          "top_k": json_value, "seed": json_value, "stop": json_value, "stream": json_value,
+          "stream_options": json_value, "n": json_value, "ignore_eos": json_value, "stop_token_ids": json_value,
+          "logit_bias": json_value, "disaggregated_params": json_value}
+completion_bodies = st.fixed_dictionaries(
+    {"prompt": st.one_of(st.text(max_size=30), st.lists(st.integers(-5, 400), max_size=5), json_value)},
+    optional={**COMMON, "max_tokens": small_tokens, "echo": json_value, "logprobs": json_value,
+              "best_of": json_value, "x_unknown_field": json_value})
+messages = st.lists(st.fixed_dictionaries({"role": st.one_of(st.sampled_from(["user", "system", "tool"]), json_value),
+                                           "content": st.one_of(st.text(max_size=20), json_value)}), max_size=3)
+chat_bodies = st.fixed_dictionaries(
+    {"messages": st.one_of(messages, json_value), "max_tokens": st.integers(1, 3)},
+    optional={**COMMON, "max_completion_tokens": small_tokens, "logprobs": json_value})
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = Server("--model", "tiny", "--kv-blocks", "64", log_path=tmp_path_factory.mktemp("fuzz") / "server.log")
+    try:
+        yield s.wait_healthy()
+    finally:
+        s.stop()
+
+
+def check(server, path, body):
+    r = httpx.post(server.url + path, json=body, timeout=60)
+    assert r.status_code < 500, (body, r.status_code, r.text)
+    if r.status_code >= 400:
+        err = r.json()["error"]
+        assert err["message"] and err["type"]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(completion_bodies)
+def test_completions_never_answer_5xx(server, body):
+    check(server, "/v1/completions", body)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(chat_bodies)
+def test_chat_never_answers_5xx(server, body):
+    check(server, "/v1/chat/completions", body)
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.binary(max_size=40))
+def test_arbitrary_bytes_never_answer_5xx(server, raw):
+    r = httpx.post(server.url + "/v1/completions", content=raw, timeout=30)
+    assert r.status_code < 500
+
+
+@pytest.mark.parametrize("raw", [b'{"prompt": "x", "temperature": NaN}', b'{"prompt": "x", "top_p": Infinity}',
+                                 b'{"prompt": "x", "max_tokens": 1e999}', b'{"prompt": "\\ud800"}'])
+def test_non_standard_json_numbers_and_lone_surrogates_are_bad_requests(server, raw):
+    r = httpx.post(server.url + "/v1/completions", content=raw, timeout=30)
+    assert r.status_code == 400, r.text
