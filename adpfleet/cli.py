@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--collective-timeout", type=float, default=60.0,
                        help="seconds a rank may block in a collective (or stay silent) before the server "
                             "declares it hung, turns unhealthy and exits non-zero")
+    serve.add_argument("--fault-injection", action="store_true",
+                       help="accept POST /faults to freeze a rank, stop KV reaping or starve a rank "
+                            "(tests and the demo only)")
     serve.add_argument("--kv-port", type=int, default=None,
                        help="context role: rank r serves held KV on this port + r (default: --port + 1)")
     serve.add_argument("--kv-lease", type=float, default=60.0,
@@ -89,6 +92,16 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--agent-arg", action="append", default=[], metavar="ARG",
                          help="up: extra node-agent argument, e.g. --agent-arg=--gpus=4")
     cluster.set_defaults(run="adpfleet.cluster.cli:main")
+
+    operator = sub.add_parser("operator", help="run the Kubernetes operator (kopf) that reconciles InferenceFleets")
+    from adpfleet.operator.main import add_arguments as add_operator_arguments
+    add_operator_arguments(operator)
+    operator.set_defaults(run="adpfleet.operator.main:main")
+
+    crds = sub.add_parser("crds", help="print the InferenceFleet CRD generated from the operator's models")
+    crds.add_argument("--reference", action="store_true",
+                      help="print the spec reference (Markdown, docs/configuration.md) instead")
+    crds.set_defaults(run="adpfleet.operator.resource.crd:main")
 
     demo = sub.add_parser("demo", help="run the whole loop on this machine")
     demo.add_argument("--port", type=int, default=0, help="server port (0: pick a free one)")

@@ -32,7 +32,7 @@ class ClientGone(Exception):
     pass
 
 
-def build_app(engine, model_name: str, role: str = "aggregated"):
+def build_app(engine, model_name: str, role: str = "aggregated", fault_injection: bool = False):
     from adpfleet.runtime.serving.engine_client import EngineUnavailable
 
     app = FastAPI(title="adpfleet", version="0.1.0")
@@ -167,6 +167,26 @@ def build_app(engine, model_name: str, role: str = "aggregated"):
             yield f"data: {json.dumps(fmt.usage_chunk(protocol.usage(last.prompt_tokens, last.completion_tokens)))}\n\n"
         yield "data: [DONE]\n\n"
 
+    if fault_injection:
+        from adpfleet.runtime.executor import faults
+
+        @app.post("/faults")
+        async def inject(request: Request):
+            try:
+                body = json.loads(await request.body())
+                kind, rank = body["kind"], body.get("rank", 0)
+                if kind not in faults.KINDS:
+                    raise ValueError(f"'kind' must be one of {', '.join(faults.KINDS)}")
+                if kind == "stop-reaping" and role != "context":
+                    raise ValueError("stop-reaping applies to context servers only")
+                if not isinstance(rank, int):
+                    raise ValueError("'rank' must be an integer")
+                engine.group.inject_fault(kind, rank)
+            except (ValueError, KeyError, TypeError, json.JSONDecodeError) as e:
+                return error(f"bad fault: {e}", 400)
+            log.warning("fault injected: %s on rank %d", kind, rank)
+            return {"injected": kind, "rank": rank}
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await serve(request, protocol.CompletionRequest, protocol.CompletionFormat)
@@ -207,7 +227,7 @@ def main(args) -> int:
                           kv_lease_s=args.kv_lease, kv_transfer_timeout_s=args.kv_transfer_timeout)
     name = args.served_model_name or (args.model if args.model in ("tiny", "tiny-dense")
                                       else args.model.rstrip("/").rsplit("/", 1)[-1])
-    app = build_app(client, name, args.role)
+    app = build_app(client, name, args.role, fault_injection=args.fault_injection)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
     log.info("serving %s (%s, %d ADP ranks) on http://%s:%d", name, args.role, args.dp, args.host, args.port)
     try:

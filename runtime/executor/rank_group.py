@@ -87,6 +87,12 @@ class RankGroup:
             if not self.dead:
                 self.conns[rank].send(("transfer_done", request_id))
 
+    def inject_fault(self, kind: str, rank: int) -> None:
+        if not 0 <= rank < self.dp:
+            raise ValueError(f"rank {rank} does not exist (this server has {self.dp})")
+        with self._lock:
+            self.conns[rank].send(("fault", kind))
+
     def _release(self, request_id: str) -> None:
         with self._lock:
             owner = self.owner.pop(request_id, None)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from adpfleet.runtime.config import EngineConfig
+from adpfleet.runtime.executor import faults
 from adpfleet.runtime.model.parallel import CALLS
 
 IDLE_WAIT_S = 0.02  # how long an idle rank waits for new requests before the next lockstep pass
@@ -105,6 +106,7 @@ def run_rank(spec: RankSpec, conn) -> None:
         arrived: queue.SimpleQueue = queue.SimpleQueue()  # generation role: requests whose KV came
         conn.send(("ready", spec.rank, kv_server.endpoint if kv_server else None))
         stop = False
+        frozen = False
         busy = False
         last_stats = 0.0
         while True:
@@ -124,6 +126,12 @@ def run_rank(spec: RankSpec, conn) -> None:
                     engine.kv_hold.release(msg[1])
                 elif msg[0] == "stop":
                     stop = True
+                elif msg[0] == "fault":
+                    frozen |= msg[1] == "freeze"
+                    faults.apply(msg[1], engine)
+            if frozen:  # injected: stop stepping; the peers wait in their next collective
+                time.sleep(0.1)
+                continue
             while not arrived.empty():
                 req, error = arrived.get()
                 if error is None:
