@@ -3,7 +3,7 @@
 Text is deterministic: token i of a prompt is a word chosen from the prompt's bytes and i, so
 aggregated, context+generation and retried answers are identical. Runs as its own process
 (`python fake_server.py --role R --port P`) so tests can kill it; POST /fake/config changes its
-behaviour at run time, GET /fake/requests returns the bodies it received.
+behaviour at run time, GET /fake/state returns the bodies it received and how many streams are open.
 """
 
 from __future__ import annotations
@@ -57,8 +57,9 @@ def tokens_for(prompt: str, max_tokens: int, stop: list[str]) -> tuple[list[str]
 def build(role: str, host: str, port: int) -> FastAPI:
     app = FastAPI()
     cfg = {"token_delay": 0.0, "fail_status": None, "hang": False, "kv_hang": False, "kv_timeout": 5.0,
-           "healthy": True}
+           "kv_fail": False, "healthy": True}
     received: list[dict] = []
+    active = [0]  # streams being sent
     held: dict[str, float] = {}
 
     @app.post("/fake/config")
@@ -67,9 +68,9 @@ def build(role: str, host: str, port: int) -> FastAPI:
         received.clear()
         return cfg
 
-    @app.get("/fake/requests")
-    async def requests_():
-        return received
+    @app.get("/fake/state")
+    async def state():
+        return {"received": received, "active": active[0]}
 
     @app.get("/health")
     async def health():
@@ -118,6 +119,8 @@ def build(role: str, host: str, port: int) -> FastAPI:
                 why = r.text
             except httpx.HTTPError as e:
                 ok, why = False, repr(e)
+            if cfg["kv_fail"]:
+                ok, why = False, "kv_fail is set"
             if not ok:
                 return error(f"KV pull failed: {why}", kind="kv_transfer_failed", status=502)
         elif params is not None:
@@ -157,6 +160,14 @@ def build(role: str, host: str, port: int) -> FastAPI:
         chunk_kind = "chat.completion.chunk" if chat else "text_completion"
 
         async def events():
+            active[0] += 1
+            try:
+                async for event in chunks():
+                    yield event
+            finally:
+                active[0] -= 1
+
+        async def chunks():
             if chat:
                 yield "data: " + json.dumps({"id": rid, "object": chunk_kind, "created": created, "model": MODEL,
                                              "choices": [{"index": 0, "delta": {"role": "assistant"},

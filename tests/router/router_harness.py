@@ -83,6 +83,10 @@ class Process:
                 self.kill()
 
 
+FAKE_DEFAULTS = {"token_delay": 0.0, "fail_status": None, "hang": False, "kv_hang": False, "kv_timeout": 5.0,
+                 "kv_fail": False, "healthy": True}
+
+
 class FakeServer(Process):
     def __init__(self, role: str, log_dir: Path, host: str = "127.0.0.1"):
         self.role = role
@@ -91,12 +95,21 @@ class FakeServer(Process):
                           "--port", str(port)], port, log_dir / f"fake-{role}-{port}.log", host=host)
 
     def configure(self, **settings) -> None:
-        """Set fault knobs (token_delay, fail_status, hang, kv_hang, kv_timeout, healthy); clears
-        the received-request log."""
+        """Set fault knobs (token_delay, fail_status, hang, kv_hang, kv_timeout, kv_fail, healthy);
+        clears the received-request log."""
         httpx.post(self.url + "/fake/config", json=settings, timeout=5, trust_env=False).raise_for_status()
 
+    def reset(self) -> None:
+        self.configure(**FAKE_DEFAULTS)
+
+    def state(self) -> dict:
+        return httpx.get(self.url + "/fake/state", timeout=5, trust_env=False).json()
+
     def received(self) -> list[dict]:
-        return httpx.get(self.url + "/fake/requests", timeout=5, trust_env=False).json()
+        return self.state()["received"]
+
+    def streams_open(self) -> int:
+        return self.state()["active"]
 
 
 def serve(role: str, log_dir: Path, *extra: str, dp: int = 1) -> Process:

@@ -1,0 +1,324 @@
+"""The router over HTTP against fake servers that follow the disaggregation contract: the
+official openai client, the contract bodies, bad input, retries, deadlines, disconnects, metrics."""
+
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from router_harness import FakeServer, wait_until
+
+
+@pytest.fixture
+def disagg(fresh_fakes, start_router):
+    """A router over the context server and both generation servers."""
+    f = fresh_fakes
+    return start_router("--context", f["ctx"].url, "--generation", f["gen1"].url, "--generation", f["gen2"].url)
+
+
+def client(router, timeout=30):
+    return openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0, timeout=timeout)
+
+
+def direct(server, timeout=30):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=timeout)
+
+
+def all_received(fakes, *names):
+    return [b for n in names for b in fakes[n].received()]
+
+
+# -- answers ---------------------------------------------------------------------------------
+def test_a_completion_through_context_and_generation_equals_the_aggregated_answer(disagg, fresh_fakes):
+    out = client(disagg).completions.create(model="fake", prompt="the quick brown fox", max_tokens=7)
+    ref = direct(fresh_fakes["agg"]).completions.create(model="fake", prompt="the quick brown fox", max_tokens=7)
+    assert out.choices[0].text == ref.choices[0].text and len(out.choices[0].text.split()) == 7
+    assert out.choices[0].finish_reason == "length"
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == (4, 7, 11)
+
+
+def test_context_gets_a_non_streamed_body_and_generation_the_original_plus_the_context_params(disagg, fresh_fakes):
+    list(client(disagg).completions.create(model="fake", prompt="abc", max_tokens=5, stream=True,
+                                           stream_options={"include_usage": True}, temperature=0))
+    [ctx_body] = fresh_fakes["ctx"].received()
+    assert ctx_body == {"model": "fake", "prompt": "abc", "max_tokens": 5, "stream": False, "temperature": 0}
+    [gen_body] = all_received(fresh_fakes, "gen1", "gen2")
+    params = gen_body.pop("disaggregated_params")
+    assert gen_body == {"model": "fake", "prompt": "abc", "max_tokens": 5, "stream": True,
+                        "stream_options": {"include_usage": True}, "temperature": 0}
+    assert set(params) == {"ctx_request_id", "first_token_id", "prompt_token_ids", "kv_endpoint", "kv_handle"}
+
+
+def test_streaming_chunks_concatenate_to_the_full_text_and_end_with_usage(disagg):
+    c = client(disagg)
+    full = c.completions.create(model="fake", prompt="stream me", max_tokens=9).choices[0].text
+    chunks = list(c.completions.create(model="fake", prompt="stream me", max_tokens=9, stream=True,
+                                       stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == full
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 9 and not chunks[-1].choices
+
+
+def test_chat_completions_streamed_and_not(disagg, fresh_fakes):
+    c = client(disagg)
+    messages = [{"role": "user", "content": "hello there"}]
+    out = c.chat.completions.create(model="fake", messages=messages, max_tokens=4)
+    ref = direct(fresh_fakes["agg"]).chat.completions.create(model="fake", messages=messages, max_tokens=4)
+    assert out.choices[0].message.content == ref.choices[0].message.content
+    assert out.choices[0].message.role == "assistant" and out.usage.completion_tokens == 4
+    chunks = list(c.chat.completions.create(model="fake", messages=messages, max_tokens=4, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == ref.choices[0].message.content
+    assert chunks[-1].usage.total_tokens == out.usage.total_tokens
+
+
+def test_stop_strings_truncate_as_the_servers_do(disagg, fresh_fakes):
+    c = client(disagg)
+    base = c.completions.create(model="fake", prompt="stop here", max_tokens=8).choices[0].text
+    stop = base.split()[3]
+    out = c.completions.create(model="fake", prompt="stop here", max_tokens=8, stop=[stop]).choices[0]
+    assert out.text == base[:base.index(stop)] and out.finish_reason == "stop"
+    streamed = list(c.completions.create(model="fake", prompt="stop here", max_tokens=8, stop=stop, stream=True))
+    assert "".join(ch.choices[0].text for ch in streamed) == out.text
+    assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_finished_by_its_first_token_is_answered_by_the_context_server_alone(disagg, fresh_fakes, stream):
+    c = client(disagg)
+    first_word = c.completions.create(model="fake", prompt="one token", max_tokens=3).choices[0].text.split()[0]
+    for f in fresh_fakes.values():
+        f.reset()
+    for kwargs in (dict(max_tokens=1), dict(max_tokens=5, stop=[first_word[1:3]])):
+        if stream:
+            chunks = list(c.completions.create(model="fake", prompt="one token", stream=True,
+                                               stream_options={"include_usage": True}, **kwargs))
+            text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+            finish = [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1]
+            assert chunks[-1].usage.completion_tokens == 1
+        else:
+            out = c.completions.create(model="fake", prompt="one token", **kwargs)
+            text, finish = out.choices[0].text, out.choices[0].finish_reason
+            assert out.usage.completion_tokens == 1 and "disaggregated_params" not in out.model_extra
+        assert (text, finish) == ((" " + first_word, "length") if "stop" not in kwargs else (" " + first_word[0], "stop"))
+    assert all_received(fresh_fakes, "gen1", "gen2") == []
+
+
+def test_models_are_proxied_from_a_server(disagg):
+    assert [m.id for m in client(disagg).models.list().data] == ["fake"]
+
+
+def test_an_aggregated_only_router_sends_requests_straight_to_the_aggregated_server(fresh_fakes, start_router):
+    router = start_router("--aggregated", fresh_fakes["agg"].url)
+    out = client(router).completions.create(model="fake", prompt="agg", max_tokens=3)
+    assert out.usage.completion_tokens == 3
+    assert fresh_fakes["agg"].received() == [{"model": "fake", "prompt": "agg", "max_tokens": 3}]
+    assert httpx.get(router.url + "/health").json()["mode"] == "aggregated"
+
+
+def test_requests_spread_over_generation_servers(disagg, fresh_fakes):
+    c = client(disagg)
+    for _ in range(4):
+        c.completions.create(model="fake", prompt="spread", max_tokens=2)
+    assert len(fresh_fakes["gen1"].received()) == 2 and len(fresh_fakes["gen2"].received()) == 2
+
+
+# -- bad input -------------------------------------------------------------------------------
+@pytest.mark.parametrize("content, param, what", [
+    (b"{not json", None, "not valid JSON"),
+    (b"\xff\xfe", None, "not valid JSON"),
+    (b"[1, 2]", None, "JSON object"),
+    (b'{"prompt": "x", "stream": "yes"}', "stream", "boolean"),
+    (b'{"prompt": "x", "disaggregated_params": {}}', "disaggregated_params", "disaggregated_params"),
+])
+def test_the_router_itself_refuses_bodies_it_cannot_route(disagg, fresh_fakes, content, param, what):
+    r = httpx.post(disagg.url + "/v1/completions", content=content, headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == param and what in err["message"] and err["type"] == "invalid_request_error"
+    assert all_received(fresh_fakes, "ctx", "gen1", "gen2") == []
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
+    ({"prompt": "x", "model": "gpt-4"}, 404, "model"),
+    ({"max_tokens": 3}, 400, "prompt"),
+])
+def test_server_4xx_answers_pass_through_unchanged_and_are_never_retried(disagg, fresh_fakes, body, status, param):
+    r = httpx.post(disagg.url + "/v1/completions", json=body)
+    ref = httpx.post(fresh_fakes["agg"].url + "/v1/completions", json=body)
+    assert (r.status_code, r.json()) == (ref.status_code, ref.json()) == (status, ref.json())
+    assert r.json()["error"]["param"] == param
+    assert len(fresh_fakes["ctx"].received()) == 1 and disagg.metric("adpfleet_router_retries_total") == 0
+
+
+def test_the_openai_client_sees_the_servers_4xx_as_its_own_error_class(disagg):
+    with pytest.raises(openai.NotFoundError) as e:
+        client(disagg).completions.create(model="gpt-4", prompt="x")
+    assert e.value.body["param"] == "model"
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client(disagg).completions.create(model="fake", prompt="x", max_tokens=0)
+
+
+# -- failures before any token: retried --------------------------------------------------------
+def test_a_generation_server_answering_503_is_retried_on_the_other(disagg, fresh_fakes):
+    fresh_fakes["gen1"].configure(fail_status=503)
+    c = client(disagg)
+    for stream in (False, True, False, True):
+        out = c.completions.create(model="fake", prompt="retry", max_tokens=3, stream=stream)
+        text = "".join(ch.choices[0].text for ch in out) if stream else out.choices[0].text
+        assert len(text.split()) == 3
+    assert disagg.metric("adpfleet_router_retries_total") >= 1
+    assert disagg.metric("adpfleet_router_errors_total", reason="server_error") >= 1
+    assert disagg.metric("adpfleet_router_requests_total", status="200") == 4
+
+
+def test_a_failed_kv_pull_reruns_the_whole_pipeline(disagg, fresh_fakes):
+    fresh_fakes["gen1"].configure(kv_fail=True)
+    fresh_fakes["gen2"].configure(kv_fail=True)
+    with pytest.raises(openai.APIStatusError) as e:
+        client(disagg).completions.create(model="fake", prompt="kv", max_tokens=3)
+    assert e.value.status_code == 503 and "kv_fail is set" in e.value.message
+    assert len(fresh_fakes["ctx"].received()) == 3  # --max-attempts 3: the context step ran each time
+    assert disagg.metric("adpfleet_router_errors_total", reason="kv_transfer_failed") == 3
+    fresh_fakes["gen2"].configure(kv_fail=False)
+    assert client(disagg).completions.create(model="fake", prompt="kv", max_tokens=3).usage.completion_tokens == 3
+
+
+def test_a_dead_context_server_fails_the_kv_pull_and_the_request_gets_an_explicit_503(fresh_fakes, start_router,
+                                                                                          log_dir):
+    doomed = FakeServer("context", log_dir).wait_healthy()
+    router = start_router("--context", doomed.url, "--generation", fresh_fakes["gen1"].url)
+    doomed.configure(token_delay=0.5)   # the context step takes 0.5 s: kill it while it holds the KV
+    try:
+        result = {}
+        t = threading.Thread(target=lambda: result.update(r=httpx.post(router.url + "/v1/completions", timeout=30,
+                                                                       json={"prompt": "x", "max_tokens": 4})))
+        t.start()
+        wait_until(lambda: doomed.received(), timeout=10, what="the context request")
+        doomed.kill()
+        t.join(30)
+        r = result["r"]
+        assert r.status_code == 503 and doomed.url in r.json()["error"]["message"]
+    finally:
+        doomed.kill()
+
+
+def test_a_hung_generation_server_is_given_up_after_the_first_token_timeout(fresh_fakes, start_router):
+    f = fresh_fakes
+    router = start_router("--context", f["ctx"].url, "--generation", f["gen1"].url, "--generation", f["gen2"].url,
+                          "--first-token-timeout", "1")
+    f["gen1"].configure(hang=True)
+    c = client(router)
+    t0 = time.monotonic()
+    for _ in range(2):  # one of the two lands on gen1 first (round robin), waits 1 s, then gen2
+        assert c.completions.create(model="fake", prompt="hang", max_tokens=2, stream=True) is not None
+    assert time.monotonic() - t0 < 8
+    assert router.metric("adpfleet_router_errors_total", reason="attempt_timeout") >= 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_when_every_server_hangs_the_request_ends_with_504_at_its_deadline(fresh_fakes, start_router, stream):
+    f = fresh_fakes
+    router = start_router("--context", f["ctx"].url, "--generation", f["gen1"].url, "--request-timeout", "1.5")
+    f["ctx"].configure(kv_hang=True)          # the transfer never completes...
+    f["gen1"].configure(kv_timeout=3600)      # ...and the generation server waits for it forever
+    t0 = time.monotonic()
+    r = httpx.post(router.url + "/v1/completions", json={"prompt": "x", "max_tokens": 4, "stream": stream}, timeout=30)
+    elapsed = time.monotonic() - t0
+    assert r.status_code == 504 and r.json()["error"]["code"] == "deadline_exceeded"
+    assert f["gen1"].url in r.json()["error"]["message"]
+    assert 1.4 < elapsed < 4
+    wait_until(lambda: router.metric("adpfleet_router_in_flight") == 0, timeout=5, what="in-flight back to 0")
+
+
+def test_no_usable_server_at_all_is_a_503_naming_the_problem(fresh_fakes, start_router, log_dir):
+    gone = FakeServer("generation", log_dir).wait_healthy()
+    router = start_router("--context", fresh_fakes["ctx"].url, "--generation", gone.url)
+    gone.kill()
+    with pytest.raises(openai.InternalServerError) as e:
+        client(router).completions.create(model="fake", prompt="x", max_tokens=3)
+    assert e.value.status_code == 503 and "connect" in e.value.message and gone.url in e.value.message
+    wait_until(lambda: httpx.get(router.url + "/health").status_code == 503, timeout=5,
+               what="router /health to turn 503")
+
+
+# -- failures after tokens: explicit error -----------------------------------------------------
+def test_a_server_dying_mid_stream_ends_the_stream_with_an_error_the_openai_client_raises(fresh_fakes, start_router,
+                                                                                            log_dir):
+    doomed = FakeServer("generation", log_dir).wait_healthy()
+    router = start_router("--context", fresh_fakes["ctx"].url, "--generation", doomed.url)
+    doomed.configure(token_delay=0.1)
+    stream = client(router).completions.create(model="fake", prompt="x", max_tokens=100, stream=True)
+    got = [next(stream).choices[0].text, next(stream).choices[0].text]
+    doomed.kill()
+    with pytest.raises(openai.APIError, match="incomplete"):
+        for chunk in stream:
+            got.append(chunk)
+    assert len(got) < 100
+    assert router.metric("adpfleet_router_requests_total", status="stream_error") == 1
+    assert router.metric("adpfleet_router_errors_total", reason="stream_broken") == 1
+
+
+def test_the_raw_stream_ends_with_an_error_event_then_done(fresh_fakes, start_router, log_dir):
+    doomed = FakeServer("aggregated", log_dir).wait_healthy()
+    router = start_router("--aggregated", doomed.url)
+    doomed.configure(token_delay=0.1)
+    with httpx.stream("POST", router.url + "/v1/completions", timeout=30,
+                      json={"prompt": "x", "max_tokens": 100, "stream": True}) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: {")
+        doomed.kill()
+        rest = [line for line in lines if line]
+    assert '"error"' in rest[-2] and '"stream_broken"' in rest[-2] and rest[-1] == "data: [DONE]"
+
+
+# -- the client leaves ---------------------------------------------------------------------------
+def test_a_client_leaving_a_stream_cancels_the_upstream_request(disagg, fresh_fakes):
+    for g in ("gen1", "gen2"):
+        fresh_fakes[g].configure(token_delay=0.2)
+    with httpx.stream("POST", disagg.url + "/v1/completions", timeout=30,
+                      json={"prompt": "x", "max_tokens": 100, "stream": True}) as r:
+        lines = r.iter_lines()  # keep it: a dropped line iterator closes the response
+        next(lines)
+        assert fresh_fakes["gen1"].streams_open() + fresh_fakes["gen2"].streams_open() == 1
+    wait_until(lambda: fresh_fakes["gen1"].streams_open() + fresh_fakes["gen2"].streams_open() == 0, timeout=5,
+               what="the generation server's stream to be cancelled")
+    wait_until(lambda: disagg.metric("adpfleet_router_in_flight") == 0, timeout=5, what="router in-flight 0")
+    assert disagg.metric("adpfleet_router_requests_total", status="client_closed") == 1
+
+
+def test_a_client_leaving_before_the_answer_releases_the_servers(disagg, fresh_fakes):
+    fresh_fakes["ctx"].configure(token_delay=30)   # the context step takes 30 s
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(disagg.url + "/v1/completions", json={"prompt": "x", "max_tokens": 5}, timeout=1)
+    wait_until(lambda: disagg.metric("adpfleet_router_in_flight") == 0, timeout=5, what="router in-flight 0")
+    assert disagg.metric("adpfleet_router_requests_total", status="client_closed") == 1
+
+
+# -- health and metrics ----------------------------------------------------------------------
+def test_health_follows_the_servers_health(disagg, fresh_fakes):
+    assert httpx.get(disagg.url + "/health").json() == {"status": "ok", "mode": "disaggregated",
+                                                        "servers": {"context": 1, "generation": 2, "aggregated": 0}}
+    fresh_fakes["ctx"].configure(healthy=False)
+    wait_until(lambda: httpx.get(disagg.url + "/health").status_code == 503, timeout=5, what="router unhealthy")
+    fresh_fakes["ctx"].configure(healthy=True)
+    wait_until(lambda: httpx.get(disagg.url + "/health").status_code == 200, timeout=5, what="router healthy")
+
+
+def test_metrics_count_requests_and_in_flight_per_server(disagg, fresh_fakes):
+    for g in ("gen1", "gen2"):
+        fresh_fakes[g].configure(token_delay=0.2)
+    with httpx.stream("POST", disagg.url + "/v1/completions", json={"prompt": "x", "max_tokens": 50, "stream": True},
+                      timeout=30) as r:
+        lines = r.iter_lines()
+        next(lines)
+        m = disagg.metrics()
+        gen_in_flight = {k: v for k, v in m.items() if k.startswith("adpfleet_router_in_flight") and "generation" in k}
+        assert sorted(gen_in_flight.values()) == [0, 1]
+        assert m[f'adpfleet_router_in_flight{{role="context",server="{fresh_fakes["ctx"].url}"}}'] == 0
+    client(disagg).completions.create(model="fake", prompt="x", max_tokens=2)
+    assert disagg.metric("adpfleet_router_requests_total", status="200") == 1
+    assert disagg.metric("adpfleet_router_errors_total", reason="deadline") == 0  # every reason exists at 0
