@@ -1,0 +1,384 @@
+"""Stall verdicts from a server's own metrics (DESIGN.md §3.5): parse a scrape, keep a short window
+of them, judge the window.
+
+`judge(samples)` is a pure function of the scrapes of one server incarnation. A server is
+**stalled** when, over the whole stall window, its ranks produced no real tokens (prompt +
+generation, never dummies) while it had work at every scrape (requests running or waiting, or KV
+transfers in flight), and that held at `confirmations` consecutive scrapes. The signature says how:
+
+- `hung`: no rank's loop advanced over the last scrape interval (a frozen rank blocks every peer in
+  the next collective, so every rank's `iterations` stops);
+- `vetoed`: the loop spins but the `can_queue` vote vetoes the forward — the ranks involved are the
+  ones whose empty-batch count keeps rising (DESIGN §1.1);
+- `transfer`: the loop runs, nothing is vetoed, KV blocks stay held for transfers that never
+  complete (the ranks involved hold them);
+- anything else that spins without producing tokens is reported as `vetoed` with no starving rank.
+
+Never stalled: an idle server (no work), a server whose work started less than a window ago, a
+server with fewer scrapes than the window needs (starting up, just restarted), and a server whose
+latest scrape failed — that is `Unreachable`, its own state, never acted on as a stall.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Sequence
+
+from prometheus_client.parser import text_string_to_metric_families
+
+MAX_METRICS_BYTES = 4 * 1024 * 1024  # a server's /metrics is a few KiB; more is not a server of ours
+
+# metric name -> RankSample field; every server exports all of them for every rank (DESIGN §3.3)
+_REQUIRED = {
+    "adpfleet_iterations_total": "iterations",
+    "adpfleet_forward_steps_total": "forward_steps",
+    "adpfleet_forward_vetoed_total": "forward_vetoed",
+    "adpfleet_empty_batch_iterations_total": "empty_batch_iterations",
+    "adpfleet_prompt_tokens_total": "prompt_tokens",
+    "adpfleet_generation_tokens_total": "generation_tokens",
+    "adpfleet_requests_running": "requests_running",
+    "adpfleet_requests_waiting": "requests_waiting",
+    "adpfleet_kv_transfers_in_flight": "kv_transfers_in_flight",
+}
+_OPTIONAL = {
+    "adpfleet_kv_cache_blocks_used": "kv_cache_blocks_used",
+    "adpfleet_kv_cache_blocks_total": "kv_cache_blocks_total",
+    "adpfleet_last_progress_timestamp_seconds": "last_progress_timestamp",
+}
+
+
+class ScrapeError(ValueError):
+    """The text is not a server's /metrics: what is wrong, in one line."""
+
+
+@dataclass(frozen=True)
+class RankSample:
+    """One rank's counters and gauges at one scrape."""
+    iterations: float = 0.0
+    forward_steps: float = 0.0
+    forward_vetoed: float = 0.0
+    empty_batch_iterations: float = 0.0
+    prompt_tokens: float = 0.0
+    generation_tokens: float = 0.0
+    requests_running: float = 0.0
+    requests_waiting: float = 0.0
+    kv_transfers_in_flight: float = 0.0
+    kv_cache_blocks_used: float = 0.0
+    kv_cache_blocks_total: float = 0.0
+    last_progress_timestamp: float | None = None
+
+    @property
+    def tokens(self) -> float:
+        """Real tokens processed or produced: the only measure of progress."""
+        return self.prompt_tokens + self.generation_tokens
+
+    @property
+    def work(self) -> float:
+        return self.requests_running + self.requests_waiting + self.kv_transfers_in_flight
+
+
+def parse_metrics(text: str) -> dict[int, RankSample]:
+    """Per-rank samples from a server's Prometheus text. Raises `ScrapeError` for anything that is
+    not a complete adpfleet server exposition (garbage, HTML, truncated, a metric missing)."""
+    if len(text) > MAX_METRICS_BYTES:
+        raise ScrapeError(f"/metrics is {len(text)} bytes, more than {MAX_METRICS_BYTES}: not an adpfleet server")
+    wanted = {**_REQUIRED, **_OPTIONAL}
+    values: dict[int, dict[str, float]] = {}
+    seen: dict[int, set[str]] = {}
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                attr = wanted.get(sample.name)
+                if attr is None:
+                    continue
+                try:
+                    rank = int(sample.labels["rank"])
+                except (KeyError, ValueError):
+                    raise ScrapeError(f"{sample.name} has no integer 'rank' label: {sample.labels}") from None
+                value = float(sample.value)
+                if math.isnan(value) or math.isinf(value) or (value < 0 and attr != "last_progress_timestamp"):
+                    raise ScrapeError(f"{sample.name}{{rank={rank}}} is {value}")
+                values.setdefault(rank, {})[attr] = value
+                seen.setdefault(rank, set()).add(sample.name)
+    except ScrapeError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the parser raises ValueError and friends on garbage
+        raise ScrapeError(f"not Prometheus text: {e}") from None
+    if not values:
+        raise ScrapeError("no adpfleet_* series: not an adpfleet server (or no rank is alive)")
+    for rank, names in seen.items():
+        missing = sorted(set(_REQUIRED) - names)
+        if missing:
+            raise ScrapeError(f"rank {rank} lacks {', '.join(missing)}")
+    return {rank: RankSample(**fields) for rank, fields in sorted(values.items())}
+
+
+@dataclass(frozen=True)
+class Scrape:
+    """One scrape of one server: `ranks` when it succeeded, `error` when it did not. `at` is the
+    operator's wall clock (seconds) when the scrape was taken."""
+    at: float
+    ranks: Mapping[int, RankSample] | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.ranks is not None
+
+    def total(self, attr: str) -> float:
+        return sum(getattr(r, attr) for r in self.ranks.values())
+
+    @property
+    def tokens(self) -> float:
+        return sum(r.tokens for r in self.ranks.values())
+
+    @property
+    def work(self) -> float:
+        return sum(r.work for r in self.ranks.values())
+
+
+class State(str, enum.Enum):
+    PROGRESSING = "Progressing"  # produced real tokens within the window
+    IDLE = "Idle"                # no work
+    WARMING_UP = "WarmingUp"     # too few scrapes to cover the window (started, restarted, just seen)
+    SUSPECT = "Suspect"          # no tokens while having work, not (yet) for a confirmed whole window
+    STALLED = "Stalled"          # confirmed: act on it
+    UNREACHABLE = "Unreachable"  # the latest scrape failed: reported, never acted on as a stall
+
+
+class Signature(str, enum.Enum):
+    VETOED = "vetoed"
+    HUNG = "hung"
+    TRANSFER = "transfer"
+
+
+@dataclass(frozen=True)
+class StallVerdict:
+    """What one server is doing, with the metric values that show it."""
+    server: str
+    role: str
+    state: State
+    at: float
+    reason: str
+    signature: Signature | None = None
+    ranks: tuple[int, ...] = ()      # the ranks involved (starving, holding KV, or not advancing)
+    since: float | None = None       # stalled: the scrape from which nothing moved
+    evidence: Mapping[str, object] = field(default_factory=dict)
+
+    @property
+    def stalled(self) -> bool:
+        return self.state is State.STALLED
+
+    def summary(self) -> str:
+        """One line for Events, status and logs."""
+        head = f"{self.server} ({self.role}) {self.state.value}"
+        if self.signature:
+            head += f" [{self.signature.value}" + (f", ranks {','.join(map(str, self.ranks))}" if self.ranks else "") + "]"
+        return f"{head}: {self.reason}"
+
+
+def judge(server: str, role: str, samples: Sequence[Scrape], *, window_seconds: float,
+          interval_seconds: float, confirmations: int = 2) -> StallVerdict:
+    """The verdict for the newest of `samples` (oldest first, one server incarnation or several:
+    a counter reset or a change of the rank set starts a new incarnation and older scrapes are not
+    compared with it).
+
+    The window is covered when the scrape used as baseline is at least `window_seconds` minus half
+    a scrape interval (jitter) older than the newest. Confirmation: the no-progress test also held
+    at the `confirmations - 1` scrapes before the newest, with no failed scrape in between."""
+    if not samples:
+        return StallVerdict(server, role, State.WARMING_UP, 0.0, "not scraped yet")
+    latest = samples[-1]
+    if not latest.ok:
+        failures = 0
+        for s in reversed(samples):
+            if s.ok:
+                break
+            failures += 1
+        return StallVerdict(server, role, State.UNREACHABLE, latest.at,
+                            f"scrape failed ({failures} in a row): {latest.error}",
+                            evidence={"consecutive_failures": failures})
+    scrapes = _current_incarnation(samples)
+    coverage = max(0.0, window_seconds - interval_seconds / 2)
+    assessments = []
+    for end in range(len(scrapes) - 1, -1, -1):  # newest first
+        assessments.append(_assess(scrapes, end, coverage))
+        if len(assessments) >= max(1, confirmations) or assessments[-1][0] is not State.STALLED:
+            break
+    state, reason, base_index = assessments[0]
+    confirmed = (len(assessments) >= max(1, confirmations) and all(a[0] is State.STALLED for a in assessments)
+                 and all(s.ok for s in samples[-len(assessments):]))  # consecutive: no failed scrape between
+    if state is State.STALLED and not confirmed:
+        state, reason = State.SUSPECT, reason + f"; not yet confirmed ({_count_stalled(assessments)}/" \
+                                                f"{confirmations} scrapes)"
+    if state in (State.STALLED, State.SUSPECT) and base_index is not None:
+        return _describe(server, role, state, reason, scrapes[base_index:], latest)
+    return StallVerdict(server, role, state, latest.at, reason, evidence=_basic_evidence(latest))
+
+
+def _count_stalled(assessments) -> int:
+    n = 0
+    for a in assessments:
+        if a[0] is not State.STALLED:
+            break
+        n += 1
+    return n
+
+
+def _current_incarnation(samples: Sequence[Scrape]) -> list[Scrape]:
+    """The successful scrapes since the server last (re)started, as far as its counters tell."""
+    ok = [s for s in samples if s.ok]
+    start = 0
+    for i in range(1, len(ok)):
+        before, after = ok[i - 1].ranks, ok[i].ranks
+        if set(before) != set(after) or any(
+                getattr(after[r], attr) < getattr(before[r], attr)
+                for r in after for attr in ("iterations", "prompt_tokens", "generation_tokens")):
+            start = i
+    return ok[start:]
+
+
+def _assess(scrapes: list[Scrape], end: int, coverage: float) -> tuple[State, str, int | None]:
+    """Progress over the window that ends at scrapes[end]: (state, reason, baseline index)."""
+    last = scrapes[end]
+    if last.work <= 0:
+        return State.IDLE, "no requests and no KV transfers", None
+    base = None
+    for i in range(end, -1, -1):
+        if last.at - scrapes[i].at >= coverage:
+            base = i
+            break
+    # the stretch the verdict speaks for: from the baseline (or the oldest scrape) to `end`
+    first = base if base is not None else 0
+    work_from = first
+    for i in range(end, first - 1, -1):
+        if scrapes[i].work <= 0:
+            work_from = i + 1
+            break
+    moved = last.tokens - scrapes[first].tokens
+    if moved > 0:
+        return State.PROGRESSING, f"{moved:.0f} real tokens in the last {last.at - scrapes[first].at:.0f} s", None
+    if work_from > first:
+        return State.SUSPECT, (f"no real tokens, work pending for {last.at - scrapes[work_from].at:.0f} s "
+                               f"(less than the window)"), work_from
+    if base is None:
+        if end == 0:
+            return State.WARMING_UP, "one scrape so far", None
+        return State.SUSPECT, (f"no real tokens with work pending for {last.at - scrapes[0].at:.0f} s "
+                               f"of the {coverage:.0f} s needed"), 0
+    return State.STALLED, f"no real tokens for {last.at - scrapes[base].at:.0f} s while having work", base
+
+
+def _describe(server: str, role: str, state: State, reason: str, stretch: list[Scrape],
+              latest: Scrape) -> StallVerdict:
+    """Signature, ranks involved and evidence of a no-progress stretch (oldest..latest)."""
+    base = stretch[0]
+    prev = stretch[-2] if len(stretch) >= 2 else base
+    ranks = sorted(latest.ranks)
+
+    def delta(attr: str, a: Scrape = base) -> dict[int, float]:
+        return {r: getattr(latest.ranks[r], attr) - getattr(a.ranks[r], attr) for r in ranks if r in a.ranks}
+
+    iterations_recent = delta("iterations", prev)
+    iterations = delta("iterations")
+    vetoed = delta("forward_vetoed")
+    steps = delta("forward_steps")
+    empty = delta("empty_batch_iterations")
+    held = {r: latest.ranks[r].kv_transfers_in_flight for r in ranks}
+    held_before = {r: base.ranks[r].kv_transfers_in_flight for r in ranks if r in base.ranks}
+
+    if len(stretch) >= 2 and max(iterations_recent.values(), default=0) <= 0:
+        signature = Signature.HUNG
+        low = min(latest.ranks[r].iterations for r in ranks)
+        involved = tuple(r for r in ranks if latest.ranks[r].iterations == low)
+        how = "no rank's loop advanced in the last interval"
+    elif max(vetoed.values(), default=0) > 0 and max(vetoed.values()) >= max(steps.values(), default=0):
+        signature = Signature.VETOED
+        involved = tuple(r for r in ranks if empty.get(r, 0) > 0)
+        how = f"forwards vetoed {max(vetoed.values()):.0f} times" + (
+            f", rank(s) {','.join(map(str, involved))} scheduling empty batches" if involved else "")
+    elif any(held[r] > 0 for r in ranks) and all(held_before.get(r, 0) > 0 or held[r] == 0 for r in ranks):
+        signature = Signature.TRANSFER
+        involved = tuple(r for r in ranks if held[r] > 0)
+        how = f"{sum(held.values()):.0f} KV blocks held for transfers that do not complete"
+    else:
+        signature = Signature.VETOED
+        involved = tuple(r for r in ranks if empty.get(r, 0) > 0)
+        how = "the loop runs but produces no real tokens"
+    progress_times = [latest.ranks[r].last_progress_timestamp for r in ranks
+                      if latest.ranks[r].last_progress_timestamp is not None]
+    evidence = {
+        "window_seconds": round(latest.at - base.at, 1),
+        "scrapes": len(stretch),
+        "real_tokens_delta": latest.tokens - base.tokens,
+        "iterations_delta": _by_rank(iterations),
+        "forward_steps_delta": _by_rank(steps),
+        "forward_vetoed_delta": _by_rank(vetoed),
+        "empty_batch_iterations_delta": _by_rank(empty),
+        **_basic_evidence(latest),
+    }
+    if progress_times:
+        evidence["seconds_since_last_progress"] = round(latest.at - max(progress_times), 1)
+    return StallVerdict(server, role, state, latest.at, f"{reason}; {how}", signature=signature,
+                        ranks=involved, since=base.at, evidence=evidence)
+
+
+def _basic_evidence(latest: Scrape) -> dict[str, object]:
+    return {
+        "requests_running": _by_rank({r: s.requests_running for r, s in latest.ranks.items()}),
+        "requests_waiting": _by_rank({r: s.requests_waiting for r, s in latest.ranks.items()}),
+        "kv_transfers_in_flight": _by_rank({r: s.kv_transfers_in_flight for r, s in latest.ranks.items()}),
+        "kv_cache_blocks_used": _by_rank({r: s.kv_cache_blocks_used for r, s in latest.ranks.items()}),
+    }
+
+
+def _by_rank(values: Mapping[int, float]) -> dict[str, float]:
+    return {str(r): (int(v) if float(v).is_integer() else round(v, 3)) for r, v in sorted(values.items())}
+
+
+def evidence_text(evidence: Mapping[str, object], limit: int = 600) -> str:
+    """Evidence as `key=value` pairs, short enough for a status record or an Event."""
+    parts = []
+    for key, value in evidence.items():
+        if isinstance(value, Mapping):
+            value = "/".join(f"r{r}:{v}" for r, v in value.items())
+        parts.append(f"{key}={value}")
+    text = " ".join(parts)
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+class SampleWindows:
+    """The recent scrapes of each server, keyed by server name and reset when the pod behind the
+    name changes (a new uid is a new incarnation). Keeps only what `judge` can use."""
+
+    def __init__(self) -> None:
+        self._servers: dict[str, tuple[str, deque[Scrape]]] = {}
+
+    def add(self, server: str, pod_uid: str, scrape: Scrape, *, keep_seconds: float, max_samples: int = 512) -> None:
+        uid, samples = self._servers.get(server, (None, None))
+        if uid != pod_uid or samples is None:
+            samples = deque(maxlen=max_samples)
+            self._servers[server] = (pod_uid, samples)
+        samples.append(scrape)
+        while len(samples) > 2 and scrape.at - samples[1].at >= keep_seconds:
+            samples.popleft()  # keep one scrape older than keep_seconds: the window's baseline
+
+    def samples(self, server: str) -> tuple[Scrape, ...]:
+        return tuple(self._servers.get(server, ("", ()))[1])
+
+    def reset(self, server: str) -> None:
+        self._servers.pop(server, None)
+
+    def retain(self, servers: Iterable[str]) -> None:
+        keep = set(servers)
+        for name in list(self._servers):
+            if name not in keep:
+                del self._servers[name]
+
+
+def keep_seconds(window_seconds: float, interval_seconds: float, confirmations: int = 2) -> float:
+    """How much history `judge` needs: the window, the confirmations, and a scrape of slack."""
+    return window_seconds + (confirmations + 1) * interval_seconds

@@ -1,0 +1,283 @@
+"""Stall verdicts (DESIGN §3.5) as pure functions of scrapes: what is stalled, what is not, which
+signature and which ranks, and how fast."""
+
+from __future__ import annotations
+
+import math
+
+import httpx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from adpfleet.operator.detection import (RankSample, SampleWindows, Scrape, ScrapeError, Signature, State, judge,
+                                         keep_seconds, parse_metrics)
+from adpfleet.runtime.metrics import RankStats, render
+
+W, I = 10.0, 1.0  # stall window, scrape interval
+
+
+def rank(**kw) -> RankSample:
+    return RankSample(**kw)
+
+
+def series(step, n: int, *, start: float = 0.0, interval: float = I) -> list[Scrape]:
+    """n scrapes; step(k) -> {rank: RankSample} for the k-th one."""
+    return [Scrape(at=start + k * interval, ranks=step(k)) for k in range(n)]
+
+
+def verdict(samples, window=W, interval=I, confirmations=2):
+    return judge("f-context-0", "context", samples, window_seconds=window, interval_seconds=interval,
+                 confirmations=confirmations)
+
+
+# ---- parsing ----------------------------------------------------------------------------------
+
+def test_parses_the_runtime_exposition_per_rank():
+    a, b = RankStats(iterations=10, prompt_tokens=5, requests_waiting=2), RankStats(iterations=10, generation_tokens=7)
+    ranks = parse_metrics(render("context", [(0, a), (1, b)]))
+    assert set(ranks) == {0, 1}
+    assert ranks[0].iterations == 10 and ranks[0].tokens == 5 and ranks[0].work == 2
+    assert ranks[1].tokens == 7 and ranks[1].last_progress_timestamp == pytest.approx(b.last_progress_timestamp)
+
+
+@pytest.mark.parametrize("text, words", [
+    ("<html><body>502 Bad Gateway</body></html>", "not Prometheus text"),
+    ("garbage garbage garbage", "not Prometheus text"),
+    ("", "no adpfleet_"),
+    ("node_cpu_seconds_total 5\n", "no adpfleet_"),
+    ('adpfleet_iterations_total{role="context",rank="0"} 1\n', "lacks"),
+    ('adpfleet_iterations_total{role="context"} 1\n', "no integer 'rank' label"),
+    ('adpfleet_iterations_total{role="context",rank="x"} 1\n', "no integer 'rank' label"),
+    ('adpfleet_iterations_total{role="context",rank="0"} NaN\n', "is nan"),
+    ('adpfleet_iterations_total{role="context",rank="0"} -3\n', "is -3"),
+    ("\x00\x01\x02", "not Prometheus text"),
+])
+def test_garbage_is_a_scrape_error_that_says_what_is_wrong(text, words):
+    with pytest.raises(ScrapeError, match=words):
+        parse_metrics(text)
+
+
+def test_a_truncated_exposition_is_a_scrape_error():
+    full = render("context", [(0, RankStats())])
+    with pytest.raises(ScrapeError):
+        parse_metrics(full[: len(full) // 2])
+
+
+def test_an_oversized_exposition_is_refused_before_parsing():
+    with pytest.raises(ScrapeError, match="bytes"):
+        parse_metrics("#" * (5 * 1024 * 1024))
+
+
+# ---- not stalled ------------------------------------------------------------------------------
+
+def test_idle_server_spinning_iterations_is_idle_never_stalled():
+    samples = series(lambda k: {0: rank(iterations=50 * k), 1: rank(iterations=50 * k)}, 40)
+    v = verdict(samples)
+    assert v.state is State.IDLE and not v.stalled
+
+
+def test_busy_server_producing_tokens_is_progressing():
+    samples = series(lambda k: {0: rank(iterations=50 * k, forward_steps=50 * k, generation_tokens=10 * k,
+                                        requests_running=4)}, 40)
+    assert verdict(samples).state is State.PROGRESSING
+
+
+def test_a_rank_idling_while_its_peers_work_is_normal():
+    # rank 1 has nothing schedulable and spins empty batches (padded), rank 0 keeps producing
+    samples = series(lambda k: {0: rank(iterations=50 * k, forward_steps=50 * k, generation_tokens=5 * k,
+                                        requests_running=2),
+                                1: rank(iterations=50 * k, forward_steps=50 * k, empty_batch_iterations=50 * k)}, 40)
+    assert verdict(samples).state is State.PROGRESSING
+
+
+def test_slow_progress_is_progress():
+    # one token every 9 s: less than the window apart, so never a whole window without tokens
+    samples = series(lambda k: {0: rank(iterations=50 * k, generation_tokens=k // 9, requests_running=1)}, 60)
+    assert all(verdict(samples[:n]).state is not State.STALLED for n in range(1, 61))
+
+
+def test_work_that_arrived_less_than_a_window_ago_is_not_a_stall():
+    # idle for 20 scrapes, then work with no tokens yet for 6 s
+    samples = series(lambda k: {0: rank(iterations=50 * k, requests_waiting=1 if k >= 20 else 0)}, 27)
+    v = verdict(samples)
+    assert v.state is State.SUSPECT and not v.stalled
+
+
+def test_a_server_just_started_is_warming_up_not_stalled():
+    samples = series(lambda k: {0: rank(iterations=50 * k, forward_vetoed=50 * k, requests_waiting=3)}, 5)
+    assert verdict(samples[:1]).state is State.WARMING_UP
+    assert verdict(samples).state is State.SUSPECT
+
+
+def test_no_scrapes_is_warming_up():
+    assert verdict([]).state is State.WARMING_UP
+
+
+# ---- stalled, with signatures -----------------------------------------------------------------
+
+def vetoed_stall(k):
+    # §1.1: every pass vetoed, rank 1 schedules an empty batch every pass, nothing completes
+    return {0: rank(iterations=100 + 50 * k, forward_steps=100, forward_vetoed=50 * k, prompt_tokens=300,
+                    requests_running=1, requests_waiting=5, kv_transfers_in_flight=12),
+            1: rank(iterations=100 + 50 * k, forward_steps=100, forward_vetoed=50 * k, prompt_tokens=280,
+                    empty_batch_iterations=50 * k, requests_waiting=4, kv_cache_blocks_used=48)}
+
+
+def test_vetoed_stall_names_the_starving_rank():
+    v = verdict(series(vetoed_stall, 30))
+    assert v.stalled and v.signature is Signature.VETOED and v.ranks == (1,)
+    assert v.evidence["real_tokens_delta"] == 0
+    assert v.evidence["empty_batch_iterations_delta"]["1"] > 0 and v.evidence["forward_steps_delta"]["0"] == 0
+    assert "rank(s) 1 scheduling empty batches" in v.reason
+    assert "[vetoed, ranks 1]" in v.summary()
+
+
+def test_hung_server_iterations_stop():
+    def hung(k):
+        it = 100 + 50 * min(k, 3)  # the loop stopped after the 4th scrape
+        return {0: rank(iterations=it, forward_steps=it, generation_tokens=min(k, 3) * 10, requests_running=3),
+                1: rank(iterations=it, forward_steps=it, generation_tokens=min(k, 3) * 10, requests_running=2)}
+    v = verdict(series(hung, 20))
+    assert v.stalled and v.signature is Signature.HUNG and v.ranks == (0, 1)
+    assert v.evidence["iterations_delta"] == {"0": 0, "1": 0}
+
+
+def test_transfer_stall_names_the_ranks_holding_kv():
+    def transfer(k):
+        # forwards run (dummies), nothing vetoed, KV held for transfers never freed, requests wait
+        return {0: rank(iterations=50 * k, forward_steps=50 * k, prompt_tokens=900, kv_transfers_in_flight=40,
+                        requests_waiting=6),
+                1: rank(iterations=50 * k, forward_steps=50 * k, prompt_tokens=800, requests_waiting=1)}
+    v = verdict(series(transfer, 20))
+    assert v.stalled and v.signature is Signature.TRANSFER and v.ranks == (0,)
+
+
+def test_kv_transfers_alone_count_as_work():
+    samples = series(lambda k: {0: rank(iterations=50 * k, forward_steps=0, kv_transfers_in_flight=8)}, 20)
+    v = verdict(samples)
+    assert v.stalled and v.signature is Signature.TRANSFER
+
+
+def test_stall_needs_confirmation_on_consecutive_scrapes():
+    samples = series(vetoed_stall, 30)
+    # the first scrape at which the window is covered is only suspect, the next confirms
+    first = next(n for n in range(1, 31) if verdict(samples[:n]).state in (State.SUSPECT, State.STALLED)
+                 and "confirmed" in verdict(samples[:n]).reason)
+    assert verdict(samples[:first]).state is State.SUSPECT
+    assert verdict(samples[:first + 1]).stalled
+    assert verdict(samples, confirmations=3).stalled
+    assert not verdict(samples[:first + 1], confirmations=3).stalled
+
+
+def test_progress_resuming_clears_the_stall():
+    samples = series(vetoed_stall, 30)
+    resumed = Scrape(at=30 * I, ranks={r: RankSample(**{**s.__dict__, "prompt_tokens": s.prompt_tokens + 64})
+                                       for r, s in samples[-1].ranks.items()})
+    assert verdict(samples + [resumed]).state is State.PROGRESSING
+
+
+# ---- unreachable ------------------------------------------------------------------------------
+
+def test_failed_scrape_is_unreachable_never_stalled():
+    samples = series(vetoed_stall, 30) + [Scrape(at=30.0, error="timed out after 2 s")]
+    v = verdict(samples)
+    assert v.state is State.UNREACHABLE and not v.stalled and "timed out" in v.reason
+    assert v.evidence["consecutive_failures"] == 1
+
+
+def test_a_failed_scrape_breaks_the_confirmation():
+    samples = series(vetoed_stall, 30)
+    samples[-2] = Scrape(at=samples[-2].at, error="connection refused")
+    assert verdict(samples).state is State.SUSPECT
+    assert verdict(samples + [Scrape(at=30.0, ranks=vetoed_stall(30))]).stalled
+
+
+def test_a_restarted_server_starts_a_new_window():
+    before = series(vetoed_stall, 30)
+    after = series(lambda k: {0: rank(iterations=50 * k, requests_waiting=2),
+                              1: rank(iterations=50 * k, requests_waiting=1)}, 5, start=31.0)
+    v = verdict(before + after)
+    assert v.state is State.SUSPECT  # counters went back to 0: only 5 s of this incarnation
+
+
+def test_rank_set_change_starts_a_new_window():
+    before = series(vetoed_stall, 30)
+    one_rank = [Scrape(at=30.0 + k, ranks={0: vetoed_stall(30 + k)[0]}) for k in range(3)]
+    assert verdict(before + one_rank).state is not State.STALLED
+
+
+# ---- timing -----------------------------------------------------------------------------------
+
+@settings(max_examples=200, deadline=None)
+@given(window_scrapes=st.integers(2, 30), interval=st.sampled_from([0.5, 1.0, 2.0, 5.0]),
+       phase=st.floats(0.01, 0.99), jitter=st.lists(st.floats(-0.1, 0.1), min_size=80, max_size=80))
+def test_detection_is_within_window_plus_two_intervals(window_scrapes, interval, phase, jitter):
+    """The issue's target: fault → Stalled within window + 2 scrape intervals, never before the
+    window has passed without tokens."""
+    window = window_scrapes * interval
+    fault = 10 * interval + phase * interval  # tokens stop at `fault`; the loop keeps spinning
+    times = [k * interval + jitter[k] * interval for k in range(80)]
+
+    def at(t):
+        produced = min(t, fault)
+        return {0: rank(iterations=50 * t, forward_steps=50 * produced, forward_vetoed=50 * max(0.0, t - fault),
+                        prompt_tokens=math.floor(produced * 20), requests_running=2)}
+    samples = [Scrape(at=t, ranks=at(t)) for t in times]
+    detected = next((s.at for n, s in enumerate(samples, 1)
+                     if judge("s", "context", samples[:n], window_seconds=window, interval_seconds=interval).stalled),
+                    None)
+    assert detected is not None
+    assert fault + window - interval <= detected <= fault + window + 2 * interval + 0.2 * interval
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 1), st.integers(0, 4)), min_size=2, max_size=40))
+def test_never_stalled_without_work_or_with_tokens_in_every_window(steps):
+    """Generated histories: a server that is idle now, or that produced tokens in every scrape
+    interval, is never stalled — whatever else its counters do."""
+    tokens, its, samples = 0, 0, []
+    for k, (work, produce, spin) in enumerate(steps):
+        tokens += produce
+        its += spin
+        samples.append(Scrape(at=float(k), ranks={0: rank(iterations=its, forward_vetoed=its, prompt_tokens=tokens,
+                                                          requests_waiting=work)}))
+        v = judge("s", "context", samples, window_seconds=3.0, interval_seconds=1.0)
+        if work == 0 or all(steps[j][1] for j in range(max(0, k - 3), k + 1)):
+            assert not v.stalled
+
+
+# ---- the window of samples --------------------------------------------------------------------
+
+def test_windows_keep_one_baseline_older_than_needed_and_reset_on_a_new_pod():
+    w = SampleWindows()
+    keep = keep_seconds(W, I)
+    for k in range(100):
+        w.add("s", "uid-1", Scrape(at=float(k), ranks={0: rank()}), keep_seconds=keep)
+    got = w.samples("s")
+    assert got[-1].at == 99 and 99 - got[0].at >= keep and 99 - got[1].at < keep
+    w.add("s", "uid-2", Scrape(at=100.0, ranks={0: rank()}), keep_seconds=keep)
+    assert len(w.samples("s")) == 1
+    w.retain(["other"])
+    assert w.samples("s") == ()
+
+
+# ---- a real server ----------------------------------------------------------------------------
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_a_real_idle_two_rank_server_is_parsed_per_rank_and_judged_idle():
+    from servers import Server
+    import time
+
+    server = Server("--model", "tiny", "--dp", "2").wait_healthy()
+    try:
+        samples = []
+        for _ in range(4):
+            samples.append(Scrape(at=time.time(), ranks=parse_metrics(httpx.get(server.url + "/metrics").text)))
+            time.sleep(0.5)
+        assert set(samples[-1].ranks) == {0, 1}
+        assert samples[-1].total("iterations") > samples[0].total("iterations")  # idle ADP ranks keep spinning
+        assert judge("s", "context", samples, window_seconds=1.0, interval_seconds=0.5).state is State.IDLE
+    finally:
+        server.stop()
