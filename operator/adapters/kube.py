@@ -1,0 +1,149 @@
+"""Every request the reconciler makes to the Kubernetes API, in one place, counted and timed.
+
+The official client is synchronous; each call runs in a worker thread so the event loop (kopf's
+watches, the other fleets, the probes) never waits on the network. Outcomes the reconciler can
+treat as done are folded in here: creating what already exists (the watch had not delivered it
+yet) and deleting what is already gone or was replaced (uid precondition) are not errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
+
+from adpfleet.operator.decisions.desired import FleetRef
+from adpfleet.operator.resource import names
+from adpfleet.operator.telemetry import OperatorMetrics
+
+log = logging.getLogger("adpfleet.operator.kube")
+
+REQUEST_TIMEOUT = (5, 30)  # connect, read: a hung request must not hang a fleet's loop forever
+
+
+@dataclass(frozen=True)
+class Outcome:
+    ok: bool
+    code: int = 200
+    message: str = ""
+    body: dict | None = None
+
+
+def load_api_client() -> client.ApiClient:
+    """In-cluster credentials when running in a pod, else the kubeconfig ($KUBECONFIG or ~/.kube/config)."""
+    try:
+        config.load_incluster_config()
+        configuration = client.Configuration.get_default_copy()
+    except config.ConfigException:
+        configuration = client.Configuration()
+        config.load_kube_config(client_configuration=configuration)
+    configuration.connection_pool_maxsize = 16
+    return client.ApiClient(configuration)
+
+
+def now_rfc3339() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class KubeApi:
+    def __init__(self, api_client: client.ApiClient, metrics: OperatorMetrics):
+        self.api_client = api_client
+        self.core = client.CoreV1Api(api_client)
+        self.apps = client.AppsV1Api(api_client)
+        self.rbac = client.RbacAuthorizationV1Api(api_client)
+        self.custom = client.CustomObjectsApi(api_client)
+        self.metrics = metrics
+
+    async def _call(self, verb: str, resource: str, fn, *args, ok_codes: tuple[int, ...] = (), **kwargs) -> Outcome:
+        start = time.monotonic()
+        try:
+            result = await asyncio.to_thread(fn, *args, _request_timeout=REQUEST_TIMEOUT, **kwargs)
+            code, outcome = 200, Outcome(True, 200, body=result)
+        except ApiException as exc:
+            code = exc.status or 0
+            outcome = Outcome(code in ok_codes, code, _api_message(exc))
+        except Exception as exc:  # noqa: BLE001 - connection errors, timeouts: reported, retried later
+            code = 0
+            outcome = Outcome(False, 0, f"{type(exc).__name__}: {exc}")
+        self.metrics.api_requests.labels(verb, resource, str(code)).inc()
+        self.metrics.api_seconds.labels(verb).observe(time.monotonic() - start)
+        return outcome
+
+    # ---- server pods ----
+
+    async def create_pod(self, manifest: dict) -> Outcome:
+        ns = manifest["metadata"]["namespace"]
+        return await self._call("create", "pods", self.core.create_namespaced_pod, ns, manifest,
+                                field_manager=names.MANAGER, ok_codes=(409,))
+
+    async def delete_pod(self, namespace: str, name: str, uid: str) -> Outcome:
+        body = client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid))
+        return await self._call("delete", "pods", self.core.delete_namespaced_pod, name, namespace, body=body,
+                                ok_codes=(404, 409))
+
+    # ---- the router's objects: server-side apply, so fields we stop setting are removed ----
+
+    _APPLY = {
+        "ServiceAccount": ("serviceaccounts", "core", "patch_namespaced_service_account",
+                           "delete_namespaced_service_account"),
+        "Service": ("services", "core", "patch_namespaced_service", "delete_namespaced_service"),
+        "Deployment": ("deployments", "apps", "patch_namespaced_deployment", "delete_namespaced_deployment"),
+        "Role": ("roles", "rbac", "patch_namespaced_role", "delete_namespaced_role"),
+        "RoleBinding": ("rolebindings", "rbac", "patch_namespaced_role_binding", "delete_namespaced_role_binding"),
+    }
+
+    async def apply(self, manifest: dict) -> Outcome:
+        resource, api, patch, _ = self._APPLY[manifest["kind"]]
+        meta = manifest["metadata"]
+        return await self._call("patch", resource, getattr(getattr(self, api), patch), meta["name"],
+                                meta["namespace"], manifest, field_manager=names.MANAGER, force=True,
+                                _content_type="application/apply-patch+yaml")
+
+    async def delete_object(self, kind: str, namespace: str, name: str, uid: str) -> Outcome:
+        resource, api, _, delete = self._APPLY[kind]
+        body = client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid),
+                                      propagation_policy="Background")
+        return await self._call("delete", resource, getattr(getattr(self, api), delete), name, namespace,
+                                body=body, ok_codes=(404, 409))
+
+    # ---- the fleet ----
+
+    async def patch_fleet_status(self, namespace: str, name: str, status: dict) -> Outcome:
+        return await self._call("patch", f"{names.PLURAL}/status", self.custom.patch_namespaced_custom_object_status,
+                                names.GROUP, names.VERSION, namespace, names.PLURAL, name, {"status": status},
+                                field_manager=names.MANAGER, _content_type="application/merge-patch+json")
+
+    async def record_event(self, fleet: FleetRef, type_: str, reason: str, message: str) -> Outcome:
+        """A core/v1 Event on the fleet (what `kubectl describe ifleet` shows)."""
+        now = now_rfc3339()
+        event = {
+            "metadata": {"name": f"{fleet.name}.{secrets.token_hex(8)}", "namespace": fleet.namespace},
+            "involvedObject": {"apiVersion": names.API_VERSION, "kind": names.KIND, "name": fleet.name,
+                               "namespace": fleet.namespace, "uid": fleet.uid},
+            "type": type_, "reason": reason, "message": message[:1024],
+            "source": {"component": names.MANAGER}, "reportingComponent": names.MANAGER,
+            "reportingInstance": names.MANAGER,
+            "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+        }
+        return await self._call("create", "events", self.core.create_namespaced_event, fleet.namespace, event)
+
+    async def secret_keys(self, namespace: str, name: str) -> tuple[Outcome, set[str] | None]:
+        """The keys of a Secret (None when it does not exist). Only keys: values are not kept."""
+        out = await self._call("get", "secrets", self.core.read_namespaced_secret, name, namespace, ok_codes=(404,))
+        if out.code == 404 or not out.ok:
+            return out, None
+        return out, set((out.body.data or {}).keys()) | set((out.body.string_data or {}).keys())
+
+
+def _api_message(exc: ApiException) -> str:
+    import json
+    try:
+        return json.loads(exc.body).get("message") or exc.reason
+    except Exception:  # noqa: BLE001 - not a Status object
+        return f"{exc.status} {exc.reason}"

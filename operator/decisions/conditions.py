@@ -1,0 +1,136 @@
+"""A fleet's status from what was observed and planned: pure, so a pass that changes nothing
+produces an identical status (and therefore writes nothing).
+
+Conditions follow the Kubernetes conventions: `lastTransitionTime` moves only when `status`
+changes; reason is CamelCase; message is for people. This module owns Ready, Progressing and
+Degraded; Stalled, Remediating and recentRemediations are carried over untouched for the
+remediation controller, which owns them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from adpfleet.operator.decisions.observed import FleetObservation, OwnedObject, ServerPod
+from adpfleet.operator.decisions.rollout import RolePlan
+
+OWNED_CONDITIONS = ("Ready", "Progressing", "Degraded")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Something that needs a person (or time) and that the operator cannot fix by itself."""
+    reason: str
+    message: str
+
+
+def role_counts(desired: int, template_hash: str, pods: list[ServerPod]) -> dict:
+    live = [p for p in pods if not p.terminating]
+    return {"desired": desired, "current": len(live),
+            "updated": sum(p.template_hash == template_hash for p in live),
+            "ready": sum(p.ready for p in live)}
+
+
+def router_counts(enabled: bool, replicas: int, objects: list[OwnedObject]) -> dict:
+    deployment = next((o for o in objects if o.kind == "Deployment"), None)
+    return {"desired": replicas if enabled else 0,
+            "ready": (deployment.ready_replicas or 0) if (enabled and deployment) else 0}
+
+
+def pod_problems(pods: list[ServerPod]) -> list[Problem]:
+    """Servers stuck in a way waiting will not fix (crash loops, missing Secrets, no room)."""
+    out = []
+    for p in pods:
+        if p.problem and not p.terminating:
+            reason = p.problem.split(":", 1)[0]
+            out.append(Problem("ServersFailing" if reason != "Unschedulable" else "ServersUnschedulable",
+                               f"{p.name}: {p.problem}"))
+    return out
+
+
+def condition(type_: str, status: bool | str, reason: str, message: str, generation: int,
+              previous: dict[str, dict], now: str) -> dict:
+    value = status if isinstance(status, str) else ("True" if status else "False")
+    before = previous.get(type_)
+    since = before["lastTransitionTime"] if before and before.get("status") == value and \
+        before.get("lastTransitionTime") else now
+    return {"type": type_, "status": value, "reason": reason, "message": message,
+            "lastTransitionTime": since, "observedGeneration": generation}
+
+
+def fleet_status(obs: FleetObservation, counts: dict[str, dict], router: dict | None,
+                 plans: list[RolePlan], objects_waiting: str | None, problems: list[Problem],
+                 now: str) -> dict:
+    """The whole `status` for `obs`'s generation. `counts`: role -> role_counts; `router`:
+    router_counts or None when the spec could not be read."""
+    previous = {c.get("type"): c for c in (obs.status or {}).get("conditions") or []}
+    gen = obs.generation
+
+    lagging = [f"{role} {c['ready']}/{c['desired']} ready" for role, c in counts.items() if c["ready"] < c["desired"]]
+    if router and router["ready"] < router["desired"]:
+        lagging.append(f"router {router['ready']}/{router['desired']} ready")
+    invalid = next((p for p in problems if p.reason == "InvalidSpec"), None)
+    if invalid:
+        ready = condition("Ready", False, "InvalidSpec", invalid.message, gen, previous, now)
+    elif lagging:
+        ready = condition("Ready", False, "ServersNotReady" if any(not s.startswith("router") for s in lagging)
+                          else "RouterNotReady", ", ".join(lagging), gen, previous, now)
+    else:
+        summary = ", ".join(f"{role} {c['ready']}/{c['desired']}" for role, c in counts.items())
+        ready = condition("Ready", True, "AllServersReady", f"{summary} ready" +
+                          (f", router {router['ready']}/{router['desired']}" if router and router["desired"] else ""),
+                          gen, previous, now)
+
+    moving = [p for p in plans if not p.converged]
+    if invalid:
+        progressing = condition("Progressing", False, "InvalidSpec", "nothing is changed until the spec is fixed",
+                                gen, previous, now)
+    elif moving or objects_waiting or lagging:
+        reason = next((ph for ph in ("RollingUpdate", "Replacing", "Scaling") if any(p.phase == ph for p in moving)),
+                      "Converging")
+        parts = [f"{p.role}: {p.phase}" + (f", waiting for {p.waiting_for}" if p.waiting_for else "") for p in moving]
+        if objects_waiting:
+            parts.append(f"waiting for {objects_waiting}")
+        if router and router["ready"] < router["desired"] and not parts:
+            parts.append(f"router {router['ready']}/{router['desired']} ready")
+        progressing = condition("Progressing", True, reason, "; ".join(parts) or ", ".join(lagging),
+                                gen, previous, now)
+    else:
+        progressing = condition("Progressing", False, "Complete", "every server runs the current spec",
+                                gen, previous, now)
+
+    if problems:
+        first = problems[0]
+        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+        degraded = condition("Degraded", True, first.reason,
+                             "; ".join(p.message for p in problems[:5]) + more, gen, previous, now)
+    else:
+        degraded = condition("Degraded", False, "AsExpected", "no problems seen", gen, previous, now)
+
+    kept = [c for t, c in previous.items() if t not in OWNED_CONDITIONS]  # Stalled, Remediating
+    conditions = [ready, progressing, degraded] + kept
+    status = {"observedGeneration": gen, "conditions": conditions}
+    status.update({role: c for role, c in counts.items()})
+    if router is not None:
+        status["router"] = router
+    if counts:
+        groups = [c["ready"] >= c["desired"] for c in counts.values()]
+        if router and router["desired"]:
+            groups.append(router["ready"] >= router["desired"])
+        status["readyRoles"] = f"{sum(groups)}/{len(groups)}"
+    if (obs.status or {}).get("recentRemediations"):
+        status["recentRemediations"] = obs.status["recentRemediations"]
+    return status
+
+
+def transitions(before: dict, after: dict) -> list[tuple[str, dict]]:
+    """(type, new condition) for each owned condition whose status or reason changed."""
+    old = {c.get("type"): c for c in (before or {}).get("conditions") or []}
+    out = []
+    for c in after.get("conditions") or []:
+        if c["type"] not in OWNED_CONDITIONS:
+            continue
+        prev = old.get(c["type"])
+        if prev is None or prev.get("status") != c["status"] or prev.get("reason") != c["reason"]:
+            out.append((c["type"], c))
+    return out

@@ -1,0 +1,260 @@
+"""The objects a fleet should have, as plain manifests: a pure function of its spec.
+
+Server pods (one per server, `<fleet>-<role>-<index>`), and the router: a Deployment running
+`adpfleet router` with Kubernetes discovery, its Service, and a ServiceAccount bound to a Role that
+can read pods in the fleet's namespace and nothing else.
+
+Every object carries `adpfleet.io/template-hash`: a digest of what it was built from. A server pod
+whose hash differs from its role's current one is rolled; any other child whose hash differs is
+re-applied. Comparing digests instead of fields means defaults the API server adds never look like
+drift.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+
+from adpfleet.operator.resource import names
+from adpfleet.operator.resource.models import FleetSpec, Resources, ServerRole
+
+
+@dataclass(frozen=True)
+class FleetRef:
+    name: str
+    namespace: str
+    uid: str
+
+    def owner_reference(self) -> dict:
+        return {"apiVersion": names.API_VERSION, "kind": names.KIND, "name": self.name, "uid": self.uid,
+                "controller": True, "blockOwnerDeletion": True}
+
+
+def digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:12]
+
+
+# ---- pieces shared by servers and router ----
+
+_RESOURCE_KEYS = {"cpu": "cpu", "memory": "memory", "ephemeralStorage": "ephemeral-storage"}
+
+
+def _resource_requirements(resources: Resources, gpus: int = 0, gpu_resource: str = "") -> dict:
+    out: dict[str, dict] = {}
+    for side in ("requests", "limits"):
+        amounts = {_RESOURCE_KEYS[k]: v for k, v in getattr(resources, side).to_kube().items()}
+        if gpus:
+            amounts[gpu_resource] = str(gpus)  # extended resources: request must equal limit
+        if amounts:
+            out[side] = amounts
+    return out
+
+
+def _downward_env() -> list[dict]:
+    return [{"name": var, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+            for var, path in (("POD_IP", "status.podIP"), ("POD_NAME", "metadata.name"),
+                              ("POD_NAMESPACE", "metadata.namespace"))]
+
+
+POD_SECURITY = {"runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532, "fsGroup": 65532,
+                "seccompProfile": {"type": "RuntimeDefault"}}
+CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                      "capabilities": {"drop": ["ALL"]}}
+# The root filesystem is read-only: /tmp (HOME, compiler caches) and /dev/shm (tensors shared
+# between rank processes, NCCL buffers; a container's default 64 MiB is too small) are volumes.
+SCRATCH_VOLUMES = [{"name": "tmp", "emptyDir": {}}, {"name": "shm", "emptyDir": {"medium": "Memory"}}]
+SCRATCH_MOUNTS = [{"name": "tmp", "mountPath": "/tmp"}, {"name": "shm", "mountPath": "/dev/shm"}]
+
+
+def _pod_metadata_extras(spec: FleetSpec) -> tuple[dict, dict]:
+    return dict(spec.pod_metadata.labels), dict(spec.pod_metadata.annotations)
+
+
+# ---- servers ----
+
+def server_args(spec: FleetSpec, role: str) -> list[str]:
+    """`adpfleet serve` arguments (DESIGN §3.1) for a server of `role`."""
+    r: ServerRole = spec.role(role)
+    e = r.engine
+    args = ["serve", "--role", role, "--model", spec.model.name, "--dp", str(r.adp_ranks),
+            "--host", "$(POD_IP)", "--port", str(names.SERVER_HTTP_PORT),
+            "--device", e.device, "--dtype", e.dtype, "--kv-blocks", str(e.kv_blocks),
+            "--tokens-per-block", str(e.tokens_per_block), "--max-num-tokens", str(e.max_num_tokens),
+            "--max-batch-size", str(e.max_batch_size), "--max-num-active-requests", str(e.max_num_active_requests),
+            "--collective-timeout", str(e.collective_timeout_seconds)]
+    if spec.model.served_name:
+        args += ["--served-model-name", spec.model.served_name]
+    if not e.pad_empty_batch:
+        args.append("--no-pad-empty-batch")
+    return args
+
+
+def _server_container(spec: FleetSpec, role: str) -> dict:
+    r = spec.role(role)
+    env = _downward_env() + [
+        {"name": "OMP_NUM_THREADS", "value": str(r.engine.threads_per_rank)},
+        {"name": "HOME", "value": "/tmp"},
+    ]
+    if spec.model.token_secret_ref:
+        ref = spec.model.token_secret_ref
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+    env += [e.to_kube() for e in r.env]
+    ports = [{"name": "http", "containerPort": names.SERVER_HTTP_PORT, "protocol": "TCP"}]
+    if role == "context":  # context servers serve KV-cache transfers to generation servers
+        ports.append({"name": "kv", "containerPort": names.SERVER_KV_PORT, "protocol": "TCP"})
+    health = {"httpGet": {"path": "/health", "port": "http"}}
+    return {
+        "name": "server",
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": ["adpfleet"],
+        "args": server_args(spec, role),
+        "env": env,
+        "ports": ports,
+        # /health is 200 only when every rank is up: it gates startup and readiness.
+        "startupProbe": {**health, "periodSeconds": 2, "timeoutSeconds": 2,
+                         "failureThreshold": math.ceil(r.probes.startup_timeout_seconds / 2)},
+        "readinessProbe": {**health, "periodSeconds": r.probes.readiness_period_seconds, "timeoutSeconds": 3,
+                           "failureThreshold": 2},
+        # Liveness asks only whether the HTTP front end answers: a dead or hung rank already makes the
+        # server exit, and a stalled engine is the remediation's call (drain first, cooldowns, DryRun),
+        # which a liveness kill on /health would pre-empt.
+        "livenessProbe": {"httpGet": {"path": "/v1/models", "port": "http"}, "periodSeconds": 10,
+                          "timeoutSeconds": 5, "failureThreshold": 3},
+        "resources": _resource_requirements(r.resources, r.gpus_per_server, spec.gpu_resource_name),
+        "securityContext": CONTAINER_SECURITY,
+        "volumeMounts": SCRATCH_MOUNTS,
+    }
+
+
+def _server_pod_spec(spec: FleetSpec, role: str) -> dict:
+    r = spec.role(role)
+    pod_spec = {
+        "containers": [_server_container(spec, role)],
+        "restartPolicy": "Always",
+        "terminationGracePeriodSeconds": r.termination_grace_period_seconds,
+        "automountServiceAccountToken": False,  # servers never talk to the API server
+        "enableServiceLinks": False,
+        "securityContext": POD_SECURITY,
+        "volumes": SCRATCH_VOLUMES,
+    }
+    if r.node_selector:
+        pod_spec["nodeSelector"] = dict(r.node_selector)
+    if r.tolerations:
+        pod_spec["tolerations"] = [t.to_kube() for t in r.tolerations]
+    if spec.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [s.to_kube() for s in spec.image_pull_secrets]
+    return pod_spec
+
+
+@dataclass(frozen=True)
+class ServerTemplate:
+    """Everything the servers of one role share; `pod(index)` adds the identity of one server."""
+    fleet: FleetRef
+    role: str
+    pod_spec: dict
+    extra_labels: dict
+    extra_annotations: dict
+    template_hash: str
+
+    def pod(self, index: int) -> dict:
+        labels = {**self.extra_labels, **names.server_labels(self.fleet.name, self.role, index)}
+        annotations = {**self.extra_annotations, names.ANNOTATION_TEMPLATE_HASH: self.template_hash}
+        return {
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": names.server_name(self.fleet.name, self.role, index),
+                         "namespace": self.fleet.namespace, "labels": labels, "annotations": annotations,
+                         "ownerReferences": [self.fleet.owner_reference()]},
+            "spec": self.pod_spec,
+        }
+
+
+def server_template(fleet: FleetRef, spec: FleetSpec, role: str) -> ServerTemplate:
+    pod_spec = _server_pod_spec(spec, role)
+    labels, annotations = _pod_metadata_extras(spec)
+    template_hash = digest({"spec": pod_spec, "labels": labels, "annotations": annotations})
+    return ServerTemplate(fleet, role, pod_spec, labels, annotations, template_hash)
+
+
+# ---- router ----
+
+def router_args(fleet: FleetRef) -> list[str]:
+    return ["router", "--host", "$(POD_IP)", "--port", str(names.ROUTER_HTTP_PORT),
+            "--kube-namespace", "$(POD_NAMESPACE)", "--kube-selector", names.discovery_selector(fleet.name),
+            "--server-port", str(names.SERVER_HTTP_PORT)]
+
+
+def _with_hash(manifest: dict) -> dict:
+    manifest["metadata"].setdefault("annotations", {})[names.ANNOTATION_TEMPLATE_HASH] = digest(manifest)
+    return manifest
+
+
+def _meta(fleet: FleetRef, name: str, component: str) -> dict:
+    return {"name": name, "namespace": fleet.namespace, "labels": names.common_labels(fleet.name, component),
+            "ownerReferences": [fleet.owner_reference()]}
+
+
+def router_objects(fleet: FleetRef, spec: FleetSpec) -> list[dict]:
+    """The router's ServiceAccount, Role, RoleBinding, Deployment and Service (in apply order)."""
+    if not spec.router.enabled:
+        return []
+    name = names.router_name(fleet.name)
+    extra_labels, extra_annotations = _pod_metadata_extras(spec)
+    selector = names.router_selector(fleet.name)
+    container = {
+        "name": "router",
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": ["adpfleet"],
+        "args": router_args(fleet),
+        "env": _downward_env() + [{"name": "HOME", "value": "/tmp"}],
+        "ports": [{"name": "http", "containerPort": names.ROUTER_HTTP_PORT, "protocol": "TCP"}],
+        "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 2,
+                           "timeoutSeconds": 3, "failureThreshold": 2},
+        "livenessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 10, "timeoutSeconds": 5,
+                          "failureThreshold": 3},
+        "resources": _resource_requirements(spec.router.resources),
+        "securityContext": CONTAINER_SECURITY,
+        "volumeMounts": [SCRATCH_MOUNTS[0]],
+    }
+    pod_spec = {"serviceAccountName": name, "containers": [container], "enableServiceLinks": False,
+                "securityContext": POD_SECURITY, "volumes": [SCRATCH_VOLUMES[0]],
+                "terminationGracePeriodSeconds": 30}
+    if spec.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [s.to_kube() for s in spec.image_pull_secrets]
+    pod_labels = {**extra_labels, **names.common_labels(fleet.name, "router")}
+    objects = [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(fleet, name, "router")},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": _meta(fleet, name, "router"),
+         # discovery: the router watches its fleet's pods (IP, readiness, role, drain); nothing else
+         "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": _meta(fleet, name, "router"),
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+         "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": fleet.namespace}]},
+        {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(fleet, name, "router"),
+         "spec": {"replicas": spec.router.replicas, "selector": {"matchLabels": selector},
+                  "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+                  "template": {"metadata": {"labels": pod_labels, "annotations": extra_annotations},
+                               "spec": pod_spec}}},
+        {"apiVersion": "v1", "kind": "Service", "metadata": _meta(fleet, name, "router"),
+         "spec": {"type": spec.router.service_type, "selector": selector,
+                  "ports": [{"name": "http", "port": names.ROUTER_HTTP_PORT, "targetPort": "http",
+                             "protocol": "TCP"}]}},
+    ]
+    return [_with_hash(o) for o in objects]
+
+
+@dataclass(frozen=True)
+class DesiredFleet:
+    servers: dict[str, ServerTemplate]   # role -> template
+    replicas: dict[str, int]             # role -> servers
+    objects: list[dict]                  # router objects, in apply order
+
+
+def desired_fleet(fleet: FleetRef, spec: FleetSpec) -> DesiredFleet:
+    return DesiredFleet(
+        servers={role: server_template(fleet, spec, role) for role in names.ROLES},
+        replicas={role: spec.role(role).servers for role in names.ROLES},
+        objects=router_objects(fleet, spec))

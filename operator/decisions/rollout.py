@@ -1,0 +1,172 @@
+"""What to do next about a fleet's children: a pure function of desired and observed state.
+
+Per role the rules, in order (the first that applies decides this pass):
+
+1. A finished pod (Failed/Succeeded, e.g. evicted) is deleted; its slot is refilled next pass.
+2. Scale up: fill the lowest free slots, all at once. A slot whose old pod is still terminating is
+   waited for, so a server keeps its name (`<fleet>-<role>-<index>`), as in a StatefulSet.
+3. Scale down: delete the excess, not-ready pods first, then outdated ones, then the highest slots.
+   Ready pods go last, so a role that has a ready server keeps one.
+4. Roll (a pod built from an older spec exists), one server at a time, new before old: create one
+   surge pod from the current template; when it is Ready, delete one outdated pod; wait until that
+   one is gone; repeat. When the surge pod cannot be scheduled (no room, e.g. GPUs), an outdated
+   pod is deleted first to make room, but only if the role keeps a ready server.
+
+Everything else (the router's objects) is applied when missing or when its template hash changed,
+and deleted when no longer wanted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from adpfleet.operator.decisions.observed import OwnedObject, ServerPod
+from adpfleet.operator.resource import names
+
+
+@dataclass(frozen=True)
+class CreateServer:
+    role: str
+    index: int
+    why: str
+
+
+@dataclass(frozen=True)
+class DeleteServer:
+    role: str
+    name: str
+    uid: str
+    why: str
+
+
+@dataclass(frozen=True)
+class ApplyObject:
+    kind: str
+    name: str
+    manifest: dict = field(compare=False, hash=False, repr=False)
+    why: str = ""
+
+
+@dataclass(frozen=True)
+class DeleteObject:
+    kind: str
+    name: str
+    uid: str
+    why: str
+
+
+Action = CreateServer | DeleteServer | ApplyObject | DeleteObject
+
+
+@dataclass(frozen=True)
+class RolePlan:
+    role: str
+    actions: tuple[Action, ...] = ()
+    waiting_for: str | None = None   # why nothing (more) can be done now, for Progressing's message
+    phase: str | None = None         # Scaling | RollingUpdate | Replacing | None when converged
+
+    @property
+    def converged(self) -> bool:
+        return self.phase is None
+
+
+def _removal_order(pod: ServerPod, template_hash: str) -> tuple:
+    """Sort key: the first pods are the first to go."""
+    return (pod.ready, pod.template_hash == template_hash, -pod.index)
+
+
+def plan_role(role: str, desired: int, template_hash: str, pods: list[ServerPod]) -> RolePlan:
+    finished = [p for p in pods if p.finished and not p.terminating]
+    if finished:
+        return RolePlan(role, tuple(DeleteServer(role, p.name, p.uid, f"pod {p.phase.lower()}: {p.problem or ''}".strip())
+                                    for p in finished), phase="Replacing")
+
+    live = [p for p in pods if not p.terminating]
+    terminating = [p for p in pods if p.terminating]
+    current = [p for p in live if p.template_hash == template_hash]
+    outdated = [p for p in live if p.template_hash != template_hash]
+    taken = {p.index for p in live}
+    held = {p.index: p for p in terminating}
+
+    missing = desired - len(live)
+    if missing > 0:
+        slots = _free_slots(taken, missing)
+        creatable = [i for i in slots if i not in held]
+        waiting = [held[i].name for i in slots if i in held]
+        actions = tuple(CreateServer(role, i, "scale up" if not waiting else "replace a deleted server")
+                        for i in creatable)
+        return RolePlan(role, actions, f"{', '.join(waiting)} to terminate" if waiting else None, "Scaling")
+
+    excess = len(live) - desired - (1 if outdated else 0)  # a roll may hold one surge pod
+    if excess > 0:
+        victims = sorted(live, key=lambda p: _removal_order(p, template_hash))[:excess]
+        return RolePlan(role, tuple(DeleteServer(role, p.name, p.uid, "scale down") for p in victims),
+                        phase="Scaling")
+
+    if not outdated:
+        if terminating:
+            return RolePlan(role, (), f"{', '.join(p.name for p in terminating)} to terminate", "Scaling")
+        not_ready = [p.name for p in current if not p.ready]
+        return RolePlan(role, (), f"{', '.join(not_ready)} to become ready" if not_ready else None,
+                        "Scaling" if not_ready else None)
+
+    # Rolling: one server at a time.
+    if terminating:
+        return RolePlan(role, (), f"{', '.join(p.name for p in terminating)} to terminate", "RollingUpdate")
+    if len(live) <= desired:  # no surge pod yet: start the next replacement, new before old
+        slot = _free_slots(taken, 1)[0]
+        return RolePlan(role, (CreateServer(role, slot, "rolling update: new server before the old one"),),
+                        phase="RollingUpdate")
+    pending = [p for p in current if not p.ready]
+    victim = sorted(outdated, key=lambda p: _removal_order(p, template_hash))[0]
+    if not pending:
+        return RolePlan(role, (DeleteServer(role, victim.name, victim.uid, "rolling update: replaced"),),
+                        phase="RollingUpdate")
+    stuck = [p for p in pending if p.unschedulable]
+    ready_now = sum(p.ready for p in live)
+    keeps_a_ready_server = ready_now - int(victim.ready) >= 1 or ready_now == 0
+    if stuck and keeps_a_ready_server:
+        return RolePlan(role, (DeleteServer(role, victim.name, victim.uid,
+                                            f"rolling update: making room for {stuck[0].name}"),),
+                        phase="RollingUpdate")
+    what = "room to schedule" if stuck else "to become ready"
+    return RolePlan(role, (), f"{', '.join(p.name for p in pending)} {what}", "RollingUpdate")
+
+
+def _free_slots(taken: set[int], count: int) -> list[int]:
+    slots, i = [], 0
+    while len(slots) < count:
+        if i not in taken:
+            slots.append(i)
+        i += 1
+    return slots
+
+
+@dataclass(frozen=True)
+class ObjectsPlan:
+    actions: tuple[Action, ...] = ()
+    waiting_for: str | None = None
+
+
+def plan_objects(desired: list[dict], observed: list[OwnedObject], fleet_uid: str) -> ObjectsPlan:
+    """Apply what is missing or changed, delete what is no longer wanted; an object of the same
+    name left by an earlier fleet of the same name is waited for (the garbage collector removes it)."""
+    seen = {(o.kind, o.name): o for o in observed}
+    actions: list[Action] = []
+    waiting = []
+    wanted = set()
+    for manifest in desired:
+        key = (manifest["kind"], manifest["metadata"]["name"])
+        wanted.add(key)
+        have = seen.get(key)
+        want_hash = manifest["metadata"]["annotations"][names.ANNOTATION_TEMPLATE_HASH]
+        if have is None:
+            actions.append(ApplyObject(key[0], key[1], manifest, "missing"))
+        elif have.owner_uid != fleet_uid or have.terminating:
+            waiting.append(f"{key[0]} {key[1]} of an earlier fleet to be deleted")
+        elif have.template_hash != want_hash:
+            actions.append(ApplyObject(key[0], key[1], manifest, "spec changed"))
+    for key, have in seen.items():
+        if key not in wanted and have.owner_uid == fleet_uid and not have.terminating:
+            actions.append(DeleteObject(have.kind, have.name, have.uid, "no longer wanted"))
+    return ObjectsPlan(tuple(actions), "; ".join(waiting) or None)

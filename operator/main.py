@@ -1,0 +1,101 @@
+"""`adpfleet operator`: the operator process.
+
+It runs kopf (watches, indexes, one loop per fleet) and, beside it on the same event loop, a small
+HTTP server: `/healthz` (liveness, from the reconcile loops' heartbeats), `/readyz` (kopf has
+started) and `/metrics`. Logs are JSON lines by default. SIGTERM or SIGINT stop it gracefully: kopf
+stops the fleet loops (a pass in progress finishes), then the HTTP server closes and the process
+exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+
+log = logging.getLogger("adpfleet.operator")
+
+
+def add_arguments(p) -> None:
+    scope = p.add_mutually_exclusive_group()
+    scope.add_argument("--namespace", "-n", action="append", default=[], metavar="NS",
+                       help="watch this namespace (repeatable; default: $WATCH_NAMESPACE, comma-separated)")
+    scope.add_argument("--all-namespaces", "-A", action="store_true", help="watch every namespace")
+    p.add_argument("--http-host", default="0.0.0.0", help="address of /healthz, /readyz and /metrics")
+    p.add_argument("--http-port", type=int, default=8080, help="port of /healthz, /readyz and /metrics (0: none)")
+    p.add_argument("--resync-seconds", type=float, default=300.0,
+                   help="reconcile every fleet at least this often, even without events (from the cache: "
+                        "no API request unless something drifted)")
+    p.add_argument("--stuck-seconds", type=float, default=120.0,
+                   help="/healthz fails when a reconcile pass runs longer than this")
+    p.add_argument("--log-format", choices=["json", "plain"], default="json")
+    p.add_argument("--verbose", "-v", action="store_true", help="debug logs")
+
+
+def main(args) -> int:
+    import kopf
+
+    namespaces = [] if args.all_namespaces else \
+        (args.namespace or [n for n in os.environ.get("WATCH_NAMESPACE", "").split(",") if n])
+    if not namespaces and not args.all_namespaces:
+        raise ValueError("say which namespaces to watch: --namespace NS (repeatable), $WATCH_NAMESPACE, "
+                         "or --all-namespaces")
+    kopf.configure(verbose=args.verbose, log_format=kopf.LogFormat.JSON if args.log_format == "json"
+                   else kopf.LogFormat.FULL, log_refkey="object", log_prefix=args.log_format == "plain")
+    logging.getLogger("adpfleet").setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    if not args.verbose:  # kopf logs every event handler call on its per-object loggers
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+    asyncio.run(run(args, namespaces))
+    return 0
+
+
+def operator_settings(settings) -> None:
+    import kopf
+
+    from adpfleet.operator.resource.names import FINALIZER
+
+    settings.posting.enabled = False  # Events are written by the reconciler, only when something happened
+    settings.persistence.finalizer = FINALIZER
+    settings.peering.standalone = True  # one replica; leader election comes with the chart
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    settings.watching.connect_timeout = 10
+    settings.networking.request_timeout = 30
+    settings.batching.worker_limit = 200
+    settings.scanning.disabled = True  # the resources exist at start-up; no cluster-wide CRD watch needed
+    # nothing in kopf's own progress bookkeeping is used (no change handlers); keep it out of the objects
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="adpfleet.io")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix="adpfleet.io", key="last-handled-configuration")
+
+
+async def run(args, namespaces: list[str]) -> None:
+    import kopf
+
+    from adpfleet.operator.adapters.kube import KubeApi, load_api_client
+    from adpfleet.operator.handlers import build_registry
+    from adpfleet.operator.httpserver import start_http_server
+    from adpfleet.operator.loops import FleetLoops
+    from adpfleet.operator.reconciler import Reconciler
+    from adpfleet.operator.telemetry import Heartbeats, OperatorMetrics
+
+    metrics = OperatorMetrics()
+    heartbeats = Heartbeats(resync_seconds=args.resync_seconds, stuck_after=args.stuck_seconds)
+    api_client = load_api_client()
+    loops = FleetLoops(Reconciler(KubeApi(api_client, metrics), metrics), metrics, heartbeats,
+                       resync_seconds=args.resync_seconds)
+    ready = asyncio.Event()
+    http = await start_http_server(args.http_host, args.http_port, metrics, heartbeats, ready) \
+        if args.http_port else None
+    settings = kopf.OperatorSettings()
+    operator_settings(settings)
+    log.info("starting: watching %s", "all namespaces" if args.all_namespaces else ", ".join(namespaces))
+    try:
+        await kopf.operator(registry=build_registry(), settings=settings, memo=kopf.Memo(loops=loops),
+                            clusterwide=bool(args.all_namespaces), namespaces=namespaces,
+                            standalone=True, ready_flag=ready)
+    finally:
+        if http is not None:
+            await http.cleanup()
+        api_client.close()
+        log.info("stopped")

@@ -1,0 +1,259 @@
+"""One reconcile pass of one fleet: observe → desired → plan → act → status → events.
+
+Reads come from the kopf indexes (memory), so a pass that finds nothing to change makes no API
+request at all: it computes the same status as the one stored and leaves it alone. The only
+request a pass may make without changing anything is reading a referenced Secret, and only when it
+is about to create server pods.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+
+from pydantic import ValidationError
+
+from adpfleet.operator.adapters.kube import KubeApi, Outcome, now_rfc3339
+from adpfleet.operator.decisions import conditions
+from adpfleet.operator.decisions.conditions import Problem
+from adpfleet.operator.decisions.desired import DesiredFleet, FleetRef, desired_fleet
+from adpfleet.operator.decisions.observed import FleetObservation, ServerPod
+from adpfleet.operator.decisions.rollout import (ApplyObject, CreateServer, DeleteObject, DeleteServer, RolePlan,
+                                                 plan_objects, plan_role)
+from adpfleet.operator.resource import names
+from adpfleet.operator.resource.models import FleetSpec, fleet_name_problem
+from adpfleet.operator.telemetry import OperatorMetrics
+
+EXPECTATION_SECONDS = 60.0   # how long an action's effect may take to show up in the watch cache
+SECRET_RECHECK_SECONDS = 30.0
+MAX_BACKOFF_SECONDS = 300.0
+
+
+@dataclass
+class FleetMemory:
+    """What one fleet's loop remembers between passes. Lost on restart by design: the caches are
+    complete before the first pass, so a restarted operator needs none of it."""
+    # Actions whose effect the watch has not shown yet, so the next pass does not repeat them.
+    created: dict[str, tuple[CreateServer, float]] = field(default_factory=dict)  # pod name -> (action, deadline)
+    deleted: dict[str, tuple[DeleteServer, float]] = field(default_factory=dict)  # pod uid -> (action, deadline)
+    # The status this loop last wrote, and the resourceVersion it was written over: while the
+    # cached fleet is still at that version, it has not caught up with the write.
+    written_status: tuple[str, dict] | None = None
+    failures: int = 0
+
+
+@dataclass(frozen=True)
+class PassResult:
+    requeue_after: float | None  # None: wait for the next event (or the resync period)
+    actions: int
+    failed: bool
+
+
+def with_expectations(pods: list[ServerPod], memory: FleetMemory, now: float, templates: DesiredFleet,
+                      fleet_uid: str, role: str) -> list[ServerPod]:
+    """`role`'s cached pods corrected by actions the watch has not reported yet."""
+    by_name = {p.name for p in pods}
+    out = []
+    for pod in pods:
+        if pod.uid in memory.deleted:
+            if pod.terminating:
+                del memory.deleted[pod.uid]
+            else:
+                pod = dataclasses.replace(pod, terminating=True)
+        out.append(pod)
+    role_uids = {p.uid for p in pods}
+    for uid, (action, deadline) in list(memory.deleted.items()):
+        if action.role == role and (now > deadline or uid not in role_uids):
+            del memory.deleted[uid]
+    for name, (action, deadline) in list(memory.created.items()):
+        if action.role != role:
+            continue
+        if name in by_name or now > deadline:
+            del memory.created[name]
+            continue
+        out.append(ServerPod(name=name, uid="", role=action.role, index=action.index,
+                             template_hash=templates.servers[action.role].template_hash, owner_uid=fleet_uid,
+                             phase="Pending", ready=False, terminating=False, unschedulable=False, problem=None))
+    return out
+
+
+class Reconciler:
+    def __init__(self, api: KubeApi, metrics: OperatorMetrics, clock=time.monotonic):
+        self.api = api
+        self.metrics = metrics
+        self.clock = clock
+
+    async def reconcile(self, obs: FleetObservation, memory: FleetMemory, logger: logging.Logger) -> PassResult:
+        fleet = FleetRef(obs.name, obs.namespace, obs.uid)
+        if memory.written_status and memory.written_status[0] == obs.resource_version:
+            obs = dataclasses.replace(obs, status=memory.written_status[1])  # the cache lags our own write
+
+        spec, invalid = _read_spec(obs)
+        if spec is None:
+            status = conditions.fleet_status(obs, {}, None, [], None, [invalid], now_rfc3339())
+            await self._write_status(fleet, obs, status, memory, logger)
+            return PassResult(None, 0, False)
+
+        desired = desired_fleet(fleet, spec)
+        now = self.clock()
+        foreign = [dataclasses.replace(p, terminating=True) for p in obs.foreign_pods()]  # they hold their names
+        role_pods = {role: with_expectations(obs.role_pods(role), memory, now, desired, obs.uid, role) +
+                     [p for p in foreign if p.role == role] for role in names.ROLES}
+        plans = [plan_role(role, desired.replicas[role], desired.servers[role].template_hash, role_pods[role])
+                 for role in names.ROLES]
+        objects_plan = plan_objects(desired.objects, list(obs.objects), obs.uid)
+
+        problems: list[Problem] = []
+        requeue: float | None = None
+        secret_problem = await self._check_secret(spec, obs.namespace, plans)
+        if secret_problem:
+            problems.append(secret_problem)
+            plans = [dataclasses.replace(p, actions=tuple(a for a in p.actions if not isinstance(a, CreateServer)),
+                                         waiting_for=f"Secret {spec.model.token_secret_ref.name}")
+                     if any(isinstance(a, CreateServer) for a in p.actions) else p for p in plans]
+            requeue = SECRET_RECHECK_SECONDS
+
+        # Router objects first (the ServiceAccount and Role before the Deployment that uses them),
+        # then deletions (they free names and capacity), then creations.
+        actions = list(objects_plan.actions)
+        actions += [a for p in plans for a in p.actions if isinstance(a, DeleteServer)]
+        actions += [a for p in plans for a in p.actions if isinstance(a, CreateServer)]
+        failures = []
+        for action in actions:
+            outcome = await self._act(fleet, desired, action, memory)
+            self.metrics.actions.labels(type(action).__name__).inc()
+            await self._report_action(fleet, action, outcome, logger)
+            if not outcome.ok:
+                failures.append(Problem(_failure_reason(action), f"could not {_VERB[type(action)]} "
+                                                                 f"{_describe(fleet, action)}: {outcome.message}"))
+        problems += failures
+
+        own_pods = [p for role in names.ROLES for p in role_pods[role] if p.owner_uid == obs.uid]
+        problems += conditions.pod_problems(own_pods)
+        counts = {role: conditions.role_counts(desired.replicas[role], desired.servers[role].template_hash,
+                                               [p for p in role_pods[role] if p.owner_uid == obs.uid])
+                  for role in names.ROLES}
+        router = conditions.router_counts(spec.router.enabled, spec.router.replicas, list(obs.objects))
+        status = conditions.fleet_status(obs, counts, router, plans, objects_plan.waiting_for, problems,
+                                         now_rfc3339())
+        await self._write_status(fleet, obs, status, memory, logger)
+
+        if failures:
+            memory.failures += 1
+            requeue = min(MAX_BACKOFF_SECONDS, 2.0 ** memory.failures)
+        else:
+            memory.failures = 0
+        if requeue is None and (memory.created or memory.deleted):
+            requeue = EXPECTATION_SECONDS / 4  # look again even if the watch stays silent
+        return PassResult(requeue, len(actions), bool(failures))
+
+    # ---- pieces ----
+
+    async def _check_secret(self, spec: FleetSpec, namespace: str, plans: list[RolePlan]) -> Problem | None:
+        ref = spec.model.token_secret_ref
+        if ref is None or not any(isinstance(a, CreateServer) for p in plans for a in p.actions):
+            return None
+        outcome, keys = await self.api.secret_keys(namespace, ref.name)
+        if keys is None and outcome.code == 404:
+            return Problem("SecretNotFound", f"Secret {ref.name!r} (spec.model.tokenSecretRef) does not exist in "
+                                             f"namespace {namespace}; create it or remove tokenSecretRef")
+        if keys is None:
+            return Problem("SecretUnreadable", f"reading Secret {ref.name!r}: {outcome.message}")
+        if ref.key not in keys:
+            return Problem("SecretKeyNotFound", f"Secret {ref.name!r} has no key {ref.key!r} "
+                                                f"(spec.model.tokenSecretRef.key); it has {sorted(keys)}")
+        return None
+
+    async def _act(self, fleet: FleetRef, desired: DesiredFleet, action, memory: FleetMemory) -> Outcome:
+        if isinstance(action, CreateServer):
+            manifest = desired.servers[action.role].pod(action.index)
+            outcome = await self.api.create_pod(manifest)
+            if outcome.ok:
+                memory.created[manifest["metadata"]["name"]] = (action, self.clock() + EXPECTATION_SECONDS)
+            return outcome
+        if isinstance(action, DeleteServer):
+            outcome = await self.api.delete_pod(fleet.namespace, action.name, action.uid)
+            if outcome.ok:
+                memory.deleted[action.uid] = (action, self.clock() + EXPECTATION_SECONDS)
+            return outcome
+        if isinstance(action, ApplyObject):
+            return await self.api.apply(action.manifest)
+        if isinstance(action, DeleteObject):
+            return await self.api.delete_object(action.kind, fleet.namespace, action.name, action.uid)
+        raise TypeError(f"unknown action {action!r}")
+
+    async def _report_action(self, fleet: FleetRef, action, outcome: Outcome, logger: logging.Logger) -> None:
+        if outcome.ok:
+            message = f"{_PAST[type(action)]} {_describe(fleet, action)} ({action.why})"
+            logger.info(message)
+            await self.api.record_event(fleet, "Normal", _success_reason(action), message)
+        else:
+            message = f"could not {_VERB[type(action)]} {_describe(fleet, action)}: {outcome.message}"
+            logger.warning(message)
+            await self.api.record_event(fleet, "Warning", _failure_reason(action), message)
+
+    async def _write_status(self, fleet: FleetRef, obs: FleetObservation, status: dict, memory: FleetMemory,
+                            logger: logging.Logger) -> None:
+        before = obs.status or {}
+        removed = {k: None for k in before if k not in status}
+        if not removed and all(before.get(k) == v for k, v in status.items()):
+            return
+        outcome = await self.api.patch_fleet_status(fleet.namespace, fleet.name, {**status, **removed})
+        if not outcome.ok:
+            # 404: the fleet is being deleted; anything else is retried by the next pass
+            if outcome.code != 404:
+                logger.warning("writing status failed: %s", outcome.message)
+            return
+        memory.written_status = (obs.resource_version, status)
+        for type_, cond in conditions.transitions(before, status):
+            await self._condition_event(fleet, type_, cond, before)
+
+    async def _condition_event(self, fleet: FleetRef, type_: str, cond: dict, before: dict) -> None:
+        had = {c.get("type"): c for c in before.get("conditions") or []}.get(type_)
+        if type_ == "Degraded" and cond["status"] == "True":
+            await self.api.record_event(fleet, "Warning", cond["reason"], cond["message"])
+        elif type_ == "Degraded" and had and had.get("status") == "True":
+            await self.api.record_event(fleet, "Normal", "Recovered", f"no longer degraded ({had.get('reason')})")
+        elif type_ == "Ready" and cond["status"] == "True":
+            await self.api.record_event(fleet, "Normal", "FleetReady", cond["message"])
+        elif type_ == "Ready" and had and had.get("status") == "True":
+            await self.api.record_event(fleet, "Warning", "FleetNotReady", cond["message"])
+
+
+def _read_spec(obs: FleetObservation) -> tuple[FleetSpec | None, Problem | None]:
+    """The spec, or the reason it cannot be used. The API server already enforces every rule; this
+    catches a CRD older than the operator (or one installed without its validation)."""
+    problem = fleet_name_problem(obs.name)
+    if problem:
+        return None, Problem("InvalidSpec", problem)
+    try:
+        return FleetSpec.model_validate(obs.spec or {}), None
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(x) for x in first["loc"])
+        return None, Problem("InvalidSpec", f"spec.{where}: {first['msg']}" + (
+            f" (+{exc.error_count() - 1} more)" if exc.error_count() > 1 else ""))
+
+
+def _describe(fleet: FleetRef, action) -> str:
+    if isinstance(action, CreateServer):
+        return f"{action.role} server {names.server_name(fleet.name, action.role, action.index)}"
+    if isinstance(action, DeleteServer):
+        return f"{action.role} server {action.name}"
+    return f"{action.kind} {action.name}"
+
+
+_PAST = {CreateServer: "created", DeleteServer: "deleted", ApplyObject: "applied", DeleteObject: "deleted"}
+_VERB = {CreateServer: "create", DeleteServer: "delete", ApplyObject: "apply", DeleteObject: "delete"}
+
+
+def _success_reason(action) -> str:
+    return {CreateServer: "CreatedServer", DeleteServer: "DeletedServer", ApplyObject: "Applied",
+            DeleteObject: "Deleted"}[type(action)]
+
+
+def _failure_reason(action) -> str:
+    return {CreateServer: "CreateServerFailed", DeleteServer: "DeleteServerFailed", ApplyObject: "ApplyFailed",
+            DeleteObject: "DeleteFailed"}[type(action)]

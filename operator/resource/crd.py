@@ -1,0 +1,178 @@
+"""The InferenceFleet CRD, generated from the pydantic models, and `adpfleet crds`.
+
+Pydantic writes JSON Schema (2020-12); Kubernetes wants a *structural* OpenAPI v3 schema: every
+node typed, no `$ref`, no `anyOf` around null, no `additionalProperties: false` next to
+`properties` (unknown fields are refused by the API server's strict field validation instead),
+and complete defaults on nested objects so that a user may leave any of them out.
+`to_structural` does exactly that conversion; everything else (descriptions, bounds, enums,
+patterns, CEL rules) passes through unchanged.
+"""
+
+from __future__ import annotations
+
+import copy
+import typing
+from typing import Any
+
+import yaml
+from pydantic import BaseModel
+
+from adpfleet.operator.resource import models, names
+
+# Keys of pydantic's JSON Schema that have no meaning (or no place) in a Kubernetes schema.
+_DROPPED = {"title", "additionalProperties"}
+
+PRINTER_COLUMNS = [
+    {"name": "Roles Ready", "type": "string", "jsonPath": ".status.readyRoles",
+     "description": "Roles (context, generation, router) with every server ready"},
+    {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
+    {"name": "Stalled", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Stalled")].status'},
+    {"name": "Context", "type": "string", "priority": 1, "jsonPath": ".status.context.ready",
+     "description": "Ready context servers"},
+    {"name": "Generation", "type": "string", "priority": 1, "jsonPath": ".status.generation.ready",
+     "description": "Ready generation servers"},
+    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+]
+
+
+def to_structural(node: Any, defs: dict[str, Any]) -> Any:
+    """Convert one node of pydantic's JSON Schema into a structural OpenAPI v3 schema node."""
+    if isinstance(node, list):
+        return [to_structural(n, defs) for n in node]
+    if not isinstance(node, dict):
+        return node
+    node = dict(node)
+    if "$ref" in node:  # inline the definition; the field's own keys (description, default) win
+        target = copy.deepcopy(defs[node.pop("$ref").rsplit("/", 1)[-1]])
+        target.update(node)
+        node = target
+    if "anyOf" in node:  # Optional[X] is anyOf [X, null]: absent is how Kubernetes says "not set"
+        options = [o for o in node.pop("anyOf") if o.get("type") != "null"]
+        if len(options) != 1:
+            raise ValueError(f"cannot express a union of {options} in a structural schema")
+        merged = dict(options[0])
+        merged.update(node)
+        node = to_structural(merged, defs)
+        if node.get("default", ...) is None:
+            del node["default"]
+        return node
+    if "const" in node:
+        node["enum"] = [node.pop("const")]
+    if "enum" in node and "type" not in node:
+        node["type"] = "string"
+    if node.get("default", ...) is None:
+        del node["default"]
+    if node.get("type") == "object" and "properties" not in node and isinstance(node.get("additionalProperties"), dict):
+        node["additionalProperties"] = to_structural(node["additionalProperties"], defs)  # a map: keep its values' type
+        out = {k: v for k, v in node.items() if k != "title"}
+    else:
+        out = {k: to_structural(v, defs) if k in ("items", "properties") else v
+               for k, v in node.items() if k not in _DROPPED}
+    if "properties" in out:
+        out["properties"] = {name: to_structural(sub, defs) for name, sub in out["properties"].items()}
+    return out
+
+
+def _schema_of(model: type[models.KubeModel], *, with_factory_defaults: bool) -> dict:
+    raw = model.model_json_schema(by_alias=True, mode="validation")
+    defs = raw.pop("$defs", {})
+    schema = to_structural(raw, defs)
+    if with_factory_defaults:
+        _add_factory_defaults(model, schema)
+    return schema
+
+
+def _add_factory_defaults(model: type[BaseModel], schema: dict) -> None:
+    """Give every field that has a default_factory its complete default value.
+
+    Complete, not `{}`: the API server checks each default against the CEL rules *without* applying
+    the nested defaults first, so `engine: {}` would fail `self.maxBatchSize <= ...`. Lists and maps
+    default to empty so that rules over them (`self.labels.all(...)`) always have a value.
+    """
+    for name, field in model.model_fields.items():
+        sub = schema.get("properties", {}).get(field.alias or name)
+        if sub is None:
+            continue
+        if field.default_factory is not None:
+            value = field.default_factory()
+            sub["default"] = value.to_kube() if isinstance(value, models.KubeModel) else value
+        inner = _model_of(field.annotation)
+        if inner is not None:
+            _add_factory_defaults(inner, sub.get("items", sub))
+
+
+def _model_of(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model inside an annotation such as `X`, `X | None` or `list[X]`."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _model_of(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def openapi_schema() -> dict:
+    """The schema of the whole object, as it goes into the CRD's `openAPIV3Schema`."""
+    spec = _schema_of(models.FleetSpec, with_factory_defaults=True)
+    status = _schema_of(models.FleetStatus, with_factory_defaults=False)
+    spec["description"] = models.FleetSpec.__doc__.strip()
+    status["description"] = models.FleetStatus.__doc__.strip()
+    return {
+        "type": "object",
+        "description": "InferenceFleet runs a disaggregated attention-data-parallel inference fleet: context "
+                       "servers, generation servers and a router, kept running and remediated by adpfleet.",
+        "required": ["spec"],
+        "properties": {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": {"type": "object"},
+            "spec": spec,
+            "status": status,
+        },
+        "x-kubernetes-validations": [dict(r) for r in models.ROOT_RULES],
+    }
+
+
+def crd() -> dict:
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": names.CRD_NAME,
+                     "labels": {names.LABEL_NAME: "adpfleet", "app.kubernetes.io/part-of": "adpfleet"}},
+        "spec": {
+            "group": names.GROUP,
+            "scope": "Namespaced",
+            "names": {"kind": names.KIND, "plural": names.PLURAL, "singular": names.SINGULAR,
+                      "shortNames": list(names.SHORT_NAMES), "listKind": f"{names.KIND}List",
+                      "categories": ["adpfleet"]},
+            "versions": [{
+                "name": names.VERSION,
+                "served": True,
+                "storage": True,
+                "subresources": {"status": {}},
+                "additionalPrinterColumns": PRINTER_COLUMNS,
+                "schema": {"openAPIV3Schema": openapi_schema()},
+            }],
+        },
+    }
+
+
+HEADER = ("# Generated by `adpfleet crds` from the pydantic models in operator/resource/models.py.\n"
+          "# Do not edit: change the models and regenerate (docs/operator.md says how).\n")
+
+
+def crd_yaml() -> str:
+    return HEADER + yaml.safe_dump(crd(), sort_keys=False, width=100)
+
+
+FILE_NAME = f"{names.CRD_NAME}.yaml"  # inferencefleets.adpfleet.io.yaml, in crds/ and charts/adpfleet/crds/
+
+
+def main(args) -> int:
+    if getattr(args, "reference", False):
+        from adpfleet.operator.resource.reference import reference_markdown
+        print(reference_markdown(), end="")
+    else:
+        print(crd_yaml(), end="")
+    return 0

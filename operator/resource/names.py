@@ -1,0 +1,68 @@
+"""Names, labels and annotations the operator, the router and users rely on (DESIGN.md §3).
+
+Changing one of these is a contract change: the router's discovery and `kubectl` selectors read them.
+"""
+
+from __future__ import annotations
+
+GROUP = "adpfleet.io"
+VERSION = "v1alpha1"
+KIND = "InferenceFleet"
+PLURAL = "inferencefleets"
+SINGULAR = "inferencefleet"
+SHORT_NAMES = ["ifleet"]
+API_VERSION = f"{GROUP}/{VERSION}"
+CRD_NAME = f"{PLURAL}.{GROUP}"
+
+ROLES = ("context", "generation")  # the server roles a fleet runs; each is a spec field of that name
+
+MANAGER = "adpfleet-operator"  # app.kubernetes.io/managed-by, the field manager and the Events' source
+FINALIZER = f"{GROUP}/operator"
+
+# Labels on everything a fleet owns, plus role and index on server pods.
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_FLEET = f"{GROUP}/fleet"
+LABEL_ROLE = f"{GROUP}/role"    # context | generation; the router discovers servers by it
+LABEL_INDEX = f"{GROUP}/index"  # the server's slot in its role: <fleet>-<role>-<index>
+
+ANNOTATION_TEMPLATE_HASH = f"{GROUP}/template-hash"  # what the object was built from; a change means replace
+ANNOTATION_DRAIN = f"{GROUP}/drain"                  # "true": the router sends this server no new requests
+RESERVED_ANNOTATIONS = (ANNOTATION_TEMPLATE_HASH, ANNOTATION_DRAIN)
+RESERVED_LABEL_PREFIXES = (f"{GROUP}/", "app.kubernetes.io/")
+
+SERVER_HTTP_PORT = 8000  # OpenAI API, /health, /metrics
+SERVER_KV_PORT = 8001    # KV-cache transfers (context servers; the runtime's default: HTTP port + 1)
+ROUTER_HTTP_PORT = 8000
+
+MAX_FLEET_NAME = 40  # "<fleet>-generation-<index>" and "<fleet>-router" must stay valid DNS labels
+
+
+def server_name(fleet: str, role: str, index: int) -> str:
+    return f"{fleet}-{role}-{index}"
+
+
+def router_name(fleet: str) -> str:
+    """The router's Deployment, Service, ServiceAccount, Role and RoleBinding all share this name."""
+    return f"{fleet}-router"
+
+
+def common_labels(fleet: str, component: str) -> dict[str, str]:
+    return {LABEL_NAME: "adpfleet", LABEL_INSTANCE: fleet, LABEL_COMPONENT: component,
+            LABEL_MANAGED_BY: MANAGER, LABEL_FLEET: fleet}
+
+
+def server_labels(fleet: str, role: str, index: int) -> dict[str, str]:
+    return {**common_labels(fleet, f"{role}-server"), LABEL_ROLE: role, LABEL_INDEX: str(index)}
+
+
+def router_selector(fleet: str) -> dict[str, str]:
+    return {LABEL_INSTANCE: fleet, LABEL_COMPONENT: "router", LABEL_MANAGED_BY: MANAGER}
+
+
+def discovery_selector(fleet: str) -> str:
+    """The label selector the router watches: this fleet's pods that have a server role (router
+    pods carry the fleet label but no role, so they never discover themselves)."""
+    return f"{LABEL_FLEET}={fleet},{LABEL_ROLE}"

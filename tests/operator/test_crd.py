@@ -1,0 +1,97 @@
+"""The CRD is generated from the pydantic models; the committed copies must be exactly that."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from adpfleet.operator.resource import crd, names
+from adpfleet.operator.resource.reference import reference_markdown
+
+ROOT = Path(__file__).resolve().parents[2]
+COPIES = [ROOT / "crds" / crd.FILE_NAME, ROOT / "charts" / "adpfleet" / "crds" / crd.FILE_NAME]
+REGENERATE = ("regenerate: adpfleet crds > crds/{f} && cp crds/{f} charts/adpfleet/crds/ && "
+              "adpfleet crds --reference > docs/configuration.md").format(f=crd.FILE_NAME)
+
+
+def test_adpfleet_crds_prints_the_crd_generated_from_the_models():
+    out = subprocess.run([sys.executable, "-m", "adpfleet.cli", "crds"], capture_output=True, text=True, check=True)
+    assert out.stdout == crd.crd_yaml()
+
+
+def test_committed_crd_files_are_identical_to_the_generated_one():
+    generated = crd.crd_yaml()
+    for copy in COPIES:
+        assert copy.read_text() == generated, f"{copy.relative_to(ROOT)} is stale; {REGENERATE}"
+
+
+def test_configuration_reference_is_generated_from_the_same_schema():
+    assert (ROOT / "docs" / "configuration.md").read_text() == reference_markdown(), REGENERATE
+
+
+def _walk(node, path="$"):
+    yield path, node
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _walk(v, f"{path}.{k}")
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _walk(v, f"{path}[{i}]")
+
+
+def test_schema_is_structural():
+    schema = crd.openapi_schema()
+    for path, node in _walk(schema):
+        if not isinstance(node, dict) or path.endswith((".default", ".properties")) or ".default." in path:
+            continue
+        if path.endswith("]") and ".x-kubernetes-validations" in path:
+            continue
+        for forbidden in ("$ref", "anyOf", "oneOf", "allOf", "const", "title", "$defs"):
+            assert forbidden not in node, f"{path} has {forbidden}"
+        if "properties" in node:
+            assert node.get("type") == "object", f"{path} has properties but no type object"
+            assert "additionalProperties" not in node, path
+        if any(k in node for k in ("minimum", "maxLength", "enum", "pattern", "items")):
+            assert "type" in node, f"{path} is untyped"
+
+
+def test_crd_has_status_subresource_printer_columns_short_name_and_rules():
+    doc = yaml.safe_load(crd.crd_yaml())
+    version = doc["spec"]["versions"][0]
+    assert doc["metadata"]["name"] == "inferencefleets.adpfleet.io"
+    assert doc["spec"]["scope"] == "Namespaced"
+    assert version["subresources"] == {"status": {}}
+    assert names.SHORT_NAMES[0] in doc["spec"]["names"]["shortNames"]
+    columns = {c["name"] for c in version["additionalPrinterColumns"]}
+    assert {"Roles Ready", "Stalled", "Age"} <= columns
+    spec = version["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    assert spec["required"] == ["image", "model"]
+    role = spec["properties"]["context"]
+    assert role["properties"]["servers"]["minimum"] == 1
+    assert any("gpusPerServer % self.adpRanks" in r["rule"] for r in role["x-kubernetes-validations"])
+    assert spec["properties"]["remediation"]["properties"]["mode"]["enum"] == ["Auto", "DryRun", "Disabled"]
+    status = version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
+    assert status["conditions"]["x-kubernetes-list-map-keys"] == ["type"]
+    assert set(status["conditions"]["items"]["properties"]["type"]["enum"]) >= {"Stalled", "Remediating"}
+    assert status["recentRemediations"]["maxItems"] == 20
+
+
+def test_every_field_has_a_description_or_is_self_evident():
+    undocumented = []
+    spec = crd.openapi_schema()["properties"]["spec"]
+    for path, node in _walk(spec):
+        if path.endswith(".properties") and isinstance(node, dict):
+            for name, sub in node.items():
+                if sub.get("type") in ("object", "array", "integer") and not sub.get("description"):
+                    undocumented.append(f"{path}.{name}")
+    # objects inside lists describe themselves in their item schema
+    assert all("imagePullSecrets" in p or "tolerations" in p or "env" in p for p in undocumented), undocumented
+
+
+def test_defaults_are_complete_so_the_api_server_can_check_them_against_the_rules():
+    spec = crd.openapi_schema()["properties"]["spec"]["properties"]
+    engine_default = spec["context"]["properties"]["engine"]["default"]
+    assert engine_default["maxBatchSize"] <= engine_default["maxNumActiveRequests"]
+    assert spec["context"]["default"]["gpusPerServer"] == 0
+    assert "default" not in spec["model"]["properties"]["tokenSecretRef"]  # optional: absent unless given

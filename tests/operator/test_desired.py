@@ -1,0 +1,128 @@
+"""Desired objects are a pure function of the spec."""
+
+from adpfleet.operator.decisions.desired import FleetRef, desired_fleet, router_objects, server_template
+from adpfleet.operator.resource import names
+from adpfleet.operator.resource.models import FleetSpec
+
+from specs import fleet_manifest
+
+FLEET = FleetRef("demo", "ns1", "uid-1")
+
+
+def spec(**overrides) -> FleetSpec:
+    return FleetSpec.model_validate(fleet_manifest(**overrides)["spec"])
+
+
+def test_server_pod_has_stable_name_labels_owner_and_the_runtime_command():
+    pod = server_template(FLEET, spec(), "context").pod(0)
+    meta = pod["metadata"]
+    assert meta["name"] == "demo-context-0" and meta["namespace"] == "ns1"
+    assert meta["labels"] == {
+        "app.kubernetes.io/name": "adpfleet", "app.kubernetes.io/instance": "demo",
+        "app.kubernetes.io/component": "context-server", "app.kubernetes.io/managed-by": "adpfleet-operator",
+        "adpfleet.io/fleet": "demo", "adpfleet.io/role": "context", "adpfleet.io/index": "0"}
+    assert meta["ownerReferences"] == [{"apiVersion": "adpfleet.io/v1alpha1", "kind": "InferenceFleet",
+                                        "name": "demo", "uid": "uid-1", "controller": True,
+                                        "blockOwnerDeletion": True}]
+    container = pod["spec"]["containers"][0]
+    argv = container["command"] + container["args"]
+    assert argv[:10] == ["adpfleet", "serve", "--role", "context", "--model", "tiny", "--dp", "1", "--host", "$(POD_IP)"]
+    assert argv[argv.index("--kv-blocks") + 1] == "64"
+    assert {"name": "OMP_NUM_THREADS", "value": "1"} in container["env"]
+    assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"http": 8000, "kv": 8001}
+
+
+def test_generation_servers_expose_no_kv_port():
+    container = server_template(FLEET, spec(), "generation").pod(1)["spec"]["containers"][0]
+    assert [p["name"] for p in container["ports"]] == ["http"]
+
+
+def test_probes_use_the_runtime_endpoints():
+    container = server_template(FLEET, spec(), "context").pod(0)["spec"]["containers"][0]
+    assert container["startupProbe"]["httpGet"]["path"] == "/health"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert container["readinessProbe"]["periodSeconds"] == 1  # from probes.readinessPeriodSeconds
+    assert container["livenessProbe"]["httpGet"]["path"] == "/v1/models"
+    assert container["startupProbe"]["failureThreshold"] * container["startupProbe"]["periodSeconds"] >= 600
+
+
+def test_pods_run_unprivileged_with_a_read_only_root():
+    pod = server_template(FLEET, spec(), "context").pod(0)["spec"]
+    container = pod["containers"][0]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert container["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                            "capabilities": {"drop": ["ALL"]}}
+    assert {m["mountPath"] for m in container["volumeMounts"]} == {"/tmp", "/dev/shm"}
+    assert pod["automountServiceAccountToken"] is False
+
+
+def test_gpus_resources_and_scheduling_are_passed_through():
+    s = spec(generation={"servers": 1, "adpRanks": 2, "gpusPerServer": 4, "engine": {"device": "cuda"},
+                         "resources": {"requests": {"cpu": "4", "memory": "16Gi", "ephemeralStorage": "1Gi"},
+                                       "limits": {"memory": "32Gi"}},
+                         "nodeSelector": {"gpu": "h100"},
+                         "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]})
+    pod = server_template(FLEET, s, "generation").pod(0)["spec"]
+    resources = pod["containers"][0]["resources"]
+    assert resources == {"requests": {"cpu": "4", "memory": "16Gi", "ephemeral-storage": "1Gi", "nvidia.com/gpu": "4"},
+                         "limits": {"memory": "32Gi", "nvidia.com/gpu": "4"}}
+    assert pod["nodeSelector"] == {"gpu": "h100"}
+    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    args = pod["containers"][0]["args"]
+    assert args[args.index("--device") + 1] == "cuda"
+
+
+def test_token_secret_becomes_hf_token_env():
+    s = spec(model={"name": "meta/llama", "tokenSecretRef": {"name": "hf", "key": "tok"}})
+    env = server_template(FLEET, s, "context").pod(0)["spec"]["containers"][0]["env"]
+    assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "tok"}}} in env
+
+
+def test_template_hash_changes_with_server_settings_but_not_with_server_count():
+    base = server_template(FLEET, spec(), "context").template_hash
+    more = spec(context={"servers": 5, "adpRanks": 1, "engine": {"kvBlocks": 64},
+                         "probes": {"readinessPeriodSeconds": 1}})
+    assert server_template(FLEET, more, "context").template_hash == base
+    bigger_kv = spec(context={"servers": 1, "adpRanks": 1, "engine": {"kvBlocks": 65},
+                              "probes": {"readinessPeriodSeconds": 1}})
+    assert server_template(FLEET, bigger_kv, "context").template_hash != base
+    assert server_template(FLEET, spec(image="adpfleet:2"), "context").template_hash != base
+    # a setting of the other role does not roll this one
+    other = spec(generation={"servers": 1, "adpRanks": 2})
+    assert server_template(FLEET, other, "context").template_hash == base
+
+
+def test_pod_metadata_is_added_but_cannot_override_the_operators_labels():
+    s = spec(podMetadata={"labels": {"team": "a"}, "annotations": {"prometheus.io/scrape": "true"}})
+    meta = server_template(FLEET, s, "context").pod(0)["metadata"]
+    assert meta["labels"]["team"] == "a" and meta["labels"]["adpfleet.io/role"] == "context"
+    assert meta["annotations"]["prometheus.io/scrape"] == "true"
+    assert names.ANNOTATION_TEMPLATE_HASH in meta["annotations"]
+
+
+def test_router_runs_kubernetes_discovery_with_read_only_pod_access_in_its_namespace():
+    objects = {o["kind"]: o for o in router_objects(FLEET, spec())}
+    assert list(objects) == ["ServiceAccount", "Role", "RoleBinding", "Deployment", "Service"]
+    assert objects["Role"]["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+    binding = objects["RoleBinding"]
+    assert binding["roleRef"]["name"] == "demo-router"
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "demo-router", "namespace": "ns1"}]
+    pod = objects["Deployment"]["spec"]["template"]
+    assert pod["spec"]["serviceAccountName"] == "demo-router"
+    args = pod["spec"]["containers"][0]["args"]
+    assert args[:5] == ["router", "--host", "$(POD_IP)", "--port", "8000"]
+    assert args[args.index("--kube-selector") + 1] == "adpfleet.io/fleet=demo,adpfleet.io/role"
+    assert args[args.index("--kube-namespace") + 1] == "$(POD_NAMESPACE)"
+    assert "adpfleet.io/role" not in pod["metadata"]["labels"]  # the router never discovers itself
+    assert objects["Service"]["spec"]["selector"] == objects["Deployment"]["spec"]["selector"]["matchLabels"]
+    for obj in objects.values():
+        assert obj["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+        assert names.ANNOTATION_TEMPLATE_HASH in obj["metadata"]["annotations"]
+
+
+def test_router_can_be_left_out():
+    assert router_objects(FLEET, spec(router={"enabled": False})) == []
+
+
+def test_desired_fleet_is_deterministic():
+    assert desired_fleet(FLEET, spec()) == desired_fleet(FLEET, spec())

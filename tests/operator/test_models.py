@@ -1,0 +1,73 @@
+"""The pydantic models: defaults, and the same refusals the API server gives (specs.py)."""
+
+from decimal import Decimal
+
+import pytest
+from pydantic import ValidationError
+
+from adpfleet.operator.resource import quantity
+from adpfleet.operator.resource.models import FleetSpec, FleetStatus, fleet_name_problem
+
+from specs import INVALID_NAMES, INVALID_SPECS, fleet_manifest
+
+
+def test_a_minimal_spec_gets_one_server_per_role_and_documented_defaults():
+    spec = FleetSpec.model_validate({"image": "adpfleet:1", "model": {"name": "tiny"}})
+    assert spec.context.servers == 1 and spec.generation.adp_ranks == 1
+    assert spec.remediation.mode == "Auto"
+    assert spec.remediation.stall_window_seconds >= 2 * spec.monitoring.scrape_interval_seconds
+    assert spec.router.enabled and spec.router.replicas == 1
+    assert spec.to_kube()["context"]["engine"]["kvBlocks"] == 512
+
+
+def test_camel_case_in_yaml_snake_case_in_python():
+    spec = FleetSpec.model_validate(fleet_manifest()["spec"])
+    assert spec.context.engine.kv_blocks == 64
+    assert "kvBlocks" in spec.to_kube()["context"]["engine"]
+
+
+@pytest.mark.parametrize("case", INVALID_SPECS, ids=lambda c: c.what)
+def test_pydantic_refuses_what_the_api_server_refuses(case):
+    with pytest.raises(ValidationError) as refused:
+        FleetSpec.model_validate(case.manifest()["spec"])
+    text = str(refused.value)
+    for word in case.pydantic_words:
+        assert word in text, f"{case.what}: {word!r} not in {text}"
+
+
+@pytest.mark.parametrize("name,words", INVALID_NAMES)
+def test_fleet_names_that_cannot_prefix_pod_names_are_refused(name, words):
+    assert "metadata.name" in fleet_name_problem(name)
+
+
+def test_valid_fleet_name():
+    assert fleet_name_problem("demo-1") is None
+
+
+def test_gpus_a_multiple_of_ranks_on_cuda_is_accepted():
+    spec = FleetSpec.model_validate({"image": "x", "model": {"name": "tiny"},
+                                     "generation": {"adpRanks": 4, "gpusPerServer": 8, "engine": {"device": "cuda"}}})
+    assert spec.generation.gpus_per_server == 8
+
+
+def test_status_model_accepts_room_for_stall_conditions_and_bounded_remediations():
+    status = FleetStatus.model_validate({
+        "conditions": [{"type": "Stalled", "status": "True", "reason": "RankVetoed", "message": "",
+                        "lastTransitionTime": "2026-01-01T00:00:00Z"}],
+        "recentRemediations": [{"time": "2026-01-01T00:00:00Z", "role": "context", "server": "f-context-0",
+                                "signature": "vetoed", "action": "Restart", "outcome": "Succeeded"}] * 20})
+    assert status.conditions[0].type == "Stalled"
+    with pytest.raises(ValidationError):
+        FleetStatus.model_validate({"recentRemediations": [status.recent_remediations[0].to_kube()] * 21})
+
+
+@pytest.mark.parametrize("text,value", [("500m", Decimal("0.5")), ("2", Decimal(2)), ("8Gi", Decimal(8 * 2**30)),
+                                        ("1e3", Decimal(1000)), ("1.5G", Decimal("1.5e9")), ("100Mi", 100 * 2**20)])
+def test_quantities_parse_like_kubernetes(text, value):
+    assert quantity.parse(text) == value
+
+
+@pytest.mark.parametrize("text", ["lots", "-1", "1.5Gb", "", "Gi"])
+def test_malformed_quantities_are_refused(text):
+    with pytest.raises(ValueError, match="not a Kubernetes quantity"):
+        quantity.parse(text)

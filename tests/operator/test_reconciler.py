@@ -1,0 +1,211 @@
+"""One reconcile pass against a fake API: what it writes, and that a pass with nothing to do
+writes nothing (the property the steady-state test measures on the real API server)."""
+
+import asyncio
+import dataclasses
+import logging
+
+import pytest
+
+from adpfleet.operator.adapters.kube import Outcome
+from adpfleet.operator.decisions.observed import FleetObservation, OwnedObject, ServerPod
+from adpfleet.operator.reconciler import FleetMemory, Reconciler
+from adpfleet.operator.telemetry import OperatorMetrics
+
+from specs import fleet_manifest
+
+log = logging.getLogger("test")
+
+
+class FakeApi:
+    """Records calls; every call succeeds unless told otherwise."""
+
+    def __init__(self, secrets=None, fail=()):
+        self.calls = []
+        self.secrets = secrets or {}
+        self.fail = set(fail)
+
+    def _out(self, name, *args):
+        self.calls.append((name, *args))
+        return Outcome(False, 500, "boom") if name in self.fail else Outcome(True)
+
+    async def create_pod(self, manifest):
+        return self._out("create_pod", manifest["metadata"]["name"])
+
+    async def delete_pod(self, namespace, name, uid):
+        return self._out("delete_pod", name)
+
+    async def apply(self, manifest):
+        return self._out("apply", manifest["kind"])
+
+    async def delete_object(self, kind, namespace, name, uid):
+        return self._out("delete_object", kind)
+
+    async def patch_fleet_status(self, namespace, name, status):
+        self.last_status = status
+        return self._out("patch_status")
+
+    async def record_event(self, fleet, type_, reason, message):
+        return self._out("event", type_, reason)
+
+    async def secret_keys(self, namespace, name):
+        self.calls.append(("get_secret", name))
+        if name not in self.secrets:
+            return Outcome(False, 404, "not found"), None
+        return Outcome(True), set(self.secrets[name])
+
+
+def observation(manifest=None, pods=(), objects=(), status=None, generation=1, rv="1"):
+    m = manifest or fleet_manifest("f", router={"enabled": False})
+    return FleetObservation(name="f", namespace="ns", uid="fleet-uid", generation=generation, resource_version=rv,
+                            spec=m["spec"], status=status or {}, pods=tuple(pods), objects=tuple(objects))
+
+
+def reconcile(api, obs, memory=None, clock=lambda: 0.0):
+    r = Reconciler(api, OperatorMetrics(), clock=clock)
+    return asyncio.run(r.reconcile(obs, memory or FleetMemory(), log))
+
+
+def running_pods(status_from_hash=None):
+    """What the cluster looks like after the first pass's pods came up."""
+    from adpfleet.operator.decisions.desired import FleetRef, desired_fleet
+    from adpfleet.operator.resource.models import FleetSpec
+    spec = FleetSpec.model_validate(fleet_manifest("f", router={"enabled": False})["spec"])
+    desired = desired_fleet(FleetRef("f", "ns", "fleet-uid"), spec)
+    return [ServerPod(name=f"f-{role}-0", uid=f"u-{role}", role=role, index=0,
+                      template_hash=desired.servers[role].template_hash, owner_uid="fleet-uid", phase="Running",
+                      ready=True, terminating=False, unschedulable=False, problem=None) for role in ("context", "generation")]
+
+
+def test_first_pass_creates_the_servers_writes_status_and_records_events():
+    api = FakeApi()
+    result = reconcile(api, observation())
+    names = [c[0] for c in api.calls]
+    assert names.count("create_pod") == 2 and names.count("patch_status") == 1
+    assert ("event", "Normal", "CreatedServer") in api.calls
+    status = api.last_status
+    assert status["observedGeneration"] == 1 and status["context"]["desired"] == 1
+    conditions = {c["type"]: c for c in status["conditions"]}
+    assert conditions["Ready"]["status"] == "False" and conditions["Progressing"]["status"] == "True"
+    assert conditions["Degraded"]["status"] == "False"
+    assert result.requeue_after is not None  # looks again even if the watch says nothing
+
+
+def test_a_pass_with_nothing_to_change_makes_no_call():
+    api = FakeApi()
+    pods = running_pods()
+    reconcile(api, observation(pods=pods))
+    settled = api.last_status
+    assert {c["type"]: c["status"] for c in settled["conditions"]}["Ready"] == "True"
+    api2 = FakeApi()
+    result = reconcile(api2, observation(pods=pods, status=settled, rv="2"))
+    assert api2.calls == [] and result.actions == 0 and result.requeue_after is None
+
+
+def test_created_pods_are_not_created_again_before_the_watch_shows_them():
+    api, memory = FakeApi(), FleetMemory()
+    reconcile(api, observation(), memory)
+    api2 = FakeApi()
+    reconcile(api2, observation(rv="2"), memory)  # the cache has not caught up yet
+    assert not [c for c in api2.calls if c[0] == "create_pod"]
+
+
+def test_expectations_expire_so_a_lost_create_is_retried():
+    api, memory = FakeApi(), FleetMemory()
+    reconcile(api, observation(), memory, clock=lambda: 0.0)
+    api2 = FakeApi()
+    reconcile(api2, observation(rv="2"), memory, clock=lambda: 1000.0)
+    assert [c for c in api2.calls if c[0] == "create_pod"]
+
+
+def test_status_written_moments_ago_is_not_written_again_while_the_cache_lags():
+    api, memory = FakeApi(), FleetMemory()
+    pods = running_pods()
+    reconcile(api, observation(pods=pods, rv="7"), memory)
+    api2 = FakeApi()
+    reconcile(api2, observation(pods=pods, rv="7"), memory)  # same resourceVersion: our write not seen yet
+    assert api2.calls == []
+
+
+def test_missing_secret_degrades_the_fleet_and_creates_nothing():
+    manifest = fleet_manifest("f", router={"enabled": False}, model={"name": "tiny", "tokenSecretRef": {"name": "hf"}})
+    api = FakeApi()
+    result = reconcile(api, observation(manifest))
+    assert not [c for c in api.calls if c[0] == "create_pod"]
+    degraded = {c["type"]: c for c in api.last_status["conditions"]}["Degraded"]
+    assert degraded["status"] == "True" and degraded["reason"] == "SecretNotFound"
+    assert "Secret 'hf'" in degraded["message"] and "tokenSecretRef" in degraded["message"]
+    assert ("event", "Warning", "SecretNotFound") in api.calls
+    assert result.requeue_after == 30.0
+
+
+def test_secret_present_lets_servers_be_created():
+    manifest = fleet_manifest("f", router={"enabled": False}, model={"name": "tiny", "tokenSecretRef": {"name": "hf"}})
+    api = FakeApi(secrets={"hf": ["token"]})
+    reconcile(api, observation(manifest))
+    assert len([c for c in api.calls if c[0] == "create_pod"]) == 2
+
+
+def test_failed_api_calls_degrade_the_fleet_and_back_off():
+    api, memory = FakeApi(fail={"create_pod"}), FleetMemory()
+    result = reconcile(api, observation(), memory)
+    assert result.failed and result.requeue_after == 2.0
+    degraded = {c["type"]: c for c in api.last_status["conditions"]}["Degraded"]
+    assert degraded["reason"] == "CreateServerFailed" and "boom" in degraded["message"]
+    assert ("event", "Warning", "CreateServerFailed") in api.calls
+    assert reconcile(FakeApi(fail={"create_pod"}), observation(rv="2"), memory).requeue_after == 4.0
+
+
+def test_invalid_spec_that_got_past_the_api_server_is_reported_not_acted_on():
+    manifest = fleet_manifest("f")
+    manifest["spec"]["context"]["servers"] = 0
+    api = FakeApi()
+    reconcile(api, observation(manifest))
+    assert [c[0] for c in api.calls if c[0] != "event"] == ["patch_status"]
+    ready = {c["type"]: c for c in api.last_status["conditions"]}["Ready"]
+    assert ready["reason"] == "InvalidSpec" and "spec.context.servers" in ready["message"]
+
+
+def test_crash_looping_server_is_reported_as_degraded():
+    pods = running_pods()
+    pods[0] = dataclasses.replace(pods[0], ready=False, problem="CrashLoopBackOff: back-off 8s restarting")
+    api = FakeApi()
+    reconcile(api, observation(pods=pods))
+    degraded = {c["type"]: c for c in api.last_status["conditions"]}["Degraded"]
+    assert degraded["reason"] == "ServersFailing" and "f-context-0: CrashLoopBackOff" in degraded["message"]
+
+
+def test_router_objects_are_applied_in_dependency_order():
+    api = FakeApi()
+    reconcile(api, observation(fleet_manifest("f")))
+    applied = [c[1] for c in api.calls if c[0] == "apply"]
+    assert applied == ["ServiceAccount", "Role", "RoleBinding", "Deployment", "Service"]
+
+
+def test_conditions_keep_their_transition_time_while_their_status_holds():
+    pods = running_pods()
+    api = FakeApi()
+    reconcile(api, observation(pods=pods))
+    first = api.last_status
+    changed = [dataclasses.replace(pods[0], ready=False), pods[1]]
+    api2 = FakeApi()
+    reconcile(api2, observation(pods=changed, status=first, rv="2"))
+    before = {c["type"]: c for c in first["conditions"]}
+    after = {c["type"]: c for c in api2.last_status["conditions"]}
+    assert after["Degraded"]["lastTransitionTime"] == before["Degraded"]["lastTransitionTime"]
+    assert after["Ready"]["status"] == "False"
+    assert ("event", "Warning", "FleetNotReady") in api2.calls
+
+
+def test_stall_conditions_and_remediation_history_are_carried_over_untouched():
+    pods = running_pods()
+    api = FakeApi()
+    reconcile(api, observation(pods=pods))
+    status = dict(api.last_status)
+    stalled = {"type": "Stalled", "status": "True", "reason": "RankVetoed", "message": "x",
+               "lastTransitionTime": "2026-01-01T00:00:00Z"}
+    status["conditions"] = status["conditions"] + [stalled]
+    status["recentRemediations"] = [{"time": "2026-01-01T00:00:00Z"}]
+    api2 = FakeApi()
+    reconcile(api2, observation(pods=pods, status=status, rv="3"))
+    assert api2.calls == []
