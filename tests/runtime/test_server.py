@@ -96,3 +96,35 @@ def test_metrics_expose_every_counter_from_startup(server):
                  "adpfleet_requests_finished_total", "adpfleet_kv_cache_blocks_total"):
         assert f"\n{name}{{" in text, name
     assert 'adpfleet_kv_cache_blocks_total{role="aggregated",rank="0"} 64.0' in text
+
+
+def _metric(server, name, **labels):
+    text = httpx.get(server.url + "/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()))
+
+
+def _wait(cond, timeout):
+    import time
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_disconnects_aborts_its_request_and_frees_its_kv(server, stream):
+    aborted = _metric(server, "adpfleet_requests_finished_total", finish_reason="abort")
+    body = {"prompt": "long", "max_tokens": 1000, "ignore_eos": True, "stream": stream}  # fits the 1,024-token KV
+    with httpx.Client(timeout=60) as client:
+        if stream:
+            with client.stream("POST", server.url + "/v1/completions", json=body) as r:
+                lines = r.iter_lines()
+                assert next(lines).startswith("data: ")
+        else:
+            with pytest.raises(httpx.ReadTimeout):
+                client.post(server.url + "/v1/completions", json=body, timeout=1.0)
+    assert _wait(lambda: _metric(server, "adpfleet_requests_finished_total", finish_reason="abort") == aborted + 1, 15)
+    assert _wait(lambda: _metric(server, "adpfleet_kv_cache_blocks_used") == 0, 10)
