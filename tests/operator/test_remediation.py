@@ -1,0 +1,295 @@
+"""The remediation policy as a specification: action = policy(verdict, history, spec, now)."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from adpfleet.operator.detection import Signature, State, StallVerdict
+from adpfleet.operator.remediation import (Action, Outcome, Remediation, ServerView, Verdict, decide,
+                                           degraded_problem, history_from_status, restarts_in_progress,
+                                           stall_conditions, still_to_delete, with_records)
+from adpfleet.operator.resource.models import FleetSpec
+
+NOW = 1_700_000_000.0
+
+
+def spec(**remediation) -> FleetSpec:
+    base = {"mode": "Auto", "cooldownSeconds": 60, "maxConcurrentPerRole": 1, "budgetPerHour": 6}
+    base.update(remediation)
+    return FleetSpec.model_validate({
+        "image": "adpfleet:dev", "model": {"name": "tiny"},
+        "context": {"servers": 2}, "generation": {"servers": 2},
+        "monitoring": {"scrapeIntervalSeconds": 1}, "remediation": {"stallWindowSeconds": 10, **base}})
+
+
+def fleet(ready=True, created=NOW - 10, **overrides) -> list[ServerView]:
+    """Two servers per role, Ready, their pods created `created` (by default after every record the
+    tests write, i.e. any earlier restart has finished)."""
+    servers = {n: ServerView(n, n.split("-")[1], ready, created=created)
+               for n in ("f-context-0", "f-context-1", "f-generation-0", "f-generation-1")}
+    for name, view in overrides.items():
+        servers[name.replace("_", "-")] = view
+    return [v for v in servers.values() if v is not None]
+
+
+def stalled(server="f-context-0", signature=Signature.VETOED, ranks=(1,)) -> StallVerdict:
+    role = server.split("-")[1]
+    return StallVerdict(server, role, State.STALLED, NOW, "no real tokens for 10 s while having work",
+                        signature=signature, ranks=ranks, since=NOW - 10,
+                        evidence={"real_tokens_delta": 0, "empty_batch_iterations_delta": {"0": 0, "1": 500}})
+
+
+def record(server="f-context-0", ago=30.0, action=Action.RESTART_SERVER, outcome=Outcome.SUCCEEDED,
+           targets=None) -> Remediation:
+    return Remediation(time=NOW - ago, role=server.split("-")[1], server=server, signature="vetoed",
+                       action=action.value, outcome=outcome.value, message="", targets=targets or (server,))
+
+
+def only(plan):
+    assert len(plan.decisions) == 1, plan.decisions
+    return plan.decisions[0]
+
+
+# ---- the first action --------------------------------------------------------------------------
+
+def test_a_stalled_server_is_drained_and_restarted_with_its_evidence():
+    d = only(decide([stalled()], [], spec(), fleet(), NOW))
+    assert (d.outcome, d.action, d.targets, d.level) == (Verdict.ACT, Action.RESTART_SERVER, ("f-context-0",), 0)
+    assert "empty_batch_iterations_delta=r0:0/r1:500" in d.message and "[vetoed, ranks 1]" in d.message
+    rec = d.record(NOW)
+    assert (rec.action, rec.outcome, rec.targets, rec.signature) == ("RestartServer", "Pending", ("f-context-0",),
+                                                                     "vetoed")
+    assert d.event_reason == "RestartingServer"
+
+
+def test_servers_that_are_not_stalled_get_no_decision():
+    suspect = StallVerdict("f-context-0", "context", State.SUSPECT, NOW, "not yet confirmed")
+    unreachable = StallVerdict("f-context-1", "context", State.UNREACHABLE, NOW, "timed out")
+    idle = StallVerdict("f-generation-0", "generation", State.IDLE, NOW, "no work")
+    assert decide([suspect, unreachable, idle], [], spec(), fleet(), NOW).decisions == ()
+
+
+def test_disabled_decides_nothing():
+    plan = decide([stalled()], [], spec(mode="Disabled"), fleet(), NOW)
+    assert plan.decisions == () and plan.mode == "Disabled"
+
+
+def test_dry_run_records_what_would_be_done_and_does_nothing():
+    d = only(decide([stalled()], [], spec(mode="DryRun"), fleet(), NOW))
+    assert d.outcome is Verdict.DRY_RUN and d.message.startswith("would RestartServer f-context-0")
+    assert d.record(NOW).outcome == "DryRun" and d.event_reason == "RemediationDryRun"
+
+
+def test_dry_run_repeats_only_after_the_cooldown():
+    history = [record(outcome=Outcome.DRY_RUN, ago=10)]
+    assert only(decide([stalled()], history, spec(mode="DryRun"), fleet(), NOW)).reason == "Cooldown"
+    history = [record(outcome=Outcome.DRY_RUN, ago=61)]
+    assert only(decide([stalled()], history, spec(mode="DryRun"), fleet(), NOW)).outcome is Verdict.DRY_RUN
+
+
+def test_zero_budget_behaves_like_dry_run():
+    assert only(decide([stalled()], [], spec(budgetPerHour=0), fleet(), NOW)).outcome is Verdict.DRY_RUN
+
+
+# ---- no duplicates: cooldown and in-progress from the history ----------------------------------
+
+def test_cooldown_per_server():
+    history = [record(ago=30)]
+    assert only(decide([stalled()], history, spec(cooldownSeconds=60), fleet(), NOW)).reason == "Cooldown"
+    other = decide([stalled("f-context-1")], history, spec(cooldownSeconds=60), fleet(), NOW)
+    assert only(other).outcome is Verdict.ACT  # another server is not cooled down
+
+
+def test_a_pending_restart_is_never_repeated_by_a_restarted_operator():
+    # the operator recorded the decision, then died before (or while) deleting the pod
+    history = history_from_status({"recentRemediations": [record(ago=5, outcome=Outcome.PENDING).to_status()]})
+    d = only(decide([stalled()], history, spec(cooldownSeconds=0), fleet(), NOW))
+    assert (d.outcome, d.reason, d.quiet) == (Verdict.SKIP, "InProgress", True)
+
+
+def test_a_restart_is_in_progress_until_a_new_pod_is_ready():
+    rec = record(ago=20)
+    old_pod = fleet(created=NOW - 3600)
+    assert "f-context-0" in restarts_in_progress([rec], old_pod, spec(), NOW)  # the old pod is still there
+    new_not_ready = fleet(f_context_0=ServerView("f-context-0", "context", False, created=NOW - 15))
+    assert "f-context-0" in restarts_in_progress([rec], new_not_ready, spec(), NOW)
+    new_ready = fleet(f_context_0=ServerView("f-context-0", "context", True, created=NOW - 15))
+    assert restarts_in_progress([rec], new_ready, spec(), NOW) == {}
+    gone = fleet(f_context_0=None)
+    assert "f-context-0" in restarts_in_progress([rec], gone, spec(), NOW)
+
+
+def test_a_restart_that_never_comes_back_stops_blocking_after_the_timeouts():
+    rec = record(ago=10_000)
+    assert restarts_in_progress([rec], fleet(f_context_0=None), spec(), NOW) == {}
+
+
+def test_carrying_out_a_pending_record_never_deletes_the_replacement():
+    rec = record(ago=5, outcome=Outcome.PENDING)
+    assert still_to_delete(rec, NOW - 3600)
+    assert not still_to_delete(rec, NOW - 1)
+    assert not still_to_delete(rec, None)
+
+
+# ---- escalation ---------------------------------------------------------------------------------
+
+def test_a_stall_that_persists_after_the_restart_restarts_the_peers():
+    history = [record(ago=120)]
+    d = only(decide([stalled()], history, spec(), fleet(), NOW))
+    assert (d.action, d.targets, d.level) == (Action.RESTART_PEERS, ("f-generation-0", "f-generation-1"), 1)
+    # rolling, one at a time, so a Ready generation server remains at every step
+    assert (d.outcome, d.rolling, d.batch, d.event_reason) == (Verdict.ACT, True, 1, "RestartingPeers")
+    d = only(decide([stalled()], history, spec(maxConcurrentPerRole=2), fleet(), NOW))
+    assert d.batch == 1  # two at once would leave no Ready generation server
+    busy = [record("f-generation-1", ago=5, outcome=Outcome.PENDING)] + history
+    assert only(decide([stalled()], busy, spec(), fleet(), NOW)).reason == "ConcurrencyLimit"
+
+
+def test_a_generation_server_waiting_on_transfers_escalates_to_the_context_servers():
+    history = [record("f-generation-0", ago=120)]
+    d = only(decide([stalled("f-generation-0", Signature.TRANSFER, (0,))], history, spec(maxConcurrentPerRole=2),
+                    fleet(), NOW))
+    assert (d.action, d.targets) == (Action.RESTART_PEERS, ("f-context-0", "f-context-1"))
+
+
+def test_escalation_halts_after_too_many_remediations():
+    history = [record(ago=a) for a in (100, 200, 300)]
+    plan = decide([stalled()], history, spec(escalation={"afterRemediations": 3, "action": "Halt"}), fleet(), NOW)
+    d = only(plan)
+    assert d.action is Action.HALT and d.outcome is Verdict.ACT and plan.halted
+    assert d.record(NOW).outcome == "Halted"
+    assert degraded_problem(plan)[0] == "RemediationHalted"
+    later = decide([stalled("f-context-1")], [d.record(NOW)] + history, spec(), fleet(), NOW + 10)
+    assert only(later).reason == "Halted"
+
+
+def test_escalation_can_restart_the_whole_role():
+    history = [record(ago=a) for a in (100, 200, 300)]
+    d = only(decide([stalled()], history, spec(escalation={"afterRemediations": 3, "action": "RestartRole"}),
+                    fleet(), NOW))
+    assert (d.action, d.targets, d.outcome, d.batch) == (Action.RESTART_ROLE, ("f-context-0", "f-context-1"),
+                                                         Verdict.ACT, 1)
+
+
+def test_old_remediations_fall_out_of_the_escalation_window():
+    history = [record(ago=a) for a in (4000, 5000, 6000)]
+    d = only(decide([stalled()], history, spec(escalation={"windowSeconds": 3600}), fleet(), NOW))
+    assert d.action is Action.RESTART_SERVER and d.level == 0
+
+
+# ---- budget, concurrency, last ready server ------------------------------------------------------
+
+def test_budget_per_hour_then_degraded_and_events_only():
+    history = [record(f"f-context-{i % 2}", ago=600 + i, outcome=Outcome.SUCCEEDED) for i in range(3)]
+    plan = decide([stalled("f-generation-0")], history, spec(budgetPerHour=3), fleet(), NOW)
+    d = only(plan)
+    assert (d.outcome, d.reason, d.event_reason) == (Verdict.SKIP, "BudgetExhausted", "RemediationBudgetExhausted")
+    assert d.record(NOW) is None  # events only
+    assert plan.budget_exhausted and degraded_problem(plan)[0] == "RemediationBudgetExhausted"
+    # an hour later the budget is back
+    assert only(decide([stalled("f-generation-0")], history, spec(budgetPerHour=3), fleet(), NOW + 3600)).outcome \
+        is Verdict.ACT
+
+
+def test_budget_counts_actions_decided_in_the_same_pass():
+    plan = decide([stalled("f-context-0"), stalled("f-generation-0")], [], spec(budgetPerHour=1), fleet(), NOW)
+    assert [d.outcome for d in plan.decisions] == [Verdict.ACT, Verdict.SKIP]
+
+
+def test_at_most_k_servers_of_a_role_at_once():
+    plan = decide([stalled("f-context-0"), stalled("f-context-1")], [], spec(maxConcurrentPerRole=1), fleet(), NOW)
+    assert [(d.verdict.server, d.outcome, d.reason) for d in plan.decisions] == [
+        ("f-context-0", Verdict.ACT, "RestartServer"), ("f-context-1", Verdict.SKIP, "ConcurrencyLimit")]
+    busy = [record("f-context-1", ago=5, outcome=Outcome.PENDING)]
+    assert only(decide([stalled("f-context-0")], busy, spec(), fleet(), NOW)).reason == "ConcurrencyLimit"
+
+
+def test_never_the_last_ready_server_of_a_role_unless_the_whole_role_is_stalled():
+    one_ready = fleet(f_context_1=ServerView("f-context-1", "context", ready=False, created=NOW))
+    d = only(decide([stalled("f-context-0")], [], spec(), one_ready, NOW))
+    assert (d.outcome, d.reason) == (Verdict.SKIP, "LastReadyServer")
+    both = decide([stalled("f-context-0"), stalled("f-context-1")], [], spec(maxConcurrentPerRole=2), fleet(), NOW)
+    assert [d.outcome for d in both.decisions] == [Verdict.ACT, Verdict.ACT]
+
+
+def test_a_single_server_role_that_is_stalled_is_restarted():
+    servers = [ServerView("f-context-0", "context", True), ServerView("f-generation-0", "generation", True)]
+    assert only(decide([stalled()], [], spec(), servers, NOW)).outcome is Verdict.ACT
+
+
+def test_peers_of_a_wholly_stalled_role_may_be_restarted_even_the_last_ready_one():
+    servers = [ServerView("f-context-0", "context", True), ServerView("f-generation-0", "generation", True)]
+    d = only(decide([stalled()], [record(ago=120)], spec(), servers, NOW))
+    assert (d.action, d.targets, d.outcome) == (Action.RESTART_PEERS, ("f-generation-0",), Verdict.ACT)
+
+
+# ---- the history in status ----------------------------------------------------------------------
+
+def test_history_round_trips_through_status_and_stays_bounded():
+    records = [record(ago=float(i)) for i in range(30)]
+    history = with_records([], records)
+    assert len(history) == 20 and history[0].time == NOW
+    back = history_from_status({"recentRemediations": [r.to_status() for r in history]})
+    assert [(r.time, r.server, r.targets) for r in back] == [(pytest_approx(r.time), r.server, r.targets)
+                                                             for r in history]
+    updated = with_records(back, [back[0].__class__(**{**back[0].__dict__, "outcome": "Succeeded"})])
+    assert len(updated) == 20 and updated[0].outcome == "Succeeded"
+
+
+def pytest_approx(x):
+    import pytest
+    return pytest.approx(x, abs=1e-3)
+
+
+def test_unreadable_history_entries_are_ignored():
+    assert history_from_status({"recentRemediations": [{"server": "x"}, {"time": "garbage", "role": "context",
+                                                                         "server": "x", "action": "A",
+                                                                         "outcome": "B"}]}) == []
+
+
+def test_old_status_records_without_targets_target_their_server():
+    entry = record().to_status()
+    del entry["targets"]
+    assert history_from_status({"recentRemediations": [entry]})[0].targets == ("f-context-0",)
+
+
+# ---- conditions -----------------------------------------------------------------------------------
+
+def test_conditions_stalled_and_remediating():
+    plan = decide([stalled()], [], spec(), fleet(), NOW)
+    stalled_c, remediating = stall_conditions([stalled()], plan, {}, 3, "2024-01-01T00:00:00Z")
+    assert (stalled_c["type"], stalled_c["status"], stalled_c["reason"]) == ("Stalled", "True", "NoProgress")
+    assert "[vetoed]" in stalled_c["message"] and stalled_c["observedGeneration"] == 3
+    assert (remediating["status"], remediating["reason"]) == ("True", "Restarting")
+    calm = decide([], [], spec(), fleet(), NOW)
+    previous = {c["type"]: c for c in (stalled_c, remediating)}
+    s2, r2 = stall_conditions([], calm, previous, 3, "2024-01-01T00:01:00Z")
+    assert (s2["status"], r2["status"]) == ("False", "False") and s2["lastTransitionTime"] == "2024-01-01T00:01:00Z"
+
+
+# ---- properties -----------------------------------------------------------------------------------
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["f-context-0", "f-context-1", "f-generation-0", "f-generation-1"]),
+                          st.floats(1, 2000)), max_size=12),
+       st.lists(st.sampled_from(["f-context-0", "f-context-1", "f-generation-0", "f-generation-1"]), unique=True),
+       st.integers(1, 3), st.integers(0, 8), st.sampled_from(["Auto", "DryRun"]))
+def test_policy_invariants(past, stalled_now, k, budget, mode):
+    """Whatever happened before: never more than the budget per hour, never more than K servers of
+    a role at once, never a server twice in one plan, never a server in cooldown."""
+    s = spec(maxConcurrentPerRole=k, budgetPerHour=budget, mode=mode, cooldownSeconds=300)
+    history = with_records([], [record(name, ago=ago) for name, ago in past])
+    plan = decide([stalled(n) for n in stalled_now], history, s, fleet(), NOW)
+    acted = [d for d in plan.actions if d.action is not Action.HALT]
+    assert plan.budget_used + len(acted) <= max(budget, plan.budget_used)
+    targets = [t for d in acted for t in (d.targets[:d.batch] if d.rolling else d.targets)]
+    assert len(targets) == len(set(targets))
+    for role in ("context", "generation"):
+        busy = [n for n in plan.in_progress if role in n]
+        assert len(busy) + sum(role in t for t in targets) <= max(k, len(busy))
+    for d in acted:
+        assert not any((d.verdict.server == r.server or d.verdict.server in r.targets) and NOW - r.time < 300
+                       for r in history)
+    if mode == "DryRun":
+        assert acted == []
