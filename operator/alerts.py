@@ -1,0 +1,291 @@
+"""Alertmanager's webhook (payload version 4) into the operator: the second input of the one
+remediation decision path.
+
+`POST /alerts` with `Authorization: Bearer <token>` (the token is read from a Secret and compared
+in constant time) and a JSON body as Alertmanager sends it. Answers:
+
+- 401 without a token or with a wrong one; 503 while the token Secret cannot be read (Alertmanager
+  retries 5xx, so alerts are not lost while the Secret is being created);
+- 415 for a body that is not `application/json`, 413 for one over 1 MiB, 400 (with what is wrong
+  and where) for invalid JSON or a payload that is not version 4;
+- 404 when nothing was queued because every actionable alert names a fleet the operator does not
+  run; 503 (Retry-After) when the inbox is full;
+- 202 once every actionable alert is queued (or was already: a firing alert is identified by its
+  fingerprint and startsAt, so Alertmanager's repeats and retries are acted on once).
+
+Actionable alerts are the firing stall alerts (`AdpfleetServerStalled`, `AdpfleetRankStarving`)
+with `namespace`, `fleet` and `pod` labels; everything else (resolved alerts, the operator's own
+alerts) is acknowledged and ignored. Queuing is all the receiver does: the fleet's timer takes
+the alert, re-checks the pod with fresh scrapes and goes through the same policy as its own
+detection (mode, cooldown, budget).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Protocol
+
+from aiohttp import web
+
+log = logging.getLogger("adpfleet.operator.alerts")
+
+ALERTS_PATH = "/alerts"
+ACTIONABLE = ("AdpfleetServerStalled", "AdpfleetRankStarving")
+MAX_BODY_BYTES = 1024 * 1024
+SEEN_LIMIT = 10_000          # remembered (fingerprint, startsAt) pairs
+SEEN_TTL_SECONDS = 24 * 3600.0
+INBOX_LIMIT = 1_000          # queued alerts over all fleets
+
+
+@dataclass(frozen=True)
+class StallAlert:
+    """A firing stall alert naming one server pod."""
+    alertname: str
+    namespace: str
+    fleet: str
+    pod: str
+    fingerprint: str
+    starts_at: str
+    received_at: float
+    labels: Mapping[str, str] = field(default_factory=dict)
+    summary: str = ""
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.fingerprint, self.starts_at)
+
+    @property
+    def source(self) -> str:
+        return f"alert {self.alertname} (fingerprint {self.fingerprint}, since {self.starts_at})"
+
+
+class PayloadError(ValueError):
+    """The body is not an Alertmanager version 4 payload: what is wrong and where."""
+
+
+@dataclass(frozen=True)
+class ParsedPayload:
+    actionable: list[StallAlert]
+    ignored: list[str]  # "<alertname> (<fingerprint>): why"
+
+
+def parse_payload(body: object, now: float) -> ParsedPayload:
+    """The actionable alerts of a decoded webhook body. Raises `PayloadError` when the body does
+    not have the version 4 shape (the whole request is refused, nothing is queued)."""
+    if not isinstance(body, dict):
+        raise PayloadError(f"the body must be a JSON object (Alertmanager webhook), not {type(body).__name__}")
+    version = body.get("version")
+    if version != "4":
+        raise PayloadError(f"version must be \"4\" (Alertmanager webhook payload version 4), got {version!r}")
+    alerts = body.get("alerts")
+    if not isinstance(alerts, list):
+        raise PayloadError("alerts must be a list")
+    actionable, ignored = [], []
+    for i, alert in enumerate(alerts):
+        where = f"alerts[{i}]"
+        if not isinstance(alert, dict):
+            raise PayloadError(f"{where} must be an object")
+        labels = alert.get("labels")
+        if not isinstance(labels, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                   for k, v in labels.items()):
+            raise PayloadError(f"{where}.labels must be an object of strings")
+        for name in ("status", "startsAt", "fingerprint"):
+            if not isinstance(alert.get(name), str) or not alert[name]:
+                raise PayloadError(f"{where}.{name} must be a non-empty string")
+        annotations = alert.get("annotations") or {}
+        if not isinstance(annotations, dict):
+            raise PayloadError(f"{where}.annotations must be an object")
+        alertname = labels.get("alertname", "")
+        tag = f"{alertname or '(no alertname)'} ({alert['fingerprint']})"
+        if alert["status"] != "firing":
+            ignored.append(f"{tag}: {alert['status']}, not firing")
+            continue
+        if alertname not in ACTIONABLE:
+            ignored.append(f"{tag}: not a stall alert")
+            continue
+        missing = [n for n in ("namespace", "fleet", "pod") if not labels.get(n)]
+        if missing:
+            ignored.append(f"{tag}: lacks label(s) {', '.join(missing)}; the rule must keep namespace, fleet, pod")
+            continue
+        actionable.append(StallAlert(alertname=alertname, namespace=labels["namespace"], fleet=labels["fleet"],
+                                     pod=labels["pod"], fingerprint=alert["fingerprint"],
+                                     starts_at=alert["startsAt"], received_at=now, labels=dict(labels),
+                                     summary=str(annotations.get("summary", ""))[:512]))
+    return ParsedPayload(actionable, ignored)
+
+
+class SeenAlerts:
+    """(fingerprint, startsAt) pairs already queued: bounded in count and in age."""
+
+    def __init__(self, limit: int = SEEN_LIMIT, ttl: float = SEEN_TTL_SECONDS):
+        self.limit, self.ttl = limit, ttl
+        self._seen: OrderedDict[tuple[str, str], float] = OrderedDict()
+
+    def __contains__(self, key) -> bool:
+        return key in self._seen
+
+    def add(self, key, now: float) -> None:
+        self._seen[key] = now
+        self._seen.move_to_end(key)
+        while self._seen and (len(self._seen) > self.limit or now - next(iter(self._seen.values())) > self.ttl):
+            self._seen.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+
+class AlertInbox:
+    """Queued alerts per fleet, taken by that fleet's timer. Bounded: a full inbox refuses (503)."""
+
+    def __init__(self, limit: int = INBOX_LIMIT):
+        self.limit = limit
+        self._queues: dict[tuple[str, str], deque[StallAlert]] = {}
+        self._size = 0
+        self.on_put: Callable[[tuple[str, str]], None] | None = None  # wakes the fleet's timer
+
+    def room(self) -> int:
+        return self.limit - self._size
+
+    def put(self, alert: StallAlert) -> None:
+        key = (alert.namespace, alert.fleet)
+        self._queues.setdefault(key, deque()).append(alert)
+        self._size += 1
+        if self.on_put:
+            self.on_put(key)
+
+    def take(self, namespace: str, fleet: str) -> list[StallAlert]:
+        queue = self._queues.pop((namespace, fleet), None)
+        if not queue:
+            return []
+        self._size -= len(queue)
+        return list(queue)
+
+    def __len__(self) -> int:
+        return self._size
+
+
+class TokenSource(Protocol):
+    async def get(self) -> str | None:
+        """The expected bearer token, or None when it cannot be read now."""
+
+
+@dataclass
+class StaticToken:
+    value: str | None
+
+    async def get(self) -> str | None:
+        return self.value
+
+
+class AlertReceiver:
+    """The webhook handler. `fleet_known(namespace, name)` says whether the operator runs that fleet."""
+
+    def __init__(self, token: TokenSource, inbox: AlertInbox, fleet_known: Callable[[str, str], bool],
+                 *, clock: Callable[[], float] = time.time, count: Callable[[str, int], None] | None = None):
+        self.token = token
+        self.inbox = inbox
+        self.fleet_known = fleet_known
+        self.clock = clock
+        self.seen = SeenAlerts()
+        self.count = count or (lambda result, n: None)
+
+    def routes(self) -> list[web.RouteDef]:
+        return [web.post(ALERTS_PATH, self.handle)]
+
+    async def handle(self, request: web.Request) -> web.Response:
+        refusal = await self._authenticate(request.headers.get("Authorization", ""))
+        if refusal is not None:
+            return refusal
+        if request.content_type != "application/json":
+            self.count("malformed", 1)
+            return _error(415, f"Content-Type must be application/json, got {request.content_type or 'none'}")
+        if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
+            self.count("malformed", 1)
+            return _error(413, f"the body is {request.content_length} bytes, at most {MAX_BODY_BYTES}")
+        try:
+            raw = await request.content.read(MAX_BODY_BYTES + 1)
+        except Exception as e:  # noqa: BLE001 - the client went away mid-body
+            return _error(400, f"could not read the body: {e}")
+        if len(raw) > MAX_BODY_BYTES:
+            self.count("malformed", 1)
+            return _error(413, f"the body is more than {MAX_BODY_BYTES} bytes")
+        try:
+            body = json.loads(raw)
+        except (UnicodeDecodeError, ValueError) as e:
+            self.count("malformed", 1)
+            return _error(400, f"the body is not valid JSON: {e}")
+        now = self.clock()
+        try:
+            parsed = parse_payload(body, now)
+        except PayloadError as e:
+            self.count("malformed", 1)
+            return _error(400, f"not an Alertmanager webhook payload: {e}")
+        return self._queue(parsed, now)
+
+    async def _authenticate(self, header: str) -> web.Response | None:
+        try:
+            expected = await self.token.get()
+        except Exception as e:  # noqa: BLE001 - an API error reading the Secret: retry later
+            log.warning("cannot read the webhook token: %s", e)
+            expected = None
+        if not expected:
+            self.count("unauthorized", 1)
+            return _error(503, "the webhook token is not available yet (its Secret cannot be read); retry later",
+                          headers={"Retry-After": "10"})
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() != "bearer" or not given.strip():
+            self.count("unauthorized", 1)
+            return _error(401, "send Authorization: Bearer <token> (the token in the operator's webhook Secret)",
+                          headers={"WWW-Authenticate": 'Bearer realm="adpfleet-alerts"'})
+        if not hmac.compare_digest(given.strip().encode(), expected.encode()):
+            self.count("unauthorized", 1)
+            return _error(401, "wrong bearer token", headers={"WWW-Authenticate": 'Bearer error="invalid_token"'})
+        return None
+
+    def _queue(self, parsed: ParsedPayload, now: float) -> web.Response:
+        fresh, duplicates, unknown = [], 0, []
+        for alert in parsed.actionable:
+            if alert.key in self.seen or any(a.key == alert.key for a in fresh):
+                duplicates += 1
+            elif not self.fleet_known(alert.namespace, alert.fleet):
+                unknown.append(f"{alert.alertname} ({alert.fingerprint}): no fleet {alert.namespace}/{alert.fleet} "
+                               f"is managed by this operator")
+            else:
+                fresh.append(alert)
+        if len(fresh) > self.inbox.room():
+            self.count("refused", len(fresh))
+            return _error(503, f"the alert inbox is full ({len(self.inbox)} queued); retry later",
+                          headers={"Retry-After": "5"})
+        for alert in fresh:
+            self.inbox.put(alert)
+            self.seen.add(alert.key, now)
+            log.info("queued %s for %s/%s pod %s", alert.alertname, alert.namespace, alert.fleet, alert.pod)
+        self.count("accepted", len(fresh))
+        self.count("duplicate", duplicates)
+        self.count("ignored", len(parsed.ignored) + len(unknown))
+        body = {"queued": len(fresh), "duplicates": duplicates, "ignored": parsed.ignored + unknown}
+        if unknown and not fresh and not duplicates:
+            return web.json_response({**body, "error": {"message": "; ".join(unknown)}}, status=404)
+        return web.json_response(body, status=202)
+
+
+def _error(status: int, message: str, headers: Mapping[str, str] | None = None) -> web.Response:
+    return web.json_response({"error": {"message": message, "code": status}}, status=status, headers=headers)
+
+
+async def start_alert_server(receiver: AlertReceiver, host: str, port: int) -> web.AppRunner:
+    """The receiver on its own listener (the operator may also mount `receiver.routes()` on its
+    HTTP server)."""
+    app = web.Application(client_max_size=MAX_BODY_BYTES + 1)
+    app.add_routes(receiver.routes())
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    return runner
+
+

@@ -1,0 +1,223 @@
+"""The Alertmanager webhook receiver: authentication, bad input, idempotency, bounded memory."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from adpfleet.operator.alerts import (ALERTS_PATH, AlertInbox, AlertReceiver, SeenAlerts, StaticToken,
+                                      parse_payload, PayloadError)
+
+TOKEN = "s3cret-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+KNOWN = {("prod", "llama")}
+
+
+def alert(pod="llama-context-0", fingerprint="a1b2c3", starts_at="2024-05-01T10:00:00Z", status="firing",
+          alertname="AdpfleetServerStalled", **labels):
+    return {"status": status, "labels": {"alertname": alertname, "namespace": "prod", "fleet": "llama", "pod": pod,
+                                         "role": "context", "severity": "critical", **labels},
+            "annotations": {"summary": "llama-context-0 makes no progress"}, "startsAt": starts_at,
+            "endsAt": "0001-01-01T00:00:00Z", "generatorURL": "http://prometheus/graph", "fingerprint": fingerprint}
+
+
+def payload(*alerts):
+    return {"version": "4", "groupKey": "{}:{alertname=\"AdpfleetServerStalled\"}", "truncatedAlerts": 0,
+            "status": "firing", "receiver": "adpfleet-operator", "groupLabels": {}, "commonLabels": {},
+            "commonAnnotations": {}, "externalURL": "http://alertmanager:9093", "alerts": list(alerts)}
+
+
+class Harness:
+    def __init__(self, token=TOKEN, inbox_limit=100):
+        self.inbox = AlertInbox(limit=inbox_limit)
+        self.counts: dict[str, int] = {}
+        self.receiver = AlertReceiver(StaticToken(token), self.inbox, lambda ns, name: (ns, name) in KNOWN,
+                                      count=lambda result, n: self.counts.__setitem__(result,
+                                                                                      self.counts.get(result, 0) + n))
+
+    async def post(self, client, body, headers=AUTH, raw=None, content_type="application/json"):
+        data = raw if raw is not None else json.dumps(body)
+        resp = await client.post(ALERTS_PATH, data=data, headers={**headers, "Content-Type": content_type})
+        return resp.status, await resp.json()
+
+
+def run(scenario, **harness_kw):
+    """Run `scenario(harness, client)` against a real aiohttp server on loopback."""
+    async def main():
+        h = Harness(**harness_kw)
+        app = web.Application()
+        app.add_routes(h.receiver.routes())
+        async with TestClient(TestServer(app)) as client:
+            return await scenario(h, client)
+    return asyncio.run(main())
+
+
+def test_a_firing_stall_alert_is_queued_for_its_fleet():
+    async def scenario(h, client):
+        status, body = await h.post(client, payload(alert()))
+        assert (status, body["queued"]) == (202, 1)
+        taken = h.inbox.take("prod", "llama")
+        assert [(a.pod, a.alertname, a.fingerprint) for a in taken] == [("llama-context-0", "AdpfleetServerStalled",
+                                                                        "a1b2c3")]
+        assert "AdpfleetServerStalled" in taken[0].source and h.inbox.take("prod", "llama") == []
+    run(scenario)
+
+
+@pytest.mark.parametrize("headers, status", [
+    ({}, 401),
+    ({"Authorization": "Bearer wrong"}, 401),
+    ({"Authorization": f"Basic {TOKEN}"}, 401),
+    ({"Authorization": "Bearer "}, 401),
+    ({"Authorization": f"Bearer {TOKEN}x"}, 401),
+    ({"Authorization": f"bearer {TOKEN}"}, 202),
+])
+def test_the_bearer_token_is_required(headers, status):
+    async def scenario(h, client):
+        got, body = await h.post(client, payload(alert()), headers=headers)
+        assert got == status
+        if status == 401:
+            assert "Bearer" in body["error"]["message"] or "wrong" in body["error"]["message"]
+            assert len(h.inbox) == 0
+    run(scenario)
+
+
+def test_unauthenticated_requests_are_refused_before_the_body_is_looked_at():
+    async def scenario(h, client):
+        got, _ = await h.post(client, None, headers={}, raw="not json", content_type="text/plain")
+        assert got == 401
+    run(scenario)
+
+
+def test_no_token_secret_yet_is_a_retryable_503():
+    async def scenario(h, client):
+        resp = await client.post(ALERTS_PATH, json=payload(alert()), headers=AUTH)
+        assert resp.status == 503 and resp.headers["Retry-After"]
+    run(scenario, token=None)
+
+
+@pytest.mark.parametrize("raw, content_type, status, words", [
+    ("{}", "text/plain", 415, "Content-Type must be application/json"),
+    ("{not json", "application/json", 400, "not valid JSON"),
+    ("\xff\xfe", "application/json", 400, "not valid JSON"),
+    ("[]", "application/json", 400, "JSON object"),
+    ('{"version": "3", "alerts": []}', "application/json", 400, "version must be \"4\""),
+    ('{"version": "4"}', "application/json", 400, "alerts must be a list"),
+    ('{"version": "4", "alerts": [1]}', "application/json", 400, "alerts[0] must be an object"),
+    ('{"version": "4", "alerts": [{"labels": {"a": 1}}]}', "application/json", 400, "alerts[0].labels"),
+    ('{"version": "4", "alerts": [{"labels": {}, "status": "firing", "startsAt": "x"}]}', "application/json", 400,
+     "alerts[0].fingerprint"),
+])
+def test_malformed_payloads_are_a_400_that_says_what_is_wrong(raw, content_type, status, words):
+    async def scenario(h, client):
+        got, body = await h.post(client, None, raw=raw.encode("latin-1"), content_type=content_type)
+        assert got == status and words in body["error"]["message"]
+        assert len(h.inbox) == 0
+    run(scenario)
+
+
+def test_an_oversized_body_is_refused():
+    async def scenario(h, client):
+        got, body = await h.post(client, None, raw=b'{"version": "4", "alerts": [' + b" " * (2 * 1024 * 1024) + b"]}")
+        assert got == 413
+    run(scenario)
+
+
+def test_an_unknown_fleet_is_a_404_and_nothing_is_queued():
+    async def scenario(h, client):
+        unknown = alert()
+        unknown["labels"]["fleet"] = "nope"
+        got, body = await h.post(client, payload(unknown))
+        assert got == 404 and "no fleet prod/nope" in body["error"]["message"] and len(h.inbox) == 0
+        # mixed with a known fleet: the known one is queued, the unknown one reported
+        got, body = await h.post(client, payload(unknown, alert(fingerprint="other")))
+        assert got == 202 and body["queued"] == 1 and "no fleet prod/nope" in body["ignored"][0]
+    run(scenario)
+
+
+def test_resolved_and_other_alerts_are_acknowledged_and_ignored():
+    async def scenario(h, client):
+        missing_pod = alert(fingerprint="m")
+        del missing_pod["labels"]["pod"]
+        got, body = await h.post(client, payload(alert(status="resolved"), alert(alertname="AdpfleetScrapeTargetDown",
+                                                                                 fingerprint="x"), missing_pod))
+        assert got == 202 and body["queued"] == 0 and len(body["ignored"]) == 3
+        assert any("lacks label(s) pod" in why for why in body["ignored"])
+    run(scenario)
+
+
+def test_repeats_of_a_firing_alert_are_acted_on_once():
+    async def scenario(h, client):
+        for _ in range(50):  # Alertmanager's repeat_interval resends, retries, a flood
+            got, _ = await h.post(client, payload(alert(), alert()))
+            assert got == 202
+        assert len(h.inbox.take("prod", "llama")) == 1
+        # the same alert firing again later (a new startsAt) is a new stall
+        got, body = await h.post(client, payload(alert(starts_at="2024-05-01T11:00:00Z")))
+        assert body["queued"] == 1
+        assert h.counts["duplicate"] == 99 and h.counts["accepted"] == 2
+    run(scenario)
+
+
+def test_a_flood_of_concurrent_duplicates():
+    async def scenario(h, client):
+        results = await asyncio.gather(*(h.post(client, payload(alert())) for _ in range(200)))
+        assert {status for status, _ in results} == {202}
+        assert len(h.inbox.take("prod", "llama")) == 1
+    run(scenario)
+
+
+def test_a_full_inbox_is_a_retryable_503_and_the_alert_is_not_marked_seen():
+    async def scenario(h, client):
+        assert (await h.post(client, payload(alert(fingerprint="1"), alert(fingerprint="2"))))[0] == 202
+        got, body = await h.post(client, payload(alert(fingerprint="3")))
+        assert got == 503 and "inbox is full" in body["error"]["message"]
+        h.inbox.take("prod", "llama")
+        assert (await h.post(client, payload(alert(fingerprint="3"))))[1]["queued"] == 1  # the retry gets in
+    run(scenario, inbox_limit=2)
+
+
+def test_the_inbox_wakes_the_fleet():
+    inbox, woken = AlertInbox(), []
+    inbox.on_put = woken.append
+    inbox.put(parse_payload(payload(alert()), 0.0).actionable[0])
+    assert woken == [("prod", "llama")]
+
+
+def test_seen_alerts_are_bounded_in_count_and_age():
+    seen = SeenAlerts(limit=3, ttl=100)
+    for i in range(5):
+        seen.add((str(i), "t"), float(i))
+    assert len(seen) == 3 and ("0", "t") not in seen and ("4", "t") in seen
+    seen.add(("late", "t"), 200.0)
+    assert len(seen) == 1
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                                 max_size=4), max_leaves=20))
+def test_any_json_either_parses_or_is_a_payload_error(body):
+    try:
+        parse_payload(body, 0.0)
+    except PayloadError:
+        pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(["version", "alerts", "status", "labels", "startsAt", "fingerprint", "annotations"]),
+       st.none() | st.integers() | st.text(max_size=3) | st.lists(st.integers(), max_size=2))
+def test_any_field_replaced_by_junk_either_parses_or_is_a_payload_error(field, junk):
+    body = payload(alert())
+    target = body if field in ("version", "alerts") else body["alerts"][0]
+    target[field] = copy.deepcopy(junk)
+    try:
+        parse_payload(body, 0.0)
+    except PayloadError:
+        pass
