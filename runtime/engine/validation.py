@@ -12,6 +12,8 @@ from adpfleet.runtime.engine.sampling import InvalidRequestError, SamplingParams
 def tokenize(prompt, tokenizer) -> list[int]:
     """A text prompt's token ids (a list of ids passes through); InvalidRequestError if neither."""
     if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidRequestError("'prompt' must not be empty", "prompt")
         try:
             return tokenizer.encode(prompt)
         except UnicodeEncodeError as e:  # JSON allows lone surrogates ("\ud800"); text cannot hold them

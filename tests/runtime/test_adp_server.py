@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    s = Server("--model", "tiny", "--dp", "2", "--role", "generation", "--kv-blocks", "32",
+    s = Server("--model", "tiny", "--dp", "2", "--role", "aggregated", "--kv-blocks", "32",
                log_path=tmp_path_factory.mktemp("adp") / "server.log")
     try:
         yield s.wait_healthy()
@@ -34,9 +34,9 @@ def test_every_rank_exports_every_counter_at_zero_from_startup(server):
     for rank in ("0", "1"):
         for name in ("adpfleet_forward_vetoed_total", "adpfleet_empty_batch_iterations_total",
                      "adpfleet_prompt_tokens_total", "adpfleet_generation_tokens_total"):
-            assert re.search(rf'^{name}{{role="generation",rank="{rank}"}} 0\.0$', text, re.M), (name, rank)
+            assert re.search(rf'^{name}{{role="aggregated",rank="{rank}"}} 0\.0$', text, re.M), (name, rank)
         assert sample(text, "adpfleet_padding_dummies_total", rank=rank) == 0
-        assert text.count(f'adpfleet_padding_dummies_total{{role="generation",rank="{rank}"') == 8
+        assert text.count(f'adpfleet_padding_dummies_total{{role="aggregated",rank="{rank}"') == 8
 
 
 def test_concurrent_requests_are_spread_over_ranks_and_counted_once(server):
