@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import threading
 
 from fastapi import FastAPI, Request
@@ -227,7 +228,9 @@ def main(args) -> int:
                           kv_lease_s=args.kv_lease, kv_transfer_timeout_s=args.kv_transfer_timeout)
     name = args.served_model_name or (args.model if args.model in ("tiny", "tiny-dense")
                                       else args.model.rstrip("/").rsplit("/", 1)[-1])
-    app = build_app(client, name, args.role, fault_injection=args.fault_injection)
+    # the environment variable lets an InferenceFleet's `env` enable it without a new flag
+    fault_injection = args.fault_injection or os.environ.get("ADPFLEET_FAULT_INJECTION") == "1"
+    app = build_app(client, name, args.role, fault_injection=fault_injection)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
     log.info("serving %s (%s, %d ADP ranks) on http://%s:%d", name, args.role, args.dp, args.host, args.port)
     try:

@@ -1,5 +1,5 @@
 """Deliberate faults, to make stalls on purpose in tests and the demo. Off unless the server was
-started with `--fault-injection`; then `POST /faults {"kind": ..., "rank": R}` applies one:
+started with `--fault-injection` (or ADPFLEET_FAULT_INJECTION=1 in its environment); then `POST /faults {"kind": ..., "rank": R}` applies one:
 
   freeze        the rank stops stepping: its peers block in the next collective, every rank's
                 iterations stop advancing (the `hung` signature) until the collective timeout
