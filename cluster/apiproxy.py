@@ -138,7 +138,9 @@ class CountingProxy:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
         async with aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False) as session:
             app = web.Application(client_max_size=64 * 1024 * 1024)
-            app.router.add_route("*", "/{tail:.*}", lambda request: self._forward(session, request))
+            async def forward(request: web.Request) -> web.StreamResponse:
+                return await self._forward(session, request)
+            app.router.add_route("*", "/{tail:.*}", forward)
             runner = web.AppRunner(app, access_log=None, handle_signals=False)
             await runner.setup()
             site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -154,8 +156,12 @@ class CountingProxy:
         url = self._creds.server.rstrip("/") + str(request.rel_url)
         verb = verb_of(request.method, request.path, request.query_string)
         try:
+            # forward the headers as they came: aiohttp would otherwise add a Content-Type of its own
+            # (application/octet-stream) where a client sent none, which the API server refuses
             upstream = await session.request(request.method, url, data=body or None, headers=headers,
-                                             allow_redirects=False)
+                                             allow_redirects=False,
+                                             skip_auto_headers=("Content-Type", "User-Agent", "Accept",
+                                                                "Accept-Encoding"))
         except aiohttp.ClientError as exc:
             self._record(verb, request, 502)
             return web.Response(status=502, text=f"counting proxy: upstream failed: {exc}")

@@ -110,9 +110,7 @@ class Reconciler:
         secret_problem = await self._check_secret(spec, obs.namespace, plans)
         if secret_problem:
             problems.append(secret_problem)
-            plans = [dataclasses.replace(p, actions=tuple(a for a in p.actions if not isinstance(a, CreateServer)),
-                                         waiting_for=f"Secret {spec.model.token_secret_ref.name}")
-                     if any(isinstance(a, CreateServer) for a in p.actions) else p for p in plans]
+            plans = _hold_creations(plans, f"Secret {spec.model.token_secret_ref.name}")
             requeue = SECRET_RECHECK_SECONDS
 
         # Router objects first (the ServiceAccount and Role before the Deployment that uses them),
@@ -130,6 +128,16 @@ class Reconciler:
                                                                  f"{_describe(fleet, action)}: {outcome.message}"))
         problems += failures
 
+        # The status describes the fleet as these actions left it (a deleted pod is terminating, a
+        # created one pending), so it does not announce a state that is already gone.
+        if actions:
+            role_pods = {role: with_expectations(obs.role_pods(role), memory, self.clock(), desired, obs.uid, role) +
+                         [p for p in foreign if p.role == role] for role in names.ROLES}
+            plans = [plan_role(role, desired.replicas[role], desired.servers[role].template_hash, role_pods[role])
+                     for role in names.ROLES]
+            if secret_problem:
+                plans = _hold_creations(plans, f"Secret {spec.model.token_secret_ref.name}")
+            plans = [dataclasses.replace(p, actions=()) for p in plans]  # the next pass's business
         own_pods = [p for role in names.ROLES for p in role_pods[role] if p.owner_uid == obs.uid]
         problems += conditions.pod_problems(own_pods)
         counts = {role: conditions.role_counts(desired.replicas[role], desired.servers[role].template_hash,
@@ -220,6 +228,13 @@ class Reconciler:
             await self.api.record_event(fleet, "Normal", "FleetReady", cond["message"])
         elif type_ == "Ready" and had and had.get("status") == "True":
             await self.api.record_event(fleet, "Warning", "FleetNotReady", cond["message"])
+
+
+def _hold_creations(plans: list[RolePlan], waiting_for: str) -> list[RolePlan]:
+    """The plans without their server creations, saying what they wait for."""
+    return [dataclasses.replace(p, actions=tuple(a for a in p.actions if not isinstance(a, CreateServer)),
+                                waiting_for=waiting_for)
+            if any(isinstance(a, CreateServer) for a in p.actions) else p for p in plans]
 
 
 def _read_spec(obs: FleetObservation) -> tuple[FleetSpec | None, Problem | None]:

@@ -58,14 +58,20 @@ def _downward_env() -> list[dict]:
                               ("POD_NAMESPACE", "metadata.namespace"))]
 
 
-POD_SECURITY = {"runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532, "fsGroup": 65532,
+# The uid of the images' `adpfleet` user (docker/*.Dockerfile).
+POD_SECURITY = {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001, "fsGroup": 10001,
                 "seccompProfile": {"type": "RuntimeDefault"}}
 CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                       "capabilities": {"drop": ["ALL"]}}
-# The root filesystem is read-only: /tmp (HOME, compiler caches) and /dev/shm (tensors shared
-# between rank processes, NCCL buffers; a container's default 64 MiB is too small) are volumes.
-SCRATCH_VOLUMES = [{"name": "tmp", "emptyDir": {}}, {"name": "shm", "emptyDir": {"medium": "Memory"}}]
-SCRATCH_MOUNTS = [{"name": "tmp", "mountPath": "/tmp"}, {"name": "shm", "mountPath": "/dev/shm"}]
+# The root filesystem is read-only, so the writable places are volumes: a scratch directory that
+# HOME and TMPDIR point at (compiler and library caches, temporary files), and /dev/shm (tensors
+# shared between rank processes, NCCL buffers; a container's default 64 MiB is too small).
+# /var/tmp rather than /tmp: the local node agent keeps its pods' state under /tmp, and a volume
+# mounted over it would hide that state from the container's own start-up.
+SCRATCH_DIR = "/var/tmp"
+SCRATCH_VOLUMES = [{"name": "scratch", "emptyDir": {}}, {"name": "shm", "emptyDir": {"medium": "Memory"}}]
+SCRATCH_MOUNTS = [{"name": "scratch", "mountPath": SCRATCH_DIR}, {"name": "shm", "mountPath": "/dev/shm"}]
+SCRATCH_ENV = [{"name": "HOME", "value": SCRATCH_DIR}, {"name": "TMPDIR", "value": SCRATCH_DIR}]
 
 
 def _pod_metadata_extras(spec: FleetSpec) -> tuple[dict, dict]:
@@ -93,10 +99,7 @@ def server_args(spec: FleetSpec, role: str) -> list[str]:
 
 def _server_container(spec: FleetSpec, role: str) -> dict:
     r = spec.role(role)
-    env = _downward_env() + [
-        {"name": "OMP_NUM_THREADS", "value": str(r.engine.threads_per_rank)},
-        {"name": "HOME", "value": "/tmp"},
-    ]
+    env = _downward_env() + SCRATCH_ENV + [{"name": "OMP_NUM_THREADS", "value": str(r.engine.threads_per_rank)}]
     if spec.model.token_secret_ref:
         ref = spec.model.token_secret_ref
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
@@ -209,7 +212,7 @@ def router_objects(fleet: FleetRef, spec: FleetSpec) -> list[dict]:
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["adpfleet"],
         "args": router_args(fleet),
-        "env": _downward_env() + [{"name": "HOME", "value": "/tmp"}],
+        "env": _downward_env() + SCRATCH_ENV,
         "ports": [{"name": "http", "containerPort": names.ROUTER_HTTP_PORT, "protocol": "TCP"}],
         "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 2,
                            "timeoutSeconds": 3, "failureThreshold": 2},

@@ -52,7 +52,7 @@ def test_pods_run_unprivileged_with_a_read_only_root():
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert container["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                                             "capabilities": {"drop": ["ALL"]}}
-    assert {m["mountPath"] for m in container["volumeMounts"]} == {"/tmp", "/dev/shm"}
+    assert {m["mountPath"] for m in container["volumeMounts"]} == {"/var/tmp", "/dev/shm"}
     assert pod["automountServiceAccountToken"] is False
 
 

@@ -1,0 +1,260 @@
+"""Running `adpfleet operator` as a real process against the session's control plane, and reading
+what it did: its fleets, their pods, its /metrics, and (through the counting proxy) every API
+request it made."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kubernetes import client, watch
+from prometheus_client.parser import text_string_to_metric_families
+
+from adpfleet.cluster.apiproxy import CountingProxy
+from adpfleet.cluster.testing import LocalCluster, wait_for
+from adpfleet.operator.resource import names
+
+ADPFLEET = Path(sys.executable).with_name("adpfleet")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class OperatorProcess:
+    """`adpfleet operator` in a subprocess whose every API request goes through `proxy`."""
+
+    def __init__(self, proxy: CountingProxy, workdir: Path, scope: list[str], *, resync_seconds: float = 300,
+                 extra_args: tuple[str, ...] = ()):
+        self.proxy = proxy
+        self.kubeconfig = proxy.write_kubeconfig(workdir / "operator.kubeconfig")
+        self.scope = scope
+        self.resync_seconds = resync_seconds
+        self.extra_args = extra_args
+        self.workdir = workdir
+        self.port = 0
+        self.proc: subprocess.Popen | None = None
+        self.runs = 0
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / f"operator-{self.runs}.log"
+
+    def start(self) -> "OperatorProcess":
+        self.runs += 1
+        self.port = free_port()
+        argv = [str(ADPFLEET), "operator", *self.scope, "--http-host", "127.0.0.1", "--http-port", str(self.port),
+                "--resync-seconds", str(self.resync_seconds), *self.extra_args]
+        env = {"KUBECONFIG": str(self.kubeconfig), "PATH": "/usr/bin:/bin", "HOME": str(self.workdir)}
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        wait_for(lambda: self._get("/readyz")[0] == 200, timeout=60, what=f"the operator to be ready "
+                 f"(log: {self.log_path})")
+        return self
+
+    def stop(self, timeout: float = 30) -> int:
+        """SIGTERM, as Kubernetes does; the exit code."""
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+            self._log.close()
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log(self) -> str:
+        return "".join(p.read_text() for p in sorted(self.workdir.glob("operator-*.log")))
+
+    def _get(self, path: str) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+        except OSError as e:
+            return 0, str(e)
+
+    def healthz(self) -> tuple[int, dict]:
+        code, body = self._get("/healthz")
+        return code, json.loads(body) if code else {}
+
+    def metrics(self) -> dict[tuple, float]:
+        """{(sample name, frozenset(labels.items())): value}"""
+        code, text = self._get("/metrics")
+        assert code == 200, text
+        out = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                out[(s.name, frozenset(s.labels.items()))] = s.value
+        return out
+
+    def metric(self, name: str, **labels) -> float:
+        return sum(v for (n, ls), v in self.metrics().items()
+                   if n == name and all(dict(ls).get(k) == v2 for k, v2 in labels.items()))
+
+
+# ---- fleets ----
+
+class Fleets:
+    def __init__(self, cluster: LocalCluster, namespace: str):
+        self.cluster = cluster
+        self.ns = namespace
+        self.custom = client.CustomObjectsApi(cluster.api_client)
+        self.core = cluster.core
+
+    def apply(self, manifest: dict) -> None:
+        self.cluster.apply(manifest, namespace=self.ns)
+
+    def patch_spec(self, name: str, spec_patch: dict) -> int:
+        """Merge-patch the spec; the fleet's new generation."""
+        body = self.custom.patch_namespaced_custom_object(names.GROUP, names.VERSION, self.ns, names.PLURAL, name,
+                                                          {"spec": spec_patch})
+        return body["metadata"]["generation"]
+
+    def get(self, name: str) -> dict:
+        return self.custom.get_namespaced_custom_object(names.GROUP, names.VERSION, self.ns, names.PLURAL, name)
+
+    def condition(self, name: str, type_: str) -> dict:
+        return next((c for c in self.get(name).get("status", {}).get("conditions", []) if c["type"] == type_), {})
+
+    def wait_ready(self, name: str, timeout: float = 60) -> dict:
+        """Until Ready=True for the fleet's current generation; the fleet."""
+        def ready():
+            fleet = self.get(name)
+            status = fleet.get("status", {})
+            cond = next((c for c in status.get("conditions", []) if c["type"] == "Ready"), {})
+            return fleet if (cond.get("status") == "True" and status.get("observedGeneration")
+                             == fleet["metadata"]["generation"]) else None
+        return wait_for(ready, timeout=timeout, what=f"fleet {self.ns}/{name} to be Ready",
+                        interval=0.25)
+
+    def pods(self, fleet: str, role: str | None = None) -> list:
+        selector = f"{names.LABEL_FLEET}={fleet}," + (f"{names.LABEL_ROLE}={role}" if role else names.LABEL_ROLE)
+        return sorted(self.core.list_namespaced_pod(self.ns, label_selector=selector).items,
+                      key=lambda p: p.metadata.name)
+
+    def live_pods(self, fleet: str, role: str | None = None) -> list:
+        return [p for p in self.pods(fleet, role) if p.metadata.deletion_timestamp is None]
+
+    def events(self, reason: str | None = None) -> list:
+        items = self.core.list_namespaced_event(self.ns, field_selector=f"involvedObject.kind={names.KIND}").items
+        return [e for e in items if reason is None or e.reason == reason]
+
+    def delete(self, name: str) -> None:
+        self.custom.delete_namespaced_custom_object(names.GROUP, names.VERSION, self.ns, names.PLURAL, name)
+
+    def owned_objects(self, fleet: str) -> list[tuple[str, str]]:
+        """(kind, name) of everything labelled as this fleet's (pods included)."""
+        selector = f"{names.LABEL_FLEET}={fleet}"
+        apps, rbac = client.AppsV1Api(self.cluster.api_client), client.RbacAuthorizationV1Api(self.cluster.api_client)
+        found = []
+        for kind, lister in (("Pod", self.core.list_namespaced_pod), ("Service", self.core.list_namespaced_service),
+                             ("ServiceAccount", self.core.list_namespaced_service_account),
+                             ("Deployment", apps.list_namespaced_deployment),
+                             ("ReplicaSet", apps.list_namespaced_replica_set),
+                             ("Role", rbac.list_namespaced_role), ("RoleBinding", rbac.list_namespaced_role_binding)):
+            found += [(kind, o.metadata.name) for o in lister(self.ns, label_selector=selector).items]
+        return found
+
+    def resource_versions(self, fleet: str) -> dict[tuple[str, str], str]:
+        """resourceVersion of the fleet and of its operator-made children (not of pods, whose status
+        the node agent writes)."""
+        apps, rbac = client.AppsV1Api(self.cluster.api_client), client.RbacAuthorizationV1Api(self.cluster.api_client)
+        selector = f"{names.LABEL_FLEET}={fleet}"
+        out = {("InferenceFleet", fleet): self.get(fleet)["metadata"]["resourceVersion"]}
+        for kind, lister in (("Service", self.core.list_namespaced_service),
+                             ("ServiceAccount", self.core.list_namespaced_service_account),
+                             ("Role", rbac.list_namespaced_role), ("RoleBinding", rbac.list_namespaced_role_binding)):
+            for o in lister(self.ns, label_selector=selector).items:
+                out[(kind, o.metadata.name)] = o.metadata.resource_version
+        return out
+
+
+def pod_ready(pod) -> bool:
+    return any(c.type == "Ready" and c.status == "True" for c in (pod.status.conditions or []))
+
+
+# ---- watching a roll ----
+
+@dataclass
+class RoleSample:
+    time: float
+    live: int        # pods not being deleted
+    ready: int       # of those, Ready
+    names: tuple
+
+
+@dataclass
+class PodTimeline:
+    """Every pod event of a fleet, as (per role) live/ready counts after each event."""
+    cluster: LocalCluster
+    namespace: str
+    fleet: str
+    samples: dict[str, list[RoleSample]] = field(default_factory=dict)
+    created: list[tuple[str, str]] = field(default_factory=list)  # (name, uid) in order of appearance
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    def __enter__(self) -> "PodTimeline":
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._ready_to_go = threading.Event()
+        self._thread.start()
+        self._ready_to_go.wait(10)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        pods: dict[str, object] = {}
+        selector = f"{names.LABEL_FLEET}={self.fleet},{names.LABEL_ROLE}"
+        core = client.CoreV1Api(self.cluster.api_client)
+        listed = core.list_namespaced_pod(self.namespace, label_selector=selector)
+        for p in listed.items:
+            pods[p.metadata.uid] = p
+            self.created.append((p.metadata.name, p.metadata.uid))
+        self._record(pods)
+        version = listed.metadata.resource_version
+        self._ready_to_go.set()
+        w = watch.Watch()
+        while not self._stop.is_set():
+            for event in w.stream(core.list_namespaced_pod, self.namespace, label_selector=selector,
+                                  resource_version=version, timeout_seconds=1):
+                pod = event["object"]
+                version = pod.metadata.resource_version
+                if event["type"] == "DELETED":
+                    pods.pop(pod.metadata.uid, None)
+                else:
+                    if pod.metadata.uid not in pods and (pod.metadata.name, pod.metadata.uid) not in self.created:
+                        self.created.append((pod.metadata.name, pod.metadata.uid))
+                    pods[pod.metadata.uid] = pod
+                self._record(pods)
+                if self._stop.is_set():
+                    break
+
+    def _record(self, pods: dict) -> None:
+        now = time.monotonic()
+        by_role: dict[str, list] = {}
+        for p in pods.values():
+            by_role.setdefault(p.metadata.labels[names.LABEL_ROLE], []).append(p)
+        for role, items in by_role.items():
+            live = [p for p in items if p.metadata.deletion_timestamp is None]
+            self.samples.setdefault(role, []).append(RoleSample(
+                now, len(live), sum(pod_ready(p) for p in live), tuple(sorted(p.metadata.name for p in live))))

@@ -1,0 +1,55 @@
+"""Invalid fleets are refused by the real API server at apply time, with a message naming the field.
+
+Each catalogue entry (specs.py) is applied with `kubectl apply --server-side`, as a user would; the
+same entries are refused by pydantic in test_models.py, so the operator and the API server agree.
+"""
+
+import pytest
+import yaml
+
+from specs import INVALID_NAMES, INVALID_SPECS, fleet_manifest
+
+pytestmark = pytest.mark.k8s
+
+
+@pytest.fixture(scope="module")
+def bad_specs_namespace(k8s_cluster, fleet_crd):
+    from kubernetes import client
+    name = "bad-specs"
+    k8s_cluster.core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
+    yield name
+    k8s_cluster.core.delete_namespace(name)
+
+
+def kubectl_apply(cluster, namespace, manifest):
+    return cluster.kubectl("apply", "--server-side", f"--namespace={namespace}", "-f", "-",
+                           input=yaml.safe_dump(manifest), check=False)
+
+
+def test_there_are_at_least_fifteen_kinds_of_invalid_spec():
+    assert len(INVALID_SPECS) >= 15
+
+
+@pytest.mark.parametrize("case", INVALID_SPECS, ids=lambda c: c.what)
+def test_invalid_spec_is_refused_with_a_message_naming_the_field(k8s_cluster, bad_specs_namespace, case):
+    result = kubectl_apply(k8s_cluster, bad_specs_namespace, case.manifest())
+    assert result.returncode != 0, f"{case.what}: the API server accepted it"
+    for word in case.api_words:
+        assert word in result.stderr, f"{case.what}: {word!r} not in {result.stderr!r}"
+
+
+@pytest.mark.parametrize("name,words", INVALID_NAMES)
+def test_fleet_name_that_cannot_prefix_pod_names_is_refused(k8s_cluster, bad_specs_namespace, name, words):
+    result = kubectl_apply(k8s_cluster, bad_specs_namespace, fleet_manifest(name))
+    assert result.returncode != 0
+    for word in words:
+        assert word in result.stderr
+
+
+def test_a_valid_fleet_is_accepted_and_defaulted(k8s_cluster, bad_specs_namespace):
+    result = kubectl_apply(k8s_cluster, bad_specs_namespace, fleet_manifest("good"))
+    assert result.returncode == 0, result.stderr
+    spec = k8s_cluster.get_json("inferencefleet", "good", f"--namespace={bad_specs_namespace}")["spec"]
+    assert spec["remediation"]["mode"] == "Auto" and spec["context"]["engine"]["kvBlocks"] == 64
+    assert spec["generation"]["engine"]["maxBatchSize"] == 64  # nested defaults of a partly given object
+    k8s_cluster.kubectl("delete", "inferencefleet", "good", f"--namespace={bad_specs_namespace}")

@@ -1,0 +1,219 @@
+"""The operator against the real API server, with pods the node agent reports Ready without running
+them (status-only), so that many reconcile steps take seconds. Real servers: test_end_to_end.py.
+
+Every operator here is a real `adpfleet operator` process whose requests all pass through a
+counting proxy: write counts are measured from the outside, not taken from the operator's word.
+"""
+
+import time
+
+import pytest
+
+from adpfleet.cluster.apiproxy import CountingProxy
+from adpfleet.cluster.testing import wait_for
+from adpfleet.operator.resource import names
+
+from operator_harness import PodTimeline, pod_ready
+from specs import fleet_manifest
+
+pytestmark = pytest.mark.k8s
+
+
+def role(servers, **extra):
+    return {"servers": servers, "adpRanks": 1, "engine": {"kvBlocks": 64}, **extra}
+
+
+def names_of(pods):
+    return [p.metadata.name for p in pods]
+
+
+def test_fleet_gets_its_servers_router_rbac_status_and_events(start_operator, fleets):
+    start_operator()
+    fleets.apply(fleet_manifest("demo", status_only=True, context=role(2), generation=role(1)))
+    fleet = fleets.wait_ready("demo")
+
+    assert names_of(fleets.pods("demo", "context")) == ["demo-context-0", "demo-context-1"]
+    assert names_of(fleets.pods("demo", "generation")) == ["demo-generation-0"]
+    pod = fleets.pods("demo", "generation")[0]
+    assert pod.metadata.labels[names.LABEL_INDEX] == "0" and pod.metadata.labels[names.LABEL_ROLE] == "generation"
+    assert pod.metadata.labels["app.kubernetes.io/managed-by"] == "adpfleet-operator"
+    owner = pod.metadata.owner_references[0]
+    assert (owner.kind, owner.name, owner.uid, owner.controller) == ("InferenceFleet", "demo",
+                                                                      fleet["metadata"]["uid"], True)
+    assert pod.spec.containers[0].command + pod.spec.containers[0].args[:3] == ["adpfleet", "serve", "--role",
+                                                                                "generation"]
+    kinds = set(fleets.owned_objects("demo"))
+    assert {("Deployment", "demo-router"), ("Service", "demo-router"), ("ServiceAccount", "demo-router"),
+            ("Role", "demo-router"), ("RoleBinding", "demo-router")} <= kinds
+
+    status = fleet["status"]
+    assert status["observedGeneration"] == 1 and status["readyRoles"] == "3/3"
+    assert status["context"] == {"desired": 2, "current": 2, "updated": 2, "ready": 2}
+    assert status["router"] == {"desired": 1, "ready": 1}
+    conditions = {c["type"]: c for c in status["conditions"]}
+    assert conditions["Ready"]["reason"] == "AllServersReady"
+    assert conditions["Progressing"]["status"] == "False" and conditions["Degraded"]["status"] == "False"
+    assert all(c["observedGeneration"] == 1 and c["lastTransitionTime"] for c in conditions.values())
+    assert len(fleets.events("CreatedServer")) == 3 and fleets.events("FleetReady")
+
+    table = fleets.cluster.kubectl("get", names.SHORT_NAMES[0], "demo", f"--namespace={fleets.ns}").stdout
+    assert table.split("\n")[0].split()[:5] == ["NAME", "ROLES", "READY", "READY", "STALLED"]
+    assert "3/3" in table and "True" in table
+
+
+def test_the_router_role_reads_pods_in_its_namespace_and_nothing_else(start_operator, fleets, k8s_cluster):
+    start_operator()
+    fleets.apply(fleet_manifest("demo", status_only=True))
+    fleets.wait_ready("demo")
+    sa = f"system:serviceaccount:{fleets.ns}:demo-router"
+
+    def can(verb, resource, namespace=fleets.ns):
+        return k8s_cluster.kubectl("auth", "can-i", verb, resource, f"--as={sa}", f"--namespace={namespace}",
+                                   check=False).stdout.strip()
+    assert [can(v, "pods") for v in ("get", "list", "watch")] == ["yes"] * 3
+    assert can("delete", "pods") == "no" and can("create", "pods") == "no"
+    assert can("get", "secrets") == "no" and can("list", "pods", "default") == "no"
+
+
+def test_each_role_scales_up_and_down(start_operator, fleets):
+    start_operator()
+    fleets.apply(fleet_manifest("demo", status_only=True, context=role(1), generation=role(1)))
+    fleets.wait_ready("demo")
+
+    fleets.patch_spec("demo", {"context": {"servers": 3}, "generation": {"servers": 2}})
+    fleets.wait_ready("demo")
+    assert names_of(fleets.live_pods("demo", "context")) == ["demo-context-0", "demo-context-1", "demo-context-2"]
+    assert names_of(fleets.live_pods("demo", "generation")) == ["demo-generation-0", "demo-generation-1"]
+
+    fleets.patch_spec("demo", {"context": {"servers": 1}, "generation": {"servers": 1}})
+    fleets.wait_ready("demo")
+    wait_for(lambda: names_of(fleets.pods("demo")) == ["demo-context-0", "demo-generation-0"], timeout=30,
+             what="the scaled-down pods to be gone")
+    wait_for(lambda: fleets.get("demo")["status"]["context"] == {"desired": 1, "current": 1, "updated": 1,
+                                                                 "ready": 1}, timeout=10, what="the counts")
+    assert len(fleets.events("DeletedServer")) == 3
+
+
+def test_a_spec_change_rolls_servers_one_at_a_time_never_leaving_a_role_without_a_ready_server(start_operator, fleets):
+    start_operator()
+    fleets.apply(fleet_manifest("demo", status_only=True, context=role(3), generation=role(1)))
+    fleets.wait_ready("demo")
+    before = {p.metadata.uid for p in fleets.pods("demo")}
+    old_hash = fleets.pods("demo", "context")[0].metadata.annotations[names.ANNOTATION_TEMPLATE_HASH]
+
+    with PodTimeline(fleets.cluster, fleets.ns, "demo") as timeline:
+        generation = fleets.patch_spec("demo", {"context": {"engine": {"kvBlocks": 96}},
+                                                "generation": {"engine": {"kvBlocks": 96}}})
+        fleets.wait_ready("demo")
+        wait_for(lambda: all(p.metadata.annotations[names.ANNOTATION_TEMPLATE_HASH] != old_hash
+                             for p in fleets.pods("demo", "context")) and len(fleets.pods("demo")) == 4,
+                 timeout=60, what="every server to run the new spec")
+
+    assert fleets.get("demo")["status"]["observedGeneration"] == generation
+    for role_name, desired in (("context", 3), ("generation", 1)):
+        samples = timeline.samples[role_name]
+        assert min(s.ready for s in samples) >= 1, f"{role_name} dropped to zero ready servers"
+        assert max(s.live for s in samples) <= desired + 1, f"{role_name} had more than one extra server"
+    pods = fleets.pods("demo")
+    assert not {p.metadata.uid for p in pods} & before
+    new_ones = [n for n, uid in timeline.created if uid not in before]
+    assert len(new_ones) == 4  # each server replaced exactly once
+    assert all(p.spec.containers[0].args[p.spec.containers[0].args.index("--kv-blocks") + 1] == "96" for p in pods)
+    progressing = fleets.condition("demo", "Progressing")
+    assert progressing["status"] == "False" and progressing["observedGeneration"] == generation
+
+
+def test_a_server_deleted_by_hand_is_recreated_under_its_name(start_operator, fleets):
+    start_operator()
+    fleets.apply(fleet_manifest("demo", status_only=True, context=role(2), generation=role(1)))
+    fleets.wait_ready("demo")
+    victim = fleets.pods("demo", "context")[1]
+    fleets.core.delete_namespaced_pod(victim.metadata.name, fleets.ns)
+
+    def recreated():
+        pods = {p.metadata.name: p for p in fleets.live_pods("demo", "context")}
+        pod = pods.get(victim.metadata.name)
+        return pod is not None and pod.metadata.uid != victim.metadata.uid and pod_ready(pod)
+    wait_for(recreated, timeout=30, what=f"{victim.metadata.name} to be recreated and Ready")
+    assert names_of(fleets.live_pods("demo", "context")) == ["demo-context-0", "demo-context-1"]
+    fleets.wait_ready("demo")
+
+
+def test_at_rest_a_fleet_costs_zero_writes_and_its_objects_do_not_change(start_operator, fleets, api_proxy):
+    """Several resync periods (every one a full reconcile pass from the watch caches) with nothing
+    changed: the counting proxy sees no write, and no resourceVersion moves."""
+    op = start_operator(resync_seconds=1)
+    fleets.apply(fleet_manifest("demo", status_only=True, context=role(2), generation=role(2)))
+    fleets.wait_ready("demo")
+    wait_for(lambda: fleets.condition("demo", "Progressing").get("status") == "False", timeout=30,
+             what="the fleet to settle")
+    time.sleep(2)  # let the last status write and its own watch event pass (this is the point of the test)
+    versions = fleets.resource_versions("demo")
+    passes_before = op.metric("adpfleet_operator_reconciles_total")
+    start = time.monotonic()
+
+    wait_for(lambda: op.metric("adpfleet_operator_reconciles_total") >= passes_before + 5, timeout=30,
+             what="five more reconcile passes")
+    window = api_proxy.since(start)
+    assert CountingProxy.writes(window) == [], [(r.verb, r.path) for r in CountingProxy.writes(window)]
+    assert [r for r in window if r.verb not in ("watch",)] == [], "a pass at rest should read from the caches"
+    assert fleets.resource_versions("demo") == versions
+
+
+def test_an_operator_restart_changes_nothing(start_operator, fleets, api_proxy):
+    op = start_operator()
+    fleets.apply(fleet_manifest("demo", status_only=True, context=role(2), generation=role(1)))
+    fleets.wait_ready("demo")
+    time.sleep(1)
+    uids = {p.metadata.uid for p in fleets.pods("demo")}
+    versions = fleets.resource_versions("demo")
+    assert op.stop() == 0
+
+    start = time.monotonic()
+    op2 = start_operator()
+    wait_for(lambda: op2.metric("adpfleet_operator_reconciles_total") >= 1, timeout=30, what="a first pass")
+    time.sleep(2)
+    assert CountingProxy.writes(api_proxy.since(start)) == []
+    assert {p.metadata.uid for p in fleets.pods("demo")} == uids
+    assert fleets.resource_versions("demo") == versions
+
+
+def test_deleting_the_fleet_removes_everything_it_created(start_operator, fleets):
+    start_operator()
+    fleets.apply(fleet_manifest("demo", status_only=True, context=role(2), generation=role(1)))
+    fleets.wait_ready("demo")
+    assert len(fleets.owned_objects("demo")) >= 8
+    fleets.delete("demo")
+    wait_for(lambda: fleets.owned_objects("demo") == [], timeout=60, what="every object of the fleet to be deleted")
+    wait_for(lambda: not fleets.custom.list_namespaced_custom_object(
+        names.GROUP, names.VERSION, fleets.ns, names.PLURAL)["items"], timeout=30, what="the fleet to be gone")
+
+
+def test_a_missing_secret_degrades_the_fleet_with_a_reason_and_an_event_and_the_operator_stays_up(
+        start_operator, fleets, k8s_cluster):
+    op = start_operator()
+    fleets.apply(fleet_manifest("demo", status_only=True, model={"name": "tiny", "tokenSecretRef": {"name": "hf"}}))
+    wait_for(lambda: fleets.condition("demo", "Degraded").get("reason") == "SecretNotFound", timeout=30,
+             what="Degraded/SecretNotFound")
+    degraded = fleets.condition("demo", "Degraded")
+    assert degraded["status"] == "True" and "Secret 'hf'" in degraded["message"]
+    assert fleets.condition("demo", "Ready")["status"] == "False"
+    event = fleets.events("SecretNotFound")[0]
+    assert event.type == "Warning" and "tokenSecretRef" in event.message
+    assert fleets.pods("demo") == []
+    assert op.running() and op.healthz()[0] == 200
+
+    k8s_cluster.apply({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "hf"},
+                       "stringData": {"token": "x"}}, namespace=fleets.ns)
+    fleets.wait_ready("demo", timeout=60)  # it looks again on its own: the Secret has no watch
+    assert fleets.condition("demo", "Degraded")["status"] == "False"
+    assert fleets.events("Recovered")
+
+
+def test_a_server_that_cannot_be_scheduled_is_reported(start_operator, fleets):
+    start_operator()
+    fleets.apply(fleet_manifest("demo", status_only=True, context=role(1, nodeSelector={"no-such": "node"})))
+    wait_for(lambda: fleets.condition("demo", "Degraded").get("reason") == "ServersUnschedulable", timeout=30,
+             what="Degraded/ServersUnschedulable")
+    assert "demo-context-0: Unschedulable" in fleets.condition("demo", "Degraded")["message"]
+    assert fleets.condition("demo", "Progressing")["status"] == "True"
