@@ -11,6 +11,7 @@ scale benchmark use it to show that a fleet at rest costs zero writes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from dataclasses import dataclass
@@ -75,6 +76,7 @@ class CountingProxy:
         self._thread: threading.Thread | None = None
         self._started = threading.Event()
         self._stop: asyncio.Event | None = None
+        self._writes_open: asyncio.Event | None = None
         self.port = 0
 
     # ---- lifecycle ----
@@ -112,6 +114,16 @@ class CountingProxy:
         path.write_text(yaml.safe_dump(config))
         return path
 
+    @contextlib.contextmanager
+    def writes_held(self):
+        """Within the block, write requests wait at the proxy (as if the API server hung on them);
+        they go through when the block ends. Reads and watches pass."""
+        self._loop.call_soon_threadsafe(self._writes_open.clear)
+        try:
+            yield
+        finally:
+            self._loop.call_soon_threadsafe(self._writes_open.set)
+
     # ---- what was seen ----
 
     def snapshot(self) -> list[Request]:
@@ -134,6 +146,8 @@ class CountingProxy:
 
     async def _main(self) -> None:
         self._stop = asyncio.Event()
+        self._writes_open = asyncio.Event()
+        self._writes_open.set()
         connector = aiohttp.TCPConnector(ssl=self._creds.ssl_context, limit=0)
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
         async with aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False) as session:
@@ -155,6 +169,8 @@ class CountingProxy:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP | {"authorization"}}
         url = self._creds.server.rstrip("/") + str(request.rel_url)
         verb = verb_of(request.method, request.path, request.query_string)
+        if verb in WRITE_VERBS:
+            await self._writes_open.wait()
         try:
             # forward the headers as they came: aiohttp would otherwise add a Content-Type of its own
             # (application/octet-stream) where a client sent none, which the API server refuses

@@ -64,18 +64,10 @@ def start_operator(api_proxy, k8s_namespace, fleets, tmp_path, request):
     finally:
         for op in started:
             op.stop()
-        _drop_finalizers(fleets)
+        fleets.drop_finalizers()
         failed = getattr(request.node, "rep_call", None)
         if started and (failed is None or failed.failed):
             print(f"---- operator log ({started[-1].log_path.parent}) ----\n{started[-1].log()[-20000:]}")
-
-
-def _drop_finalizers(fleets: Fleets) -> None:
-    """Fleets left behind (operator already gone) would hold the namespace in Terminating forever."""
-    for fleet in fleets.custom.list_namespaced_custom_object(names.GROUP, names.VERSION, fleets.ns,
-                                                             names.PLURAL)["items"]:
-        fleets.custom.patch_namespaced_custom_object(names.GROUP, names.VERSION, fleets.ns, names.PLURAL,
-                                                     fleet["metadata"]["name"], {"metadata": {"finalizers": None}})
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -160,6 +160,14 @@ class Fleets:
     def delete(self, name: str) -> None:
         self.custom.delete_namespaced_custom_object(names.GROUP, names.VERSION, self.ns, names.PLURAL, name)
 
+    def drop_finalizers(self) -> None:
+        """Fleets left behind with no operator to finish them would hold their namespace in
+        Terminating forever."""
+        for fleet in self.custom.list_namespaced_custom_object(names.GROUP, names.VERSION, self.ns,
+                                                               names.PLURAL)["items"]:
+            self.custom.patch_namespaced_custom_object(names.GROUP, names.VERSION, self.ns, names.PLURAL,
+                                                       fleet["metadata"]["name"], {"metadata": {"finalizers": None}})
+
     def owned_objects(self, fleet: str) -> list[tuple[str, str]]:
         """(kind, name) of everything labelled as this fleet's (pods included)."""
         selector = f"{names.LABEL_FLEET}={fleet}"

@@ -1,0 +1,103 @@
+"""The operator process itself: liveness from real heartbeats, /metrics, JSON logs, graceful
+shutdown, and namespace-scoped or cluster-wide watching."""
+
+import json
+import time
+
+import pytest
+from kubernetes import client
+
+from adpfleet.cluster.testing import wait_for
+
+from operator_harness import Fleets
+from specs import fleet_manifest
+
+pytestmark = pytest.mark.k8s
+
+
+def test_metrics_count_reconciles_durations_and_every_api_request(start_operator, fleets):
+    op = start_operator()
+    fleets.apply(fleet_manifest("demo", status_only=True, router={"enabled": False}))
+    fleets.wait_ready("demo")
+    assert op.metric("adpfleet_operator_reconciles_total", result="ok") >= 1
+    assert op.metric("adpfleet_operator_reconcile_duration_seconds_count") >= 1
+    assert op.metric("adpfleet_operator_api_requests_total", verb="create", resource="pods") == 2
+    assert op.metric("adpfleet_operator_api_requests_total", verb="patch", resource="inferencefleets/status") >= 1
+    assert op.metric("adpfleet_operator_actions_total", action="CreateServer") == 2
+    assert op.metric("adpfleet_operator_fleets") == 1
+    assert op.metric("adpfleet_operator_reconcile_errors_total") == 0
+
+
+def test_liveness_follows_the_reconcile_loops_heartbeat(start_operator, fleets, api_proxy):
+    """A pass stuck on the API server (writes held at the proxy) turns /healthz 503 after
+    --stuck-seconds; when it completes, /healthz is 200 again."""
+    op = start_operator(extra_args=("--stuck-seconds", "2"))
+    fleets.apply(fleet_manifest("demo", status_only=True, router={"enabled": False}))
+    fleets.wait_ready("demo")
+    code, body = op.healthz()
+    assert code == 200 and f"{fleets.ns}/demo" in body["fleets"]
+
+    with api_proxy.writes_held():
+        fleets.patch_spec("demo", {"context": {"servers": 2}})  # the next pass creates a pod: held
+        code, body = wait_for(lambda: (lambda r: r if r[0] == 503 else None)(op.healthz()), timeout=20,
+                              what="/healthz to report the stuck pass")
+        assert f"reconcile of {fleets.ns}/demo has been running for" in body["problems"][0]
+    wait_for(lambda: op.healthz()[0] == 200, timeout=20, what="/healthz to recover")
+    fleets.wait_ready("demo")
+
+
+def test_logs_are_json_lines_naming_the_fleet(start_operator, fleets):
+    op = start_operator()
+    fleets.apply(fleet_manifest("demo", status_only=True, router={"enabled": False}))
+    fleets.wait_ready("demo")
+    assert op.stop() == 0
+    lines = [json.loads(line) for line in op.log().splitlines() if line.strip()]
+    assert all({"message", "severity", "timestamp"} <= set(line) for line in lines)
+    created = [line for line in lines if line["message"].startswith("created context server demo-context-0")]
+    assert created and created[0]["object"]["name"] == "demo" and created[0]["object"]["namespace"] == fleets.ns
+
+
+def test_sigterm_stops_the_operator_promptly_and_cleanly(start_operator, fleets):
+    op = start_operator()
+    fleets.apply(fleet_manifest("demo", status_only=True, router={"enabled": False}))
+    fleets.wait_ready("demo")
+    start = time.monotonic()
+    assert op.stop(timeout=20) == 0
+    assert time.monotonic() - start < 10
+    assert '"stopped"' in op.log()
+
+
+def test_a_namespace_scoped_operator_leaves_other_namespaces_alone(start_operator, fleets, k8s_cluster):
+    other = f"{fleets.ns[:50]}-other"
+    k8s_cluster.core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=other)))
+    try:
+        elsewhere = Fleets(k8s_cluster, other)
+        elsewhere.apply(fleet_manifest("stranger", status_only=True))
+        start_operator()
+        fleets.apply(fleet_manifest("demo", status_only=True))
+        fleets.wait_ready("demo")
+        time.sleep(2)
+        assert "status" not in elsewhere.get("stranger") and elsewhere.pods("stranger") == []
+        assert not elsewhere.get("stranger")["metadata"].get("finalizers")
+    finally:
+        k8s_cluster.core.delete_namespace(other)
+
+
+def test_a_cluster_wide_operator_reconciles_fleets_in_every_namespace(start_operator, fleets, k8s_cluster):
+    other = f"{fleets.ns[:50]}-other"
+    k8s_cluster.core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=other)))
+    elsewhere = Fleets(k8s_cluster, other)
+    wait_for(lambda: k8s_cluster.core.read_namespaced_service_account("default", other), timeout=30,
+             what="the default service account")
+    op = start_operator(scope=["--all-namespaces"])
+    try:
+        fleets.apply(fleet_manifest("demo", status_only=True, router={"enabled": False}))
+        elsewhere.apply(fleet_manifest("demo", status_only=True, router={"enabled": False}))
+        fleets.wait_ready("demo")
+        elsewhere.wait_ready("demo")
+        elsewhere.delete("demo")
+        wait_for(lambda: elsewhere.owned_objects("demo") == [], timeout=30, what="the other fleet's pods to go")
+    finally:
+        op.stop()
+        elsewhere.drop_finalizers()  # in case the test failed before the fleet was deleted
+        k8s_cluster.core.delete_namespace(other)
