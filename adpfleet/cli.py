@@ -104,7 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     crds.set_defaults(run="adpfleet.operator.resource.crd:main")
 
     demo = sub.add_parser("demo", help="run the whole loop on this machine")
-    demo.add_argument("--port", type=int, default=0, help="server port (0: pick a free one)")
+    demo.add_argument("--quick", action="store_true",
+                      help="shortened run (CI): stop soon after the stall is remediated")
+    demo.add_argument("--keep", action="store_true", help="leave the cluster, operator and fleet running")
+    demo.add_argument("--out", default="adpfleet-demo", help="directory for the plot and the summary JSON")
     demo.set_defaults(run="adpfleet.demo:main")
     return parser
 

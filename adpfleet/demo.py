@@ -1,56 +1,400 @@
-"""`adpfleet demo`: starts a server on the built-in tiny model and sends it one completion.
+"""`adpfleet demo`: the whole promise on one machine, in a few minutes.
 
-This is the first stage of the demo; the full loop (local cluster, operator, fleet, injected
-stall, remediation) replaces it as those parts land.
+A local control plane and node agent (pods are local processes), the operator installed with the
+real `helm` chart, a small disaggregated fleet (1 context + 1 generation server, 2 ADP ranks
+each, a router), client traffic with a live display, a rank frozen half-way (the server stays
+Running and Ready, and stops making progress), the operator detecting the stall and draining and
+restarting the server, and a summary with a plot of progress over time.
 """
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
+import json
 import subprocess
 import sys
+import threading
 import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+NAMESPACE = "adpfleet-demo"
+RELEASE = "adpfleet"
+FLEET = "demo"
+ROOT = Path(__file__).resolve().parents[1]
+CHART = ROOT / "charts" / "adpfleet"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class DemoError(RuntimeError):
+    """A prerequisite or a step failed; the message says what and how to fix it."""
+
+
+@dataclass
+class Timeline:
+    start: float = field(default_factory=time.monotonic)
+    samples: list[tuple[float, float]] = field(default_factory=list)  # (t, generated tokens/s)
+    events: list[tuple[float, str]] = field(default_factory=list)
+
+    def now(self) -> float:
+        return time.monotonic() - self.start
+
+    def mark(self, what: str) -> float:
+        t = self.now()
+        self.events.append((t, what))
+        return t
+
+    def first(self, prefix: str) -> float | None:
+        return next((t for t, what in self.events if what.startswith(prefix)), None)
+
+
+@dataclass
+class Traffic:
+    completed: int = 0
+    failed: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+    latencies: list[float] = field(default_factory=list)
+
+
+def fleet_manifest(window: int, scrape: int) -> dict:
+    server_env = [{"name": "ADPFLEET_FAULT_INJECTION", "value": "1"}]  # the demo freezes a rank on purpose
+    role = {"servers": 1, "adpRanks": 2, "engine": {"kvBlocks": 128, "collectiveTimeoutSeconds": 600},
+            "env": server_env}
+    return {"apiVersion": "adpfleet.io/v1alpha1", "kind": "InferenceFleet",
+            "metadata": {"name": FLEET, "namespace": NAMESPACE},
+            "spec": {"image": "adpfleet-runtime:demo", "model": {"name": "tiny"},
+                     "context": role, "generation": role, "router": {"replicas": 1},
+                     "monitoring": {"scrapeIntervalSeconds": scrape},
+                     "remediation": {"mode": "Auto", "stallWindowSeconds": window, "cooldownSeconds": 60,
+                                     "drainTimeoutSeconds": 2}}}
+
+
+class Demo:
+    def __init__(self, args):
+        self.args = args
+        self.quick = args.quick
+        self.duration = 70 if self.quick else 150
+        self.window, self.scrape = (8, 2) if self.quick else (12, 3)
+        self.out = Path(args.out)
+        self.timeline = Timeline()
+        self.traffic = Traffic()
+        self.stop = threading.Event()
+        self._lock = threading.Lock()
+
+    # -- steps ---------------------------------------------------------------------------------
+    def say(self, text: str) -> None:
+        print(f"demo: {text}", flush=True)
+
+    def preflight(self) -> None:
+        missing = []
+        for module, extra in (("rich", "dev"), ("matplotlib", "dev"), ("kubernetes", "operator"),
+                              ("kopf", "operator"), ("torch", "runtime")):
+            try:
+                __import__(module)
+            except ImportError:
+                missing.append(f"{module} (extra '{extra}')")
+        if missing:
+            raise DemoError(f"missing Python packages: {', '.join(missing)}. Run ./scripts/demo (it installs "
+                            f"them into .venv/) or `pip install -e '.[runtime,operator,dev]'`.")
+        from adpfleet.cluster.binaries import BinariesUnavailable, ensure_binaries
+
+        try:
+            self.say("checking the control-plane binaries and helm (the first run builds them from the Go "
+                     "module proxy: several minutes, cached in ~/.cache/adpfleet)")
+            self.binaries = ensure_binaries()
+        except BinariesUnavailable as e:
+            raise DemoError(f"{e}\nThe demo needs Go 1.26+ to build them once: run ./scripts/setup.") from None
+
+    def cluster_up(self) -> None:
+        from adpfleet.cluster.controlplane import ControlPlane
+
+        self.plane = ControlPlane(None)
+        report = self.plane.up()
+        self.started_cluster = bool(report.started)
+        self.say(f"local cluster {'started' if report.started else 'already up'} "
+                 f"(KUBECONFIG={report.kubeconfig})")
+        self.kubeconfig = str(report.kubeconfig)
+        from kubernetes import client, config
+
+        api = config.new_client_from_config(config_file=self.kubeconfig)
+        self.core = client.CoreV1Api(api)
+        self.custom = client.CustomObjectsApi(api)
+
+    def helm(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        cmd = [str(self.binaries.helm), f"--kubeconfig={self.kubeconfig}", *args]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if check and proc.returncode:
+            raise DemoError(f"helm {' '.join(args[:2])} failed:\n{proc.stderr.strip()}")
+        return proc
+
+    def kubectl(self, *args: str, input: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+        proc = subprocess.run([str(self.binaries.kubectl), f"--kubeconfig={self.kubeconfig}", *args],
+                              input=input, capture_output=True, text=True, timeout=120)
+        if check and proc.returncode:
+            raise DemoError(f"kubectl {' '.join(args[:2])} failed:\n{proc.stderr.strip()}")
+        return proc
+
+    def install(self) -> None:
+        self.say("installing the operator with helm (chart charts/adpfleet, namespace-scoped)")
+        self.helm("upgrade", "--install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--create-namespace",
+                  "--set", f"watch.namespaces={{{NAMESPACE}}}", "--set", "operator.logFormat=plain",
+                  "--wait", "--timeout", "180s")
+        self.say(f"applying InferenceFleet {FLEET!r}: tiny model, 1 context + 1 generation server x 2 ADP ranks, "
+                 f"router; stall window {self.window} s, scrape every {self.scrape} s, remediation Auto")
+        self.kubectl("apply", "-f", "-", input=json.dumps(fleet_manifest(self.window, self.scrape)))
+        self.wait(lambda: self.condition("Ready") == "True", 300, "the fleet to become Ready")
+        self.timeline = Timeline()
+        self.say("fleet Ready")
+
+    def fleet(self) -> dict:
+        return self.custom.get_namespaced_custom_object("adpfleet.io", "v1alpha1", NAMESPACE, "inferencefleets", FLEET)
+
+    def condition(self, kind: str) -> str | None:
+        for c in self.fleet().get("status", {}).get("conditions", []):
+            if c["type"] == kind:
+                return c["status"]
+        return None
+
+    def pods(self, role: str | None = None) -> list:
+        selector = f"adpfleet.io/fleet={FLEET}" + (f",adpfleet.io/role={role}" if role else "")
+        return self.core.list_namespaced_pod(NAMESPACE, label_selector=selector).items
+
+    def router_url(self) -> str:
+        pods = self.core.list_namespaced_pod(NAMESPACE, label_selector="app.kubernetes.io/component=router").items
+        ready = [p for p in pods if p.status.pod_ip and any(c.type == "Ready" and c.status == "True"
+                                                             for c in p.status.conditions or [])]
+        if not ready:
+            raise DemoError("no Ready router pod")
+        return f"http://{ready[0].status.pod_ip}:8000"
+
+    def wait(self, check, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if check():
+                    return
+            except Exception:  # the API or a pod may be briefly unreachable while things start
+                pass
+            time.sleep(0.5)
+        raise DemoError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+    # -- traffic, observation, the fault -------------------------------------------------------
+    def client_loop(self, url: str, worker: int) -> None:
+        import httpx
+
+        i = 0
+        with httpx.Client(timeout=60) as http:
+            while not self.stop.is_set():
+                i += 1
+                body = {"model": "tiny", "prompt": f"worker {worker} request {i}: tell me about ADP padding",
+                        "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+                started = time.monotonic()
+                try:
+                    r = http.post(url + "/v1/completions", json=body)
+                    ok = r.status_code == 200
+                    reason = None if ok else f"HTTP {r.status_code}"
+                except httpx.HTTPError as e:
+                    ok, reason = False, type(e).__name__
+                with self._lock:
+                    if ok:
+                        self.traffic.completed += 1
+                        self.traffic.latencies.append(time.monotonic() - started)
+                    else:
+                        self.traffic.failed += 1
+                        self.traffic.errors[reason] = self.traffic.errors.get(reason, 0) + 1
+                if not ok:
+                    time.sleep(0.5)
+
+    def tokens_generated(self) -> float:
+        import httpx
+
+        total = 0.0
+        for pod in self.pods("generation"):
+            if not pod.status.pod_ip:
+                continue
+            try:
+                text = httpx.get(f"http://{pod.status.pod_ip}:8000/metrics", timeout=2).text
+            except httpx.HTTPError:
+                continue
+            total += sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                         if line.startswith("adpfleet_generation_tokens_total{"))
+        return total
+
+    def observe(self) -> None:
+        """Tokens/s every second, and the operator's view of the fleet (conditions, remediations)."""
+        last_total, last_t, seen = None, None, set()
+        while not self.stop.is_set():
+            t = self.timeline.now()
+            total = self.tokens_generated()
+            if last_total is not None and total >= last_total:
+                self.timeline.samples.append((t, (total - last_total) / max(1e-3, t - last_t)))
+            last_total, last_t = total, t  # a restarted server starts its counters at 0 again
+            try:
+                status = self.fleet().get("status", {})
+            except Exception:
+                status = {}
+            for c in status.get("conditions", []):
+                key = (c["type"], c["status"], c.get("reason"))
+                if c["type"] in ("Stalled", "Remediating") and c["status"] == "True" and key not in seen:
+                    seen.add(key)
+                    self.timeline.mark(f"{c['type']}: {c.get('reason')} - {c.get('message', '')[:100]}")
+            for rec in status.get("recentRemediations", []):
+                key = ("rem", rec["time"], rec["server"], rec["action"], rec["outcome"])
+                if key not in seen:
+                    seen.add(key)
+                    self.timeline.mark(f"Remediation: {rec['action']} {rec['server']} ({rec['signature']}) "
+                                       f"-> {rec['outcome']}")
+            self.stop.wait(1.0)
+
+    def inject_fault(self) -> None:
+        import httpx
+
+        pod = self.pods("generation")[0]
+        r = httpx.post(f"http://{pod.status.pod_ip}:8000/faults", json={"kind": "freeze", "rank": 1}, timeout=10)
+        r.raise_for_status()
+        self.fault_pod = pod.metadata.name
+        self.timeline.mark(f"Fault: froze rank 1 of {pod.metadata.name} (it stays Running and Ready)")
+
+    def run_traffic(self) -> None:
+        from rich.console import Console
+        from rich.live import Live
+        from rich.table import Table
+
+        url = self.router_url()
+        workers = [threading.Thread(target=self.client_loop, args=(url, w), daemon=True) for w in range(4)]
+        observer = threading.Thread(target=self.observe, daemon=True)
+        for th in workers + [observer]:
+            th.start()
+        fault_at = self.duration / 3
+        faulted = False
+        console = Console()
+
+        def view() -> Table:
+            table = Table(title=f"adpfleet demo — {self.timeline.now():5.1f} s of {self.duration} s")
+            table.add_column("what")
+            table.add_column("value")
+            rate = self.timeline.samples[-1][1] if self.timeline.samples else 0.0
+            bar = "█" * min(40, int(rate / 20))
+            with self._lock:
+                table.add_row("requests completed / failed", f"{self.traffic.completed} / {self.traffic.failed}")
+            table.add_row("generation tokens/s", f"{rate:7.1f} {bar}")
+            for t, what in self.timeline.events[-5:]:
+                table.add_row(f"{t:6.1f} s", what)
+            return table
+
+        with Live(view(), console=console, refresh_per_second=2, transient=False) as live:
+            while self.timeline.now() < self.duration:
+                if not faulted and self.timeline.now() >= fault_at:
+                    self.inject_fault()
+                    faulted = True
+                live.update(view())
+                time.sleep(0.5)
+                if self.quick and faulted and self.recovered_at() is not None and \
+                        self.timeline.now() > self.recovered_at() + 10:
+                    break  # CI's shortened run: recovery shown, stop early
+            live.update(view())
+        self.stop.set()
+        for th in workers:
+            th.join(timeout=70)
+        observer.join(timeout=10)
+
+    def recovered_at(self) -> float | None:
+        action = self.timeline.first("Remediation")
+        if action is None:
+            return None
+        return next((t for t, rate in self.timeline.samples if t > action and rate > 0), None)
+
+    # -- the end -------------------------------------------------------------------------------
+    def summary(self) -> dict:
+        fault = self.timeline.first("Fault")
+        detected = self.timeline.first("Stalled")
+        acted = self.timeline.first("Remediation")
+        recovered = self.recovered_at()
+
+        def since(t):
+            return None if t is None or fault is None else round(t - fault, 1)
+
+        result = {"requests_completed": self.traffic.completed, "requests_failed": self.traffic.failed,
+                  "errors": self.traffic.errors, "fault_at_s": fault and round(fault, 1),
+                  "detection_s": since(detected), "first_action_s": since(acted), "recovery_s": since(recovered),
+                  "stall_window_s": self.window, "scrape_interval_s": self.scrape,
+                  "events": [(round(t, 1), what) for t, what in self.timeline.events]}
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title="adpfleet demo — summary")
+        table.add_column("what")
+        table.add_column("value", justify="right")
+        table.add_row("requests completed", str(self.traffic.completed))
+        table.add_row("requests failed (explicit errors)", f"{self.traffic.failed} {self.traffic.errors or ''}")
+        table.add_row("fault → stall detected", f"{result['detection_s']} s (window {self.window} s)")
+        table.add_row("fault → drain + restart", f"{result['first_action_s']} s")
+        table.add_row("fault → progress restored", f"{result['recovery_s']} s")
+        Console().print(table)
+        return result
+
+    def plot(self, result: dict) -> Path:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(9, 3.6))
+        ts = [t for t, _ in self.timeline.samples]
+        ax.plot(ts, [r for _, r in self.timeline.samples], color="#2b6cb0", label="generated tokens/s")
+        colors = {"Fault": "#c53030", "Stalled": "#dd6b20", "Remediation": "#2f855a"}
+        for prefix, color in colors.items():
+            t = self.timeline.first(prefix)
+            if t is not None:
+                ax.axvline(t, color=color, linestyle="--", label=prefix.lower() if prefix != "Stalled" else "detected")
+        ax.set_xlabel("seconds")
+        ax.set_ylabel("tokens/s")
+        ax.set_title("adpfleet demo: a frozen rank, detected and remediated")
+        ax.legend(loc="upper right", fontsize=8)
+        fig.tight_layout()
+        self.out.mkdir(parents=True, exist_ok=True)
+        path = self.out / "demo-progress.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        (self.out / "demo-summary.json").write_text(json.dumps(result, indent=2))
+        return path
+
+    def cleanup(self) -> None:
+        if self.args.keep:
+            self.say(f"--keep: everything stays up (KUBECONFIG={getattr(self, 'kubeconfig', '?')}); "
+                     f"`adpfleet cluster down` stops it")
+            return
+        if getattr(self, "kubeconfig", None):
+            self.say("cleaning up: fleet, operator release")
+            self.kubectl("delete", "inferencefleet", FLEET, "-n", NAMESPACE, "--ignore-not-found", "--wait=true",
+                         check=False)
+            self.helm("uninstall", RELEASE, "--namespace", NAMESPACE, check=False)
+            self.kubectl("delete", "namespace", NAMESPACE, "--ignore-not-found", "--wait=false", check=False)
+        if getattr(self, "started_cluster", False):
+            self.say("stopping the local cluster the demo started")
+            self.plane.down()
 
 
 def main(args) -> int:
-    import httpx
-
-    port = args.port or _free_port()
-    url = f"http://127.0.0.1:{port}"
-    print(f"demo: starting `adpfleet serve --model tiny` on {url}", flush=True)
-    proc = subprocess.Popen([sys.executable, "-m", "adpfleet", "serve", "--model", "tiny", "--port", str(port)],
-                            start_new_session=True)
+    demo = Demo(args)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                print(f"demo: the server exited with {proc.returncode}", file=sys.stderr)
-                return 1
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                print("demo: the server did not become healthy within 120 s", file=sys.stderr)
-                return 1
-            time.sleep(0.2)
-        body = {"model": "tiny", "prompt": "adpfleet keeps fleets moving", "max_tokens": 24, "temperature": 0}
-        start = time.monotonic()
-        r = httpx.post(url + "/v1/completions", json=body, timeout=60)
-        r.raise_for_status()
-        out = r.json()
-        print(f"demo: completion in {time.monotonic() - start:.2f} s, usage {out['usage']}")
-        print(f"demo: text {out['choices'][0]['text']!r} (random weights: bytes, not prose)")
-        return 0
+        demo.preflight()
+        demo.cluster_up()
+        demo.install()
+        demo.run_traffic()
+        result = demo.summary()
+        path = demo.plot(result)
+        demo.say(f"plot: {path}; summary: {path.with_name('demo-summary.json')}")
+        ok = result["detection_s"] is not None and result["recovery_s"] is not None
+        if not ok:
+            demo.say("the stall was not detected and recovered within the run; see the events above")
+        return 0 if ok else 1
+    except DemoError as e:
+        print(f"adpfleet demo: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\nadpfleet demo: interrupted", file=sys.stderr)
+        return 130
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
+        demo.stop.set()
+        demo.cleanup()
+
+
