@@ -235,7 +235,7 @@ class AlertReceiver:
             expected = None
         if not expected:
             self.count("unauthorized", 1)
-            return _error(503, "the webhook token is not available yet (its Secret cannot be read); retry later",
+            return _error(503, "the webhook token is not available (the operator has no --alerts-token-secret, or the Secret cannot be read yet); retry later",
                           headers={"Retry-After": "10"})
         scheme, _, given = header.partition(" ")
         if scheme.lower() != "bearer" or not given.strip():

@@ -7,7 +7,9 @@ generation, never dummies) while it had work at every scrape (requests running o
 transfers in flight), and that held at `confirmations` consecutive scrapes. The signature says how:
 
 - `hung`: no rank's loop advanced over the last scrape interval (a frozen rank blocks every peer in
-  the next collective, so every rank's `iterations` stops);
+  the next collective, so every rank's `iterations` stops). A loop that has not advanced for the
+  whole window is stalled even when its (frozen) counters show no work: an idle loop spins, and
+  requests sent to a hung rank never reach its counters;
 - `vetoed`: the loop spins but the `can_queue` vote vetoes the forward — the ranks involved are the
   ones whose empty-batch count keeps rising (DESIGN §1.1);
 - `transfer`: the loop runs, nothing is vetoed, KV blocks stay held for transfers that never
@@ -244,13 +246,20 @@ def _current_incarnation(samples: Sequence[Scrape]) -> list[Scrape]:
 def _assess(scrapes: list[Scrape], end: int, coverage: float) -> tuple[State, str, int | None]:
     """Progress over the window that ends at scrapes[end]: (state, reason, baseline index)."""
     last = scrapes[end]
-    if last.work <= 0:
-        return State.IDLE, "no requests and no KV transfers", None
     base = None
     for i in range(end, -1, -1):
         if last.at - scrapes[i].at >= coverage:
             base = i
             break
+    if last.work <= 0:
+        # An idle loop spins (~50 passes/s). One that has not moved for a whole window is hung, and
+        # its counters are the frozen snapshot of its last pass: work sent to it since is invisible.
+        if base is not None and end > base and all(
+                r in scrapes[base].ranks and s.iterations <= scrapes[base].ranks[r].iterations
+                for r, s in last.ranks.items()) and last.tokens <= scrapes[base].tokens:
+            return State.STALLED, (f"no rank's loop advanced for {last.at - scrapes[base].at:.0f} s (an idle loop "
+                                   f"spins; its queue counters are frozen)"), base
+        return State.IDLE, "no requests and no KV transfers", None
     # the stretch the verdict speaks for: from the baseline (or the oldest scrape) to `end`
     first = base if base is not None else 0
     work_from = first

@@ -3,7 +3,7 @@
 - indexes keep every fleet's server pods and router objects in memory, keyed (namespace, fleet),
   reduced to the small records the decisions read (`decisions/observed.py`);
 - event handlers wake the loop of the fleet the event belongs to;
-- one daemon per fleet runs its reconcile loop (`loops.py`).
+- one daemon per fleet runs its reconcile loop (`loops.py`), another its stall watch (`stall.py`).
 
 kopf fills the indexes before any daemon starts, so the first pass after a (re)start already sees
 every existing child and repeats nothing.
@@ -16,6 +16,7 @@ import logging
 import kopf
 
 from adpfleet.operator.decisions import observed
+from adpfleet.operator.decisions.desired import FleetRef
 from adpfleet.operator.decisions.observed import FleetObservation
 from adpfleet.operator.resource import names
 
@@ -97,6 +98,12 @@ def build_registry() -> kopf.OperatorRegistry:
     async def reconcile_fleet(namespace, name, uid, body, stopped, memo, **kwargs):
         await memo.loops.run((namespace, name), lambda: observe(body, kwargs), stopped,
                              fleet_logger(namespace, name, uid))
+
+    @kopf.daemon(*FLEETS, id="watch_for_stalls", registry=registry, cancellation_timeout=10.0)
+    async def watch_for_stalls(namespace, name, uid, body, stopped, memo, **kwargs):
+        """Stall detection and remediation (stall.py), beside the reconcile loop."""
+        await memo.stall.run((namespace, name), FleetRef(name, namespace, uid), lambda: observe(body, kwargs),
+                             stopped, fleet_logger(namespace, name, uid))
 
     return registry
 

@@ -1,4 +1,5 @@
-"""The operator's HTTP endpoints: /healthz (liveness), /readyz (readiness), /metrics (Prometheus)."""
+"""The operator's HTTP endpoints: /healthz (liveness), /readyz (readiness), /metrics (Prometheus),
+and POST /alerts (Alertmanager's webhook) when given."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ log = logging.getLogger("adpfleet.operator.http")
 
 
 async def start_http_server(host: str, port: int, metrics: OperatorMetrics, heartbeats: Heartbeats,
-                            ready: asyncio.Event) -> web.AppRunner:
+                            ready: asyncio.Event, routes=()) -> web.AppRunner:
+    """`routes`: more endpoints on the same listener (the Alertmanager webhook, alerts.py)."""
     async def healthz(_request):
         problems = heartbeats.problems()
         metrics.healthy.set(0 if problems else 1)
@@ -28,7 +30,8 @@ async def start_http_server(host: str, port: int, metrics: OperatorMetrics, hear
         return web.Response(body=generate_latest(metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     app = web.Application()
-    app.add_routes([web.get("/healthz", healthz), web.get("/readyz", readyz), web.get("/metrics", prometheus)])
+    app.add_routes([web.get("/healthz", healthz), web.get("/readyz", readyz), web.get("/metrics", prometheus),
+                    *routes])
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)

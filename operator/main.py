@@ -28,6 +28,12 @@ def add_arguments(p) -> None:
                         "no API request unless something drifted)")
     p.add_argument("--stuck-seconds", type=float, default=120.0,
                    help="/healthz fails when a reconcile pass runs longer than this")
+    p.add_argument("--stall-detection", choices=["on", "off"], default="on",
+                   help="scrape every server's /metrics and remediate stalls (off: act on Alertmanager alerts only)")
+    p.add_argument("--alerts-token-secret", metavar="NAMESPACE/NAME[:KEY]",
+                   default=os.environ.get("ADPFLEET_ALERTS_TOKEN_SECRET", ""),
+                   help="Secret (key default 'token') holding the bearer token of POST /alerts, Alertmanager's "
+                        "webhook (default: $ADPFLEET_ALERTS_TOKEN_SECRET; without it /alerts answers 503)")
     p.add_argument("--log-format", choices=["json", "plain"], default="json")
     p.add_argument("--verbose", "-v", action="store_true", help="debug logs")
 
@@ -72,30 +78,39 @@ def operator_settings(settings) -> None:
 async def run(args, namespaces: list[str]) -> None:
     import kopf
 
-    from adpfleet.operator.adapters.kube import KubeApi, load_api_client
+    from adpfleet.operator.adapters.kube import load_api_client
+    from adpfleet.operator.alerts import AlertInbox, AlertReceiver
     from adpfleet.operator.handlers import build_registry
     from adpfleet.operator.httpserver import start_http_server
     from adpfleet.operator.loops import FleetLoops
-    from adpfleet.operator.reconciler import Reconciler
+    from adpfleet.operator.stall import (RemediatingReconciler, RemediationApi, StallController, StallMetrics,
+                                         alerts_token)
     from adpfleet.operator.telemetry import Heartbeats, OperatorMetrics
 
     metrics = OperatorMetrics()
     heartbeats = Heartbeats(resync_seconds=args.resync_seconds, stuck_after=args.stuck_seconds)
     api_client = load_api_client()
-    loops = FleetLoops(Reconciler(KubeApi(api_client, metrics), metrics), metrics, heartbeats,
+    api = RemediationApi(api_client, metrics)
+    inbox = AlertInbox()
+    stall = StallController(api, StallMetrics(metrics.registry), inbox, lambda key: loops.wake(key),
+                            detection=args.stall_detection == "on")
+    loops = FleetLoops(RemediatingReconciler(api, metrics, stall=stall), metrics, heartbeats,
                        resync_seconds=args.resync_seconds)
+    receiver = AlertReceiver(alerts_token(api, args.alerts_token_secret), inbox, stall.fleet_known,
+                             count=lambda result, n: stall.metrics.alerts.labels(result).inc(n))
     ready = asyncio.Event()
-    http = await start_http_server(args.http_host, args.http_port, metrics, heartbeats, ready) \
-        if args.http_port else None
+    http = await start_http_server(args.http_host, args.http_port, metrics, heartbeats, ready,
+                                   routes=receiver.routes()) if args.http_port else None
     settings = kopf.OperatorSettings()
     operator_settings(settings)
     log.info("starting: watching %s", "all namespaces" if args.all_namespaces else ", ".join(namespaces))
     try:
-        await kopf.operator(registry=build_registry(), settings=settings, memo=kopf.Memo(loops=loops),
+        await kopf.operator(registry=build_registry(), settings=settings, memo=kopf.Memo(loops=loops, stall=stall),
                             clusterwide=bool(args.all_namespaces), namespaces=namespaces,
                             standalone=True, ready_flag=ready)
     finally:
         if http is not None:
             await http.cleanup()
+        await stall.close()
         api_client.close()
         log.info("stopped")

@@ -123,11 +123,19 @@ def history_from_status(status: Mapping | None) -> list[Remediation]:
 
 def with_records(history: Sequence[Remediation], new: Iterable[Remediation],
                  limit: int = HISTORY_LIMIT) -> list[Remediation]:
-    """History with `new` records added or updated (same key), newest first, bounded."""
+    """History with `new` records added or updated (same key), newest first, bounded. When it is
+    full, the actions of the last hour are kept before anything else: the budget is counted from
+    them (so budgets above `limit` per hour act as `limit`)."""
     by_key = {r.key(): r for r in history}
     for r in new:
         by_key[r.key()] = r
-    return sorted(by_key.values(), key=lambda r: r.time, reverse=True)[:limit]
+    newest = sorted(by_key.values(), key=lambda r: r.time, reverse=True)
+    if len(newest) <= limit:
+        return newest
+    latest = newest[0].time
+    counted = [r for r in newest if _spends_budget(r, latest)][:limit]
+    rest = [r for r in newest if r not in counted][:limit - len(counted)]
+    return sorted(counted + rest, key=lambda r: r.time, reverse=True)
 
 
 def rfc3339(t: float) -> str:
@@ -215,8 +223,10 @@ class Plan:
 
 
 def decide(verdicts: Sequence[StallVerdict], history: Sequence[Remediation], spec: FleetSpec,
-           servers: Sequence[ServerView], now: float, *, source: str = "scrape") -> Plan:
-    """The decisions for the stalled servers among `verdicts` (see the module docstring)."""
+           servers: Sequence[ServerView], now: float, *, source: str | Mapping[str, str] = "scrape") -> Plan:
+    """The decisions for the stalled servers among `verdicts` (see the module docstring). `source`
+    says where each verdict came from ("scrape": the operator's own detection; or per server, e.g.
+    the alert that asked for a re-check); it goes into the messages."""
     policy = spec.remediation
     if policy.mode == "Disabled":
         return Plan(mode="Disabled")
@@ -224,6 +234,7 @@ def decide(verdicts: Sequence[StallVerdict], history: Sequence[Remediation], spe
     in_progress = restarts_in_progress(history, servers, spec, now)
     used = budget_used(history, now)
     halted = any(r.action == Action.HALT.value and now - r.time < policy.escalation.window_seconds for r in history)
+    budget = min(policy.budget_per_hour, HISTORY_LIMIT)  # counted from the history, which holds this many
     stalled = sorted((v for v in verdicts if v.stalled), key=lambda v: (v.role, v.server))
     stalled_names = {v.server for v in stalled}
     planned: list[Decision] = []
@@ -237,8 +248,10 @@ def decide(verdicts: Sequence[StallVerdict], history: Sequence[Remediation], spe
         return bool(live) and all(s.name in stalled_names for s in live)
 
     for v in stalled:
+        origin = source.get(v.server, "scrape") if isinstance(source, Mapping) else source
+
         def skip(reason: str, message: str, action: Action = Action.RESTART_SERVER, targets=(v.server,), level=0):
-            planned.append(Decision(v, action, tuple(targets), Verdict.SKIP, reason, message, level, source))
+            planned.append(Decision(v, action, tuple(targets), Verdict.SKIP, reason, message, level, origin))
 
         if halted:
             skip("Halted", f"{v.summary()}; remediation of this fleet is halted by escalation")
@@ -258,20 +271,20 @@ def decide(verdicts: Sequence[StallVerdict], history: Sequence[Remediation], spe
         action, targets = _ladder(v, level, spec, servers)
         evidence = f"{v.summary()}; evidence: {evidence_text(v.evidence)}"
         what = f"{action.value} {', '.join(targets)}" if targets else action.value
-        if source != "scrape":
-            evidence = f"from {source}: {evidence}"
+        if origin != "scrape":
+            evidence = f"from {origin}: {evidence}"
         message = f"{what} (remediation {level + 1} of {v.server} within {policy.escalation.window_seconds} s): " \
                   f"{evidence}"
         if policy.mode == "DryRun" or policy.budget_per_hour == 0:
-            planned.append(Decision(v, action, targets, Verdict.DRY_RUN, "DryRun", "would " + message, level, source))
+            planned.append(Decision(v, action, targets, Verdict.DRY_RUN, "DryRun", "would " + message, level, origin))
             continue
         if action is Action.HALT:
-            planned.append(Decision(v, action, (), Verdict.ACT, "Halt", message, level, source))
+            planned.append(Decision(v, action, (), Verdict.ACT, "Halt", message, level, origin))
             halted = True
             continue
         taken = used + sum(1 for d in planned if d.outcome is Verdict.ACT)
-        if taken >= policy.budget_per_hour:
-            skip("BudgetExhausted", f"{v.summary()}; {taken} of {policy.budget_per_hour} remediations used in the "
+        if taken >= budget:
+            skip("BudgetExhausted", f"{v.summary()}; {taken} of {budget} remediations used in the "
                                     f"last hour", action, targets, level)
             continue
         overlap = sorted(set(targets) & {t for d in planned if d.outcome is Verdict.ACT for t in d.targets})
@@ -290,10 +303,10 @@ def decide(verdicts: Sequence[StallVerdict], history: Sequence[Remediation], spe
         if lonely:
             skip("LastReadyServer", f"{v.summary()}; {lonely}", action, targets, level)
             continue
-        planned.append(Decision(v, action, targets, Verdict.ACT, action.value, message, level, source, batch))
+        planned.append(Decision(v, action, targets, Verdict.ACT, action.value, message, level, origin, batch))
         for t in (targets[:batch] if rolling else targets):
             planned_targets[role_of(t)] = planned_targets.get(role_of(t), 0) + 1
-    return Plan(decisions=tuple(planned), mode=policy.mode, budget=policy.budget_per_hour, budget_used=used,
+    return Plan(decisions=tuple(planned), mode=policy.mode, budget=budget, budget_used=used,
                 halted=halted, in_progress=in_progress)
 
 
@@ -348,9 +361,13 @@ def _last_ready(targets, v: StallVerdict, servers, in_progress, wholly_stalled, 
 
 
 def budget_used(history: Sequence[Remediation], now: float) -> int:
-    """Actions taken in the last hour (dry runs and skips are free)."""
-    return sum(1 for r in history if r.action in RESTARTS and now - r.time < BUDGET_PERIOD_SECONDS
-               and r.outcome in (Outcome.PENDING.value, Outcome.SUCCEEDED.value, Outcome.FAILED.value))
+    """Actions taken in the last hour (dry runs, recoveries and skips are free)."""
+    return sum(1 for r in history if _spends_budget(r, now))
+
+
+def _spends_budget(r: Remediation, now: float) -> bool:
+    return (r.action in RESTARTS and now - r.time < BUDGET_PERIOD_SECONDS
+            and r.outcome in (Outcome.PENDING.value, Outcome.SUCCEEDED.value, Outcome.FAILED.value))
 
 
 def restarts_in_progress(history: Sequence[Remediation], servers: Sequence[ServerView], spec: FleetSpec,
@@ -398,13 +415,14 @@ def stall_conditions(verdicts: Sequence[StallVerdict], plan: Plan, previous: Map
                               generation, previous, now)
     elif stalled:
         signatures = sorted({v.signature.value for v in stalled if v.signature})
+        # stable while the stall lasts (no counters, no durations): the status is not rewritten every scrape
         stalled_c = condition("Stalled", True, "NoProgress",
-                              "; ".join(v.summary() for v in stalled[:5]) + (
+                              "; ".join(_stall_line(v) for v in stalled[:5]) + (
                                   f" (+{len(stalled) - 5} more)" if len(stalled) > 5 else "")
                               + (f" [{','.join(signatures)}]" if signatures else ""), generation, previous, now)
     else:
-        stalled_c = condition("Stalled", False, "Progressing", "every server with work is producing tokens",
-                              generation, previous, now)
+        stalled_c = condition("Stalled", False, "NoStallDetected", "no server has had work without progress for "
+                              "a stall window", generation, previous, now)
     acting = plan.actions
     if plan.in_progress or acting:
         names = sorted(set(plan.in_progress) | {t for d in acting for t in d.targets})
@@ -420,6 +438,11 @@ def stall_conditions(verdicts: Sequence[StallVerdict], plan: Plan, previous: Map
     else:
         remediating = condition("Remediating", False, "Idle", "no remediation underway", generation, previous, now)
     return [stalled_c, remediating]
+
+
+def _stall_line(v: StallVerdict) -> str:
+    ranks = f", ranks {','.join(map(str, v.ranks))}" if v.ranks else ""
+    return f"{v.server} ({v.role}) has work but produces no tokens ({v.signature.value if v.signature else '?'}{ranks})"
 
 
 def degraded_problem(plan: Plan) -> tuple[str, str] | None:

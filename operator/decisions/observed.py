@@ -8,6 +8,7 @@ function of these small frozen records.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime
 
 from adpfleet.operator.resource import names
 
@@ -30,6 +31,9 @@ class ServerPod:
     unschedulable: bool     # PodScheduled=False/Unschedulable: no room for it now
     problem: str | None     # "<Reason>: <message>" when it is stuck (crash loop, missing Secret, no room)
     restarts: int = 0
+    ip: str = ""            # status.podIP: where stall detection scrapes /metrics
+    created: float | None = None  # creationTimestamp (epoch): tells a replaced pod from the one it replaced
+    draining: bool = False  # adpfleet.io/drain: the router sends it no new requests
 
     @property
     def finished(self) -> bool:
@@ -83,7 +87,20 @@ def server_pod(body: dict) -> ServerPod:
         phase=status.get("phase", "Pending"),
         ready=(conditions.get("Ready") or {}).get("status") == "True",
         terminating=bool(meta.get("deletionTimestamp")), unschedulable=unschedulable, problem=problem,
-        restarts=sum(c.get("restartCount", 0) for c in status.get("containerStatuses") or []))
+        restarts=sum(c.get("restartCount", 0) for c in status.get("containerStatuses") or []),
+        ip=status.get("podIP") or "", created=_epoch(meta.get("creationTimestamp")),
+        draining=annotations.get(names.ANNOTATION_DRAIN) == "true")
+
+
+def _epoch(timestamp) -> float | None:
+    if not timestamp:
+        return None
+    if hasattr(timestamp, "timestamp"):
+        return timestamp.timestamp()
+    try:
+        return datetime.fromisoformat(str(timestamp).replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
 
 
 def owned_object(kind: str, body: dict) -> OwnedObject:

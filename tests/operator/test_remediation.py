@@ -237,6 +237,20 @@ def test_history_round_trips_through_status_and_stays_bounded():
     assert len(updated) == 20 and updated[0].outcome == "Succeeded"
 
 
+def test_a_full_history_keeps_the_last_hours_actions_before_dry_runs():
+    actions = [record(f"f-context-{i % 2}", ago=3000 - i) for i in range(5)]
+    dry = [record("f-generation-0", ago=float(i), outcome=Outcome.DRY_RUN) for i in range(30)]
+    history = with_records(actions, dry)
+    assert len(history) == 20 and sum(r.outcome == "Succeeded" for r in history) == 5
+    assert decide([stalled("f-generation-1")], history, spec(budgetPerHour=5), fleet(), NOW).budget_exhausted
+
+
+def test_budgets_above_the_history_size_act_as_its_size():
+    history = with_records([], [record(f"f-context-{i % 2}", ago=100 + i) for i in range(25)])
+    plan = decide([stalled("f-generation-0")], history, spec(budgetPerHour=100), fleet(), NOW)
+    assert plan.budget == 20 and plan.budget_exhausted
+
+
 def pytest_approx(x):
     import pytest
     return pytest.approx(x, abs=1e-3)

@@ -1,0 +1,253 @@
+"""Pieces of the stall end-to-end tests and of bench/remediation.py: a fleet of real servers that
+accept injected faults, a steady client load through the fleet's router that accounts for every
+request, and real Prometheus and Alertmanager processes wired to the operator's webhook."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import yaml
+
+from adpfleet.operator.resource import names
+
+RULES = Path(__file__).resolve().parents[2] / "charts" / "adpfleet" / "files" / "alert-rules.yaml"
+VENV_BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def fault_injection_bin(workdir: Path) -> Path:
+    """A directory whose `adpfleet` runs the real one with `--fault-injection` added to `serve`:
+    put first on a role's PATH (spec env), the node agent then starts servers that accept faults."""
+    d = workdir / "fault-bin"
+    d.mkdir(parents=True, exist_ok=True)
+    wrapper = d / "adpfleet"
+    wrapper.write_text(f"""#!/bin/sh
+if [ "$1" = serve ]; then exec {VENV_BIN}/adpfleet "$@" --fault-injection; fi
+exec {VENV_BIN}/adpfleet "$@"
+""")
+    wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    return d
+
+
+def stall_fleet(name: str, workdir: Path, *, mode: str = "Auto", window: int = 6, interval: int = 1,
+                cooldown: int = 5, budget: int = 20, context_ranks: int = 2, pad: bool = False) -> dict:
+    """One context server (2 ranks, padding off so a starved rank vetoes every forward), one
+    generation server, the router; faults accepted; short windows so a test sees a stall in seconds."""
+    path = f"{fault_injection_bin(workdir)}:{VENV_BIN}:/usr/local/bin:/usr/bin:/bin"
+    env = [{"name": "PATH", "value": path}]
+    probes = {"readinessPeriodSeconds": 1, "startupTimeoutSeconds": 120}
+
+    def role(ranks: int, **engine) -> dict:
+        return {"servers": 1, "adpRanks": ranks, "env": env, "probes": probes, "terminationGracePeriodSeconds": 5,
+                "engine": {"kvBlocks": 96, "maxNumTokens": 256, "collectiveTimeoutSeconds": 300, **engine}}
+    return {"apiVersion": names.API_VERSION, "kind": names.KIND, "metadata": {"name": name},
+            "spec": {"image": "adpfleet:dev", "model": {"name": "tiny"},
+                     "context": role(context_ranks, padEmptyBatch=pad), "generation": role(1),
+                     "monitoring": {"scrapeIntervalSeconds": interval},
+                     "remediation": {"mode": mode, "stallWindowSeconds": window, "cooldownSeconds": cooldown,
+                                     "budgetPerHour": budget, "drainTimeoutSeconds": 5,
+                                     "maxConcurrentPerRole": 1}}}
+
+
+# ---- client load ----------------------------------------------------------------------------------
+
+@dataclass
+class Outcome:
+    start: float
+    end: float
+    kind: str          # completed | error (explicit: HTTP error or an error body) | lost (no answer by the deadline)
+    tokens: int = 0
+    detail: str = ""
+
+
+@dataclass
+class Load:
+    """`clients` threads sending completions to the router back to back, each with a deadline."""
+    url: str
+    clients: int = 3
+    max_tokens: int = 24
+    deadline: float = 90.0
+    outcomes: list[Outcome] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _threads: list[threading.Thread] = field(default_factory=list)
+    in_flight: int = 0
+
+    def __enter__(self) -> "Load":
+        for i in range(self.clients):
+            t = threading.Thread(target=self._client, args=(i,), daemon=True)
+            t.start()
+            self._threads.append(t)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(self.deadline + 10)
+
+    def _client(self, i: int) -> None:
+        n = 0
+        with httpx.Client(timeout=httpx.Timeout(self.deadline, connect=5.0)) as http:
+            while not self._stop.is_set():
+                n += 1
+                body = {"prompt": f"client {i} request {n}: tell me about attention data parallelism " * 2,
+                        "max_tokens": self.max_tokens, "ignore_eos": True}
+                start = time.time()
+                with self._lock:
+                    self.in_flight += 1
+                try:
+                    r = http.post(self.url + "/v1/completions", json=body)
+                    if r.status_code == 200 and "error" not in r.json():
+                        out = Outcome(start, time.time(), "completed", r.json()["usage"]["completion_tokens"])
+                    else:
+                        out = Outcome(start, time.time(), "error", detail=f"{r.status_code} {r.text[:200]}")
+                except httpx.TimeoutException as e:
+                    out = Outcome(start, time.time(), "lost", detail=f"{type(e).__name__}")
+                except httpx.HTTPError as e:  # connection refused / reset: the client saw an explicit failure
+                    out = Outcome(start, time.time(), "error", detail=f"{type(e).__name__}: {e}")
+                with self._lock:
+                    self.in_flight -= 1
+                    self.outcomes.append(out)
+                if out.kind != "completed":
+                    time.sleep(0.2)
+
+    def completed_since(self, t: float) -> int:
+        with self._lock:
+            return sum(1 for o in self.outcomes if o.kind == "completed" and o.end >= t)
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            out = {"completed": 0, "error": 0, "lost": 0}
+            for o in self.outcomes:
+                out[o.kind] += 1
+            return out
+
+    def tokens_per_second(self, start: float, end: float, bucket: float = 1.0) -> list[tuple[float, float]]:
+        with self._lock:
+            done = [o for o in self.outcomes if o.kind == "completed"]
+        series = []
+        t = start
+        while t < end:
+            series.append((t - start, sum(o.tokens for o in done if t <= o.end < t + bucket) / bucket))
+            t += bucket
+        return series
+
+
+# ---- real Prometheus and Alertmanager ---------------------------------------------------------------
+
+class Monitoring:
+    """Prometheus discovering the fleet's server pods through the API server (as the chart's
+    PodMonitor would), with the chart's rule file; Alertmanager routing the stall alerts to the
+    operator's webhook with the bearer token."""
+
+    def __init__(self, workdir: Path, kubeconfig: Path, namespace: str, webhook_url: str, token: str):
+        self.workdir = workdir
+        self.prom_port, self.am_port = free_port(), free_port()
+        self.procs: list[subprocess.Popen] = []
+        d = workdir / "monitoring"
+        d.mkdir(parents=True, exist_ok=True)
+        shutil.copy(RULES, d / "alert-rules.yaml")
+        (d / "prometheus.yml").write_text(yaml.safe_dump({
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s", "scrape_timeout": "1s"},
+            "rule_files": [str(d / "alert-rules.yaml")],
+            "alerting": {"alertmanagers": [{"static_configs": [{"targets": [f"127.0.0.1:{self.am_port}"]}]}]},
+            "scrape_configs": [{
+                "job_name": "adpfleet-servers",
+                "kubernetes_sd_configs": [{"role": "pod", "kubeconfig_file": str(kubeconfig),
+                                           "namespaces": {"names": [namespace]}}],
+                "relabel_configs": [
+                    {"source_labels": ["__meta_kubernetes_pod_label_adpfleet_io_role"], "regex": ".+",
+                     "action": "keep"},
+                    {"source_labels": ["__meta_kubernetes_pod_ip"], "target_label": "__address__",
+                     "replacement": f"$1:{names.SERVER_HTTP_PORT}"},
+                    {"source_labels": ["__meta_kubernetes_namespace"], "target_label": "namespace"},
+                    {"source_labels": ["__meta_kubernetes_pod_name"], "target_label": "pod"},
+                    {"source_labels": ["__meta_kubernetes_pod_label_adpfleet_io_fleet"], "target_label": "fleet"},
+                ]}]}))
+        (d / "alertmanager.yml").write_text(yaml.safe_dump({
+            "route": {"receiver": "adpfleet-operator", "group_by": ["alertname", "namespace", "fleet", "pod"],
+                      "group_wait": "1s", "group_interval": "5s", "repeat_interval": "1h"},
+            "receivers": [{"name": "adpfleet-operator", "webhook_configs": [{
+                "url": webhook_url, "send_resolved": False,
+                "http_config": {"authorization": {"type": "Bearer", "credentials": token}}}]}]}))
+        self.dir = d
+
+    def start(self) -> "Monitoring":
+        d = self.dir
+        self._spawn("alertmanager", ["prometheus-alertmanager", f"--config.file={d / 'alertmanager.yml'}",
+                                     f"--storage.path={d / 'am-data'}", f"--web.listen-address=127.0.0.1:{self.am_port}",
+                                     "--cluster.listen-address="])
+        self._spawn("prometheus", ["prometheus", f"--config.file={d / 'prometheus.yml'}",
+                                   f"--storage.tsdb.path={d / 'prom-data'}",
+                                   f"--web.listen-address=127.0.0.1:{self.prom_port}"])
+        deadline = time.monotonic() + 60
+        for url in (f"http://127.0.0.1:{self.prom_port}/-/ready", f"http://127.0.0.1:{self.am_port}/-/ready"):
+            while True:
+                try:
+                    if httpx.get(url, timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{url} not ready; logs in {d}")
+                time.sleep(0.3)
+        return self
+
+    def _spawn(self, name: str, argv: list[str]) -> None:
+        log = open(self.dir / f"{name}.log", "wb")
+        self.procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+
+    def query(self, expr: str) -> list[dict]:
+        r = httpx.get(f"http://127.0.0.1:{self.prom_port}/api/v1/query", params={"query": expr}, timeout=5)
+        return r.json()["data"]["result"]
+
+    def alerts(self) -> list[dict]:
+        r = httpx.get(f"http://127.0.0.1:{self.prom_port}/api/v1/alerts", timeout=5)
+        return r.json()["data"]["alerts"]
+
+    def targets_up(self) -> int:
+        return sum(1 for s in self.query('up{job="adpfleet-servers"}') if s["value"][1] == "1")
+
+
+def inject(pod_ip: str, kind: str, rank: int) -> dict:
+    r = httpx.post(f"http://{pod_ip}:{names.SERVER_HTTP_PORT}/faults", json={"kind": kind, "rank": rank}, timeout=10)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def remediations(fleet: dict) -> list[dict]:
+    return (fleet.get("status") or {}).get("recentRemediations") or []
+
+
+def dump(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=2, default=str))

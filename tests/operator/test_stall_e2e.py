@@ -1,0 +1,300 @@
+"""Stall detection and remediation end to end, all real and on loopback: the control plane, the node
+agent running every pod as processes, the operator, a fleet of real servers (faults injected over
+HTTP) behind the real router under a steady client load, and — for the alert path — real
+Prometheus scraping the pods with the chart's rule file and real Alertmanager calling the
+operator's webhook.
+
+One fleet serves the whole module (servers take a while to start on two cores); each test leaves
+it healthy. Every client request must complete or end with an explicit error — none lost.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import time
+
+import httpx
+import pytest
+from kubernetes import client
+
+from adpfleet.cluster.testing import wait_for
+from adpfleet.operator.resource import names
+
+from operator_harness import Fleets, OperatorProcess, PodTimeline, pod_ready
+from stall_harness import Load, Monitoring, inject, remediations, stall_fleet
+
+pytestmark = [pytest.mark.k8s, pytest.mark.slow, pytest.mark.multiproc]
+
+FLEET = "stalls"
+WINDOW, INTERVAL = 6, 1
+TOKEN = secrets.token_hex(16)
+
+
+@pytest.fixture(scope="module")
+def env(k8s_cluster, fleet_crd, api_proxy, tmp_path_factory):
+    """(fleets, operator holder, workdir): a namespace with the token Secret and the module's fleet."""
+    workdir = tmp_path_factory.mktemp("stall-e2e")
+    ns = f"stall-e2e-{secrets.token_hex(3)}"
+    core = k8s_cluster.core
+    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=ns)))
+    wait_for(lambda: core.read_namespaced_service_account("default", ns), timeout=30, what="default SA")
+    core.create_namespaced_secret(ns, client.V1Secret(metadata=client.V1ObjectMeta(name="alerts-token"),
+                                                      string_data={"token": TOKEN}))
+    fleets = Fleets(k8s_cluster, ns)
+    holder = {"op": None, "ns": ns, "proxy": api_proxy, "workdir": workdir}
+    start_op(holder)
+    fleets.apply(stall_fleet(FLEET, workdir, window=WINDOW, interval=INTERVAL))
+    fleets.wait_ready(FLEET, timeout=300)
+    yield fleets, holder, workdir
+    try:
+        fleets.delete(FLEET)
+        wait_for(lambda: not fleets.custom.list_namespaced_custom_object(
+            names.GROUP, names.VERSION, ns, names.PLURAL)["items"], timeout=60, what="the fleet to be deleted")
+    finally:
+        holder["op"].stop()
+        print(f"---- operator log ----\n{holder['op'].log()[-15000:]}")
+        core.delete_namespace(ns)
+
+
+def start_op(holder, *extra: str) -> OperatorProcess:
+    if holder["op"] is not None and holder["op"].running():
+        holder["op"].stop()
+    op = OperatorProcess(holder["proxy"], holder["workdir"], ["--namespace", holder["ns"]],
+                         extra_args=("--alerts-token-secret", f"{holder['ns']}/alerts-token", "--log-format",
+                                     "plain", *extra))
+    holder["op"] = op.start()
+    return op
+
+
+def router_url(fleets: Fleets) -> str:
+    pods = fleets.core.list_namespaced_pod(fleets.ns, label_selector=",".join(
+        f"{k}={v}" for k, v in names.router_selector(FLEET).items())).items
+    ready = [p for p in pods if pod_ready(p) and p.metadata.deletion_timestamp is None]
+    assert ready, "no Ready router pod"
+    return f"http://{ready[0].status.pod_ip}:{names.ROUTER_HTTP_PORT}"
+
+
+def server(fleets: Fleets, role: str):
+    pods = fleets.live_pods(FLEET, role)
+    assert len(pods) == 1, [p.metadata.name for p in pods]
+    return pods[0]
+
+
+def wait_healthy_fleet(fleets: Fleets, timeout: float = 240) -> None:
+    wait_for(lambda: all(len(fleets.live_pods(FLEET, r)) == 1 and pod_ready(server(fleets, r))
+                         for r in ("context", "generation")), timeout=timeout, what="both servers Ready")
+    fleets.wait_ready(FLEET, timeout=timeout)
+
+
+def wait_flowing(load: Load, n: int = 3, timeout: float = 120) -> None:
+    t = time.time()
+    wait_for(lambda: load.completed_since(t) >= n, timeout=timeout, what=f"{n} completions through the router")
+
+
+def record_for(fleets: Fleets, pod_name: str, since: float, outcome: str | None = None) -> dict | None:
+    from adpfleet.operator.remediation import parse_rfc3339
+    for r in remediations(fleets.get(FLEET)):
+        if r["server"] == pod_name and parse_rfc3339(r["time"]) >= since and (outcome is None or
+                                                                              r["outcome"] == outcome):
+            return r
+    return None
+
+
+def assert_none_lost(load: Load) -> None:
+    counts = load.counts()
+    lost = [o for o in load.outcomes if o.kind == "lost"]
+    assert not lost, f"requests without an answer by their deadline: {lost[:5]} ({counts})"
+    assert counts["completed"] > 0, counts
+
+
+# ---- no false positives ------------------------------------------------------------------------
+
+def test_a_healthy_busy_fleet_and_an_idle_fleet_get_no_actions(env):
+    fleets, holder, _ = env
+    uids = {p.metadata.uid for p in fleets.live_pods(FLEET)}
+    start = time.time()
+    with Load(router_url(fleets), clients=3) as load:
+        wait_flowing(load)
+        time.sleep(3 * WINDOW)  # busy for three windows
+    assert_none_lost(load)
+    time.sleep(3 * WINDOW)  # idle for three windows
+    op = holder["op"]
+    assert op.metric("adpfleet_operator_stalls_detected_total") == 0
+    assert op.metric("adpfleet_operator_remediations_total") == 0
+    assert remediations(fleets.get(FLEET)) == []
+    assert {p.metadata.uid for p in fleets.live_pods(FLEET)} == uids
+    assert fleets.condition(FLEET, "Stalled")["status"] == "False"
+    assert not [e for e in fleets.events() if e.reason in ("StallDetected", "RestartingServer")
+                and e.last_timestamp and e.last_timestamp.timestamp() >= start]
+    assert op.metric("adpfleet_operator_servers", state="Idle") == 2
+
+
+# ---- Auto: each fault, the right server, progress resumes ----------------------------------------
+
+FAULTS = [  # (fault, rank, role of the server it is injected in, expected signature)
+    ("starve", 1, "context", "vetoed"),
+    ("freeze", 0, "generation", "hung"),
+    ("stop-reaping", 0, "context", "transfer"),
+]
+
+
+@pytest.mark.parametrize("fault, rank, role, signature", FAULTS, ids=[f[0] for f in FAULTS])
+def test_auto_detects_the_fault_and_restarts_the_right_server_under_load(env, fault, rank, role, signature):
+    fleets, holder, _ = env
+    wait_healthy_fleet(fleets)
+    victim = server(fleets, role)
+    other = server(fleets, "generation" if role == "context" else "context")
+    with PodTimeline(fleets.cluster, fleets.ns, FLEET) as timeline, Load(router_url(fleets), clients=4) as load:
+        wait_flowing(load)
+        t_fault = time.time()
+        inject(victim.status.pod_ip, fault, rank)
+        record = wait_for(lambda: record_for(fleets, victim.metadata.name, t_fault, "Succeeded"), timeout=120,
+                          what=f"a Succeeded remediation of {victim.metadata.name}")
+        assert record["action"] == "RestartServer" and record["signature"] == signature, record
+        assert record["targets"] == [victim.metadata.name]
+        assert "evidence:" in record["message"] and "real_tokens_delta=0" in record["message"]
+        wait_healthy_fleet(fleets)
+        t_back = time.time()
+        wait_flowing(load, n=3, timeout=120)  # progress resumed
+    assert_none_lost(load)
+    # exactly the victim was replaced, once; its peer kept its pod
+    replaced = [name for name, _ in timeline.created if name == victim.metadata.name]
+    assert len(replaced) == 2, timeline.created
+    assert other.metadata.uid in {p.metadata.uid for p in fleets.live_pods(FLEET)}
+    events = {e.reason for e in fleets.events()}
+    assert {"StallDetected", "RestartingServer", "Remediated"} <= events
+    print(f"{fault}: remediated in {t_back - t_fault:.1f} s; load {load.counts()}")
+
+
+# ---- DryRun, then the budget ----------------------------------------------------------------------
+
+def test_dry_run_reports_the_stall_and_deletes_nothing(env):
+    fleets, holder, _ = env
+    wait_healthy_fleet(fleets)
+    fleets.patch_spec(FLEET, {"remediation": {"mode": "DryRun"}})
+    victim = server(fleets, "context")
+    with Load(router_url(fleets), clients=3) as load:
+        wait_flowing(load)
+        t_fault = time.time()
+        inject(victim.status.pod_ip, "starve", 1)
+        record = wait_for(lambda: record_for(fleets, victim.metadata.name, t_fault, "DryRun"), timeout=90,
+                          what="a DryRun record")
+        assert record["action"] == "RestartServer" and record["message"].startswith("would RestartServer")
+        stalled = wait_for(lambda: fleets.condition(FLEET, "Stalled") if fleets.condition(FLEET, "Stalled").get(
+            "status") == "True" else None, timeout=30, what="Stalled=True")
+        assert victim.metadata.name in stalled["message"] and "vetoed" in stalled["message"]
+        assert any(e.reason == "RemediationDryRun" for e in fleets.events())
+        time.sleep(2 * WINDOW)
+        assert server(fleets, "context").metadata.uid == victim.metadata.uid  # nothing deleted
+        assert not server(fleets, "context").metadata.annotations.get(names.ANNOTATION_DRAIN)
+        # back to Auto: the same stall is remediated
+        fleets.patch_spec(FLEET, {"remediation": {"mode": "Auto"}})
+        wait_for(lambda: record_for(fleets, victim.metadata.name, t_fault, "Succeeded"), timeout=120,
+                 what="the stall remediated once the mode is Auto")
+        wait_healthy_fleet(fleets)
+        wait_flowing(load)
+    assert_none_lost(load)
+
+
+def test_an_exhausted_budget_degrades_the_fleet_and_only_emits_events(env):
+    fleets, holder, _ = env
+    wait_healthy_fleet(fleets)
+    used = sum(1 for r in remediations(fleets.get(FLEET)) if r["action"].startswith("Restart")
+               and r["outcome"] in ("Succeeded", "Failed", "Pending"))
+    assert used >= 1
+    fleets.patch_spec(FLEET, {"remediation": {"budgetPerHour": used}})
+    degraded = wait_for(lambda: fleets.condition(FLEET, "Degraded") if fleets.condition(FLEET, "Degraded").get(
+        "reason") == "RemediationBudgetExhausted" else None, timeout=30, what="Degraded RemediationBudgetExhausted")
+    assert degraded["status"] == "True"
+    assert holder["op"].metric("adpfleet_operator_remediation_budget_exhausted", fleet=FLEET) == 1
+    victim = server(fleets, "context")
+    with Load(router_url(fleets), clients=3) as load:
+        wait_flowing(load)
+        inject(victim.status.pod_ip, "starve", 1)
+        wait_for(lambda: any(e.reason == "RemediationBudgetExhausted" for e in fleets.events()), timeout=60,
+                 what="a RemediationBudgetExhausted Event")
+        time.sleep(WINDOW)
+        assert server(fleets, "context").metadata.uid == victim.metadata.uid
+        # more budget: the stall is remediated, Degraded clears
+        fleets.patch_spec(FLEET, {"remediation": {"budgetPerHour": 100}})
+        wait_for(lambda: server(fleets, "context").metadata.uid != victim.metadata.uid, timeout=120,
+                 what="the stalled server restarted once budget is available")
+        wait_healthy_fleet(fleets)
+        wait_flowing(load)
+    assert fleets.condition(FLEET, "Degraded")["status"] == "False"
+    assert_none_lost(load)
+
+
+# ---- the operator restarted in the middle of a remediation ----------------------------------------
+
+def test_an_operator_killed_mid_remediation_is_replaced_without_a_duplicate_action(env):
+    fleets, holder, _ = env
+    wait_healthy_fleet(fleets)
+    victim = server(fleets, "context")
+    with PodTimeline(fleets.cluster, fleets.ns, FLEET) as timeline, Load(router_url(fleets), clients=3) as load:
+        wait_flowing(load)
+        t_fault = time.time()
+        inject(victim.status.pod_ip, "starve", 1)
+        wait_for(lambda: record_for(fleets, victim.metadata.name, t_fault), timeout=90, what="the remediation record")
+        holder["op"].proc.kill()  # no goodbye: SIGKILL right after the decision was recorded
+        holder["op"].proc.wait()
+        start_op(holder)
+        record = wait_for(lambda: record_for(fleets, victim.metadata.name, t_fault, "Succeeded"), timeout=120,
+                          what="the remediation finished by the new operator")
+        wait_healthy_fleet(fleets)
+        time.sleep(2 * WINDOW)  # the new operator must not act again on the same stall
+        wait_flowing(load)
+    assert_none_lost(load)
+    assert [name for name, _ in timeline.created].count(victim.metadata.name) == 2, timeline.created
+    mine = [r for r in remediations(fleets.get(FLEET)) if r["server"] == victim.metadata.name
+            and r["time"] >= record["time"]]
+    assert len(mine) == 1, mine
+
+
+# ---- the alert path: Prometheus → Alertmanager → webhook → the same policy --------------------------
+
+def test_the_alert_path_remediates_with_the_operators_own_detection_off(env):
+    fleets, holder, workdir = env
+    wait_healthy_fleet(fleets)
+    op = start_op(holder, "--stall-detection", "off")
+    webhook = f"http://127.0.0.1:{op.port}/alerts"
+    # bad input first: the operator answers and keeps running
+    assert httpx.post(webhook, json={"version": "4", "alerts": []}).status_code == 401
+    assert httpx.post(webhook, content=b"{", headers={"Authorization": f"Bearer {TOKEN}",
+                                                      "Content-Type": "application/json"}).status_code == 400
+    assert httpx.post(webhook, content=b"{}", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 415
+
+    monitoring = Monitoring(workdir, fleets.cluster.kubeconfig, fleets.ns, webhook, TOKEN).start()
+    try:
+        wait_for(lambda: monitoring.targets_up() == 2, timeout=60, what="Prometheus scraping both servers")
+        victim = server(fleets, "context")
+        with Load(router_url(fleets), clients=3) as load:
+            wait_flowing(load)
+            time.sleep(5)
+            t_fault = time.time()
+            inject(victim.status.pod_ip, "starve", 1)
+            firing = wait_for(lambda: [a for a in monitoring.alerts() if a["state"] == "firing"
+                                       and a["labels"]["alertname"] == "AdpfleetServerStalled"], timeout=150,
+                              what="AdpfleetServerStalled firing in Prometheus")
+            assert firing[0]["labels"]["pod"] == victim.metadata.name
+            record = wait_for(lambda: record_for(fleets, victim.metadata.name, t_fault, "Succeeded"), timeout=90,
+                              what="the alert-driven remediation")
+            assert "from alert Adpfleet" in record["message"], record
+            wait_healthy_fleet(fleets)
+            wait_flowing(load)
+        assert_none_lost(load)
+        assert op.metric("adpfleet_operator_alerts_received_total", result="accepted") >= 1
+        assert op.metric("adpfleet_operator_scrapes_total") == 0  # its own detection stayed off
+        # a flood of duplicates of the same firing alert: acted on once
+        dup = {"version": "4", "status": "firing", "alerts": [{
+            "status": "firing", "labels": {"alertname": "AdpfleetServerStalled", "namespace": fleets.ns,
+                                           "fleet": FLEET, "pod": victim.metadata.name},
+            "annotations": {}, "startsAt": "2024-01-01T00:00:00Z", "fingerprint": "e2e-dup"}]}
+        codes = {httpx.post(webhook, json=dup, headers={"Authorization": f"Bearer {TOKEN}"}).status_code
+                 for _ in range(30)}
+        assert codes == {202}
+        assert op.running()
+    finally:
+        monitoring.stop()
+        start_op(holder)  # own detection back on for whatever runs next
