@@ -295,7 +295,7 @@ def test_the_webhook_token_secret_is_generated_or_taken_from_an_existing_one():
 # Exactly what the operator's code asks of the API (operator/handlers.py, adapters/kube.py,
 # stall.py): a new verb here must come with the code that uses it.
 FLEET_RULES = {
-    ("adpfleet.io", "inferencefleets"): {"get", "list", "watch", "patch"},
+    ("adpfleet.io", "inferencefleets"): {"list", "watch", "patch"},
     ("adpfleet.io", "inferencefleets/status"): {"patch"},
     ("", "pods"): {"get", "list", "watch", "create", "patch", "delete"},
     ("", "services"): {"list", "watch", "create", "patch", "delete"},

@@ -1,0 +1,276 @@
+"""`helm install` into the real API server. The node agent runs the chart's operator Deployment as a
+process with its own service-account token, so a fleet that becomes Ready and answers a request
+proves the chart's RBAC is enough; requests outside it, refused, prove it is no more than that.
+
+One release for the module (installing it and running a fleet is most of the cost): the tests run
+in file order and each leaves the release as it found it.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import json
+import re
+import secrets
+import time
+
+import httpx
+import pytest
+import yaml
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from adpfleet.cluster.testing import wait_for
+
+from helm_chart import CHART, EXAMPLES, helm
+
+pytestmark = pytest.mark.k8s
+
+RELEASE = "adp"
+FULLNAME = "adp-adpfleet"
+FLEET = "tiny"
+TIMINGS: dict[str, float] = {}
+
+
+def _namespace(cluster, prefix: str, labels: dict | None = None) -> str:
+    name = f"{prefix}-{secrets.token_hex(3)}"
+    cluster.core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name, labels=labels)))
+    wait_for(lambda: cluster.core.read_namespaced_service_account("default", name), timeout=30,
+             what=f"the default service account in {name}")
+    return name
+
+
+@pytest.fixture(scope="module")
+def namespace(k8s_cluster):
+    # The restricted Pod Security Standard is enforced: the operator's pod (and the fleet's) must meet it.
+    ns = _namespace(k8s_cluster, "chart", {"pod-security.kubernetes.io/enforce": "restricted"})
+    yield ns
+    helm("uninstall", RELEASE, "-n", ns, "--wait", "--timeout", "60s", kubeconfig=k8s_cluster.kubeconfig, check=False)
+    k8s_cluster.core.delete_namespace(ns)
+
+
+@pytest.fixture(scope="module")
+def other_namespace(k8s_cluster):
+    ns = _namespace(k8s_cluster, "chart-other")
+    k8s_cluster.core.create_namespaced_secret(ns, client.V1Secret(metadata=client.V1ObjectMeta(name="not-yours"),
+                                                                  string_data={"password": "s3cret"}))
+    yield ns
+    k8s_cluster.core.delete_namespace(ns)
+
+
+def diagnosis(cluster, namespace: str) -> str:
+    """The namespace's pods, events and the operator's logs (this run's and the previous one's)."""
+    parts = [cluster.kubectl("get", "pods,inferencefleets", "-n", namespace, "-o", "wide", check=False).stdout,
+             cluster.kubectl("get", "events", "-n", namespace, "--sort-by=.lastTimestamp", check=False).stdout[-4000:]]
+    for previous in ("--previous", ""):
+        proc = cluster.kubectl("logs", f"deployment/{FULLNAME}", "-n", namespace, "--tail=40", *filter(None, [previous]),
+                               check=False)
+        parts.append(f"--- operator logs {previous or '(current)'}:\n{proc.stdout}{proc.stderr}")
+    return "\n".join(parts)
+
+
+@pytest.fixture(scope="module")
+def release(k8s_cluster, namespace):
+    start = time.monotonic()
+    proc = helm("install", RELEASE, str(CHART), "-n", namespace, "--wait", "--timeout", "180s",
+                kubeconfig=k8s_cluster.kubeconfig, timeout=240, check=False)
+    assert proc.returncode == 0, f"helm install failed:\n{proc.stderr}\n{diagnosis(k8s_cluster, namespace)}"
+    TIMINGS["helm install --wait (operator Ready)"] = time.monotonic() - start
+    return proc.stdout
+
+
+@pytest.fixture
+def explain(k8s_cluster, namespace, request):
+    """On failure, print what the cluster shows (pytest reports the test's captured output)."""
+    yield
+    if getattr(request.node, "rep_call", None) is not None and request.node.rep_call.failed:
+        print(diagnosis(k8s_cluster, namespace))
+
+
+def _operator_pod(cluster, namespace: str):
+    pods = cluster.core.list_namespaced_pod(namespace, label_selector="app.kubernetes.io/component=operator,"
+                                                                      f"app.kubernetes.io/instance={RELEASE}").items
+    assert len(pods) == 1, [p.metadata.name for p in pods]
+    return pods[0]
+
+
+def _fleet_condition(cluster, namespace: str, name: str, type_: str) -> str | None:
+    fleet = cluster.get_json("inferencefleet", name, "-n", namespace)
+    return {c["type"]: c["status"] for c in fleet.get("status", {}).get("conditions", [])}.get(type_)
+
+
+def _operator_metrics(cluster, namespace: str) -> str:
+    return httpx.get(f"http://{_operator_pod(cluster, namespace).status.pod_ip}:8080/metrics", timeout=10).text
+
+
+def _sa_client(cluster, namespace: str) -> client.ApiClient:
+    """An API client that authenticates as the chart's service account, with a token from the
+    TokenRequest API (what the pod's projected token is)."""
+    request = client.AuthenticationV1TokenRequest(spec=client.V1TokenRequestSpec(audiences=[],
+                                                                                 expiration_seconds=600))
+    token = cluster.core.create_namespaced_service_account_token(FULLNAME, namespace, request).status.token
+    config = copy.copy(cluster.api_client.configuration)
+    config.cert_file = config.key_file = None
+    config.api_key = {"authorization": token}
+    config.api_key_prefix = {"authorization": "Bearer"}
+    return client.ApiClient(config)
+
+
+def test_install_runs_the_operator_under_its_service_account_and_it_reconciles_a_fleet(
+        k8s_cluster, namespace, release, explain):
+    pod = _operator_pod(k8s_cluster, namespace)
+    assert pod.spec.service_account_name == FULLNAME
+    assert any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions)
+    assert k8s_cluster.get_json("crd", "inferencefleets.adpfleet.io")["spec"]["group"] == "adpfleet.io"
+    # NOTES.txt: what to do next, for this namespace
+    assert f"kubectl -n {namespace} rollout status deployment/{FULLNAME}" in release
+    assert f"http://{FULLNAME}.{namespace}.svc:8080/alerts" in release and "helm show crds" in release
+
+    manifest = yaml.safe_load((EXAMPLES / "tiny-cpu.yaml").read_text())
+    for role in ("context", "generation"):
+        manifest["spec"][role]["probes"] = {"readinessPeriodSeconds": 1}  # seconds count here
+    start = time.monotonic()
+    k8s_cluster.apply(manifest, namespace=namespace)
+    for role in ("context", "generation"):
+        k8s_cluster.wait_for_pod(namespace, f"{FLEET}-{role}-0", timeout=180)
+    TIMINGS["fleet applied -> both servers Ready"] = time.monotonic() - start
+    wait_for(lambda: _fleet_condition(k8s_cluster, namespace, FLEET, "Ready") == "True", timeout=120,
+             what=f"fleet {FLEET} Ready=True")
+    TIMINGS["fleet applied -> fleet Ready (router included)"] = time.monotonic() - start
+
+    router = k8s_cluster.core.list_namespaced_pod(
+        namespace, label_selector=f"app.kubernetes.io/instance={FLEET},app.kubernetes.io/component=router").items[0]
+    assert router.spec.service_account_name == f"{FLEET}-router"  # made and bound by the operator
+
+    def complete():
+        r = httpx.post(f"http://{router.status.pod_ip}:8000/v1/completions", timeout=60,
+                       json={"model": "tiny", "prompt": "Hello", "max_tokens": 8, "temperature": 0})
+        return r.json() if r.status_code == 200 else None
+    body = wait_for(complete, timeout=60, what="a completion through the fleet's router", interval=1)
+    assert body["usage"]["completion_tokens"] == 8 and body["choices"][0]["finish_reason"] == "length"
+    TIMINGS["fleet applied -> first completion"] = time.monotonic() - start
+
+    # Every request the operator made was allowed: none answered 403.
+    counts = re.findall(r'^adpfleet_operator_api_requests_total\{code="(\d+)",resource="([^"]+)",verb="([^"]+)"\}',
+                        _operator_metrics(k8s_cluster, namespace), re.M)
+    assert counts, "the operator's /metrics has no API request counts"
+    assert not [c for c in counts if c[0] == "403"], counts
+    assert {(r, v) for _, r, v in counts} >= {("pods", "create"), ("deployments", "patch"), ("roles", "patch"),
+                                              ("rolebindings", "patch"), ("inferencefleets/status", "patch")}
+    print("\n".join(f"{k:50s} {v:6.1f} s" for k, v in TIMINGS.items()))
+
+
+def test_the_webhook_receiver_reads_its_token_from_the_chart_secret(k8s_cluster, namespace, release):
+    secret = k8s_cluster.core.read_namespaced_secret(f"{FULLNAME}-webhook", namespace)
+    token = base64.b64decode(secret.data["token"]).decode()
+    url = f"http://{_operator_pod(k8s_cluster, namespace).status.pod_ip}:8080/alerts"
+    payload = {"version": "4", "alerts": []}
+
+    def post(bearer: str) -> httpx.Response:
+        return httpx.post(url, json=payload, headers={"Authorization": f"Bearer {bearer}"}, timeout=10)
+    assert wait_for(lambda: post(token).status_code == 202, timeout=30, what="the webhook to accept the token")
+    assert post("not-the-token").status_code == 401
+
+
+DENIED = [  # (verb, resource, namespace or "" for cluster scope, what it would allow)
+    ("get", "secrets", "other", "reading Secrets in a namespace it does not watch"),
+    ("list", "secrets", "own", "listing Secrets (it only reads a named one)"),
+    ("list", "pods", "", "watching pods cluster-wide"),
+    ("create", "pods", "other", "running pods in a namespace it does not watch"),
+    ("create", "inferencefleets.adpfleet.io", "own", "creating fleets"),
+    ("delete", "inferencefleets.adpfleet.io", "own", "deleting fleets"),
+    ("update", "deployments.apps", "own", "updating Deployments (it applies)"),
+    ("create", "clusterroles.rbac.authorization.k8s.io", "", "cluster-wide RBAC"),
+    ("escalate", "roles.rbac.authorization.k8s.io", "own", "granting what it does not hold"),
+    ("bind", "roles.rbac.authorization.k8s.io", "own", "binding roles it does not hold"),
+    ("impersonate", "serviceaccounts", "own", "impersonation"),
+    ("get", "nodes", "", "nodes"),
+    ("create", "configmaps", "own", "ConfigMaps"),
+    ("delete", "namespaces", "", "namespaces"),
+    ("create", "customresourcedefinitions.apiextensions.k8s.io", "", "CRDs"),
+]
+ALLOWED = [("create", "pods", "own"), ("patch", "inferencefleets.adpfleet.io/status", "own"),
+           ("create", "roles.rbac.authorization.k8s.io", "own"), ("get", "secrets", "own")]
+
+
+def test_the_operator_service_account_is_denied_what_the_chart_does_not_grant(
+        k8s_cluster, namespace, other_namespace, release):
+    who = f"--as=system:serviceaccount:{namespace}:{FULLNAME}"
+
+    def can_i(verb: str, resource: str, where: str) -> bool:
+        scope = {"own": ["-n", namespace], "other": ["-n", other_namespace], "": []}[where]
+        proc = k8s_cluster.kubectl("auth", "can-i", verb, resource, *scope, who, check=False)
+        return proc.stdout.strip() == "yes"
+
+    granted = [(verb, resource, where, why) for verb, resource, where, why in DENIED if can_i(verb, resource, where)]
+    assert not granted, f"the chart grants more than the operator uses: {granted}"
+    refused = [a for a in ALLOWED if not can_i(*a)]
+    assert not refused, f"the chart lacks what the operator uses: {refused}"
+
+    # And a real request with the service account's own token.
+    api = client.CoreV1Api(_sa_client(k8s_cluster, namespace))
+    with pytest.raises(ApiException) as denied:
+        api.read_namespaced_secret("not-yours", other_namespace)
+    message = json.loads(denied.value.body)["message"]
+    assert denied.value.status == 403, message
+    assert f'User "system:serviceaccount:{namespace}:{FULLNAME}" cannot get resource "secrets"' in message
+    with pytest.raises(ApiException) as denied:
+        api.list_namespaced_secret(namespace)
+    assert denied.value.status == 403
+    assert api.list_namespaced_pod(namespace).items  # the same token is good for what it is granted
+
+
+def test_upgrade_keeps_the_webhook_token_and_leaves_the_fleet_alone(k8s_cluster, namespace, release, explain):
+    secret_name = f"{FULLNAME}-webhook"
+    token = k8s_cluster.core.read_namespaced_secret(secret_name, namespace).data["token"]
+    servers = {p.metadata.name: p.metadata.uid for p in k8s_cluster.core.list_namespaced_pod(
+        namespace, label_selector=f"adpfleet.io/fleet={FLEET},adpfleet.io/role").items}
+    old_operator = _operator_pod(k8s_cluster, namespace).metadata.uid
+
+    start = time.monotonic()
+    helm("upgrade", RELEASE, str(CHART), "-n", namespace, "--wait", "--timeout", "120s", "--set",
+         "operator.resyncSeconds=120", kubeconfig=k8s_cluster.kubeconfig, timeout=180)
+    TIMINGS["helm upgrade --wait (new operator Ready)"] = time.monotonic() - start
+
+    assert k8s_cluster.core.read_namespaced_secret(secret_name, namespace).data["token"] == token
+    new_operator = _operator_pod(k8s_cluster, namespace)
+    assert new_operator.metadata.uid != old_operator and "--resync-seconds=120" in new_operator.spec.containers[0].args
+    wait_for(lambda: _fleet_condition(k8s_cluster, namespace, FLEET, "Ready") == "True", timeout=60,
+             what="the fleet to stay Ready")
+    after = {p.metadata.name: p.metadata.uid for p in k8s_cluster.core.list_namespaced_pod(
+        namespace, label_selector=f"adpfleet.io/fleet={FLEET},adpfleet.io/role").items}
+    assert after == servers  # the restarted operator adopted the fleet and replaced nothing
+
+
+def test_examples_are_accepted_by_the_api_server(k8s_cluster, namespace, release):
+    for path in sorted(EXAMPLES.glob("*.yaml")):
+        k8s_cluster.kubectl("apply", "--dry-run=server", "-n", namespace, "-f", str(path))
+
+
+def test_install_with_invalid_values_fails_with_the_schema_message_and_creates_nothing(k8s_cluster):
+    ns = _namespace(k8s_cluster, "chart-bad")
+    try:
+        proc = helm("install", "bad", str(CHART), "-n", ns, "--set", "operator.resyncSeconds=-5",
+                    "--set", "replicaCount=2", kubeconfig=k8s_cluster.kubeconfig, check=False)
+        assert proc.returncode != 0
+        assert "values don't meet the specifications of the schema" in proc.stderr
+        assert "/operator/resyncSeconds" in proc.stderr and "additional properties 'replicaCount'" in proc.stderr
+        assert helm("list", "-n", ns, "-q", kubeconfig=k8s_cluster.kubeconfig).stdout.strip() == ""
+        assert not k8s_cluster.core.list_namespaced_service_account(ns).items[1:]  # only `default`
+    finally:
+        k8s_cluster.core.delete_namespace(ns)
+
+
+def test_deleting_the_fleet_then_uninstalling_leaves_nothing_behind(k8s_cluster, namespace, release):
+    k8s_cluster.kubectl("delete", "inferencefleet", FLEET, "-n", namespace, "--wait=true", "--timeout=60s")
+    wait_for(lambda: not k8s_cluster.core.list_namespaced_pod(
+        namespace, label_selector=f"adpfleet.io/fleet={FLEET}").items, timeout=90,
+        what="the fleet's pods to be deleted")
+    helm("uninstall", RELEASE, "-n", namespace, "--wait", "--timeout", "60s", kubeconfig=k8s_cluster.kubeconfig)
+    wait_for(lambda: not k8s_cluster.core.list_namespaced_pod(namespace).items, timeout=60,
+             what="the operator pod to be deleted")
+    rbac = client.RbacAuthorizationV1Api(k8s_cluster.api_client)
+    assert not [r.metadata.name for r in rbac.list_namespaced_role(namespace).items]
+    # Helm never deletes what crds/ installed: fleets elsewhere keep their data
+    assert k8s_cluster.get_json("crd", "inferencefleets.adpfleet.io")
