@@ -195,9 +195,10 @@ class Router:
             events = sse.events(resp.aiter_lines())
             held: list[bytes] = []
             async for event in events:  # hold events until one carries output: until then a retry is invisible
-                if event.error:
-                    raise AttemptFailed(Failure("server_error", "error event before any token: "
-                                                f"{event.error.get('message')}", server))
+                if event.error:  # e.g. a failed KV pull reported in the stream instead of as a 502
+                    reason = "kv_transfer_failed" if event.error.get("type") == "kv_transfer_failed" else "server_error"
+                    raise AttemptFailed(Failure(reason, f"error event before any token: {event.error.get('message')}",
+                                                server))
                 held.append(event.raw)
                 if event.is_done or event.has_output:
                     relay = Relay(held, events, server)

@@ -57,7 +57,7 @@ def tokens_for(prompt: str, max_tokens: int, stop: list[str]) -> tuple[list[str]
 def build(role: str, host: str, port: int) -> FastAPI:
     app = FastAPI()
     cfg = {"token_delay": 0.0, "fail_status": None, "hang": False, "kv_hang": False, "kv_timeout": 5.0,
-           "kv_fail": False, "healthy": True}
+           "kv_fail": False, "kv_fail_in_stream": False, "healthy": True}
     received: list[dict] = []
     active = [0]  # streams being sent
     held: dict[str, float] = {}
@@ -123,6 +123,10 @@ def build(role: str, host: str, port: int) -> FastAPI:
                 ok, why = False, "kv_fail is set"
             if not ok:
                 return error(f"KV pull failed: {why}", kind="kv_transfer_failed", status=502)
+            if cfg["kv_fail_in_stream"] and body.get("stream"):  # as `adpfleet serve` does: 200, then an error event
+                err = {"error": {"message": "KV pull failed in stream", "type": "kv_transfer_failed", "param": None,
+                                 "code": None}}
+                return StreamingResponse(iter([f"data: {json.dumps(err)}\n\n"]), media_type="text/event-stream")
         elif params is not None:
             return error("unrecognized request argument supplied: 'disaggregated_params'", "disaggregated_params")
         stop = body.get("stop") or []

@@ -84,7 +84,7 @@ class Process:
 
 
 FAKE_DEFAULTS = {"token_delay": 0.0, "fail_status": None, "hang": False, "kv_hang": False, "kv_timeout": 5.0,
-                 "kv_fail": False, "healthy": True}
+                 "kv_fail": False, "kv_fail_in_stream": False, "healthy": True}
 
 
 class FakeServer(Process):
@@ -95,7 +95,8 @@ class FakeServer(Process):
                           "--port", str(port)], port, log_dir / f"fake-{role}-{port}.log", host=host)
 
     def configure(self, **settings) -> None:
-        """Set fault knobs (token_delay, fail_status, hang, kv_hang, kv_timeout, kv_fail, healthy);
+        """Set fault knobs (token_delay, fail_status, hang, kv_hang, kv_timeout, kv_fail,
+        kv_fail_in_stream, healthy);
         clears the received-request log."""
         httpx.post(self.url + "/fake/config", json=settings, timeout=5, trust_env=False).raise_for_status()
 
@@ -113,10 +114,10 @@ class FakeServer(Process):
 
 
 def serve(role: str, log_dir: Path, *extra: str, dp: int = 1) -> Process:
-    """A real `adpfleet serve` (model tiny)."""
+    """A real `adpfleet serve` (model tiny); a context server's KV ports are any free ones."""
     port = free_port()
     return Process([sys.executable, "-m", "adpfleet", "serve", "--role", role, "--model", "tiny", "--dp", str(dp),
-                    "--kv-blocks", "64", "--host", "127.0.0.1", "--port", str(port), *extra], port,
+                    "--kv-blocks", "64", "--kv-port", "0", "--host", "127.0.0.1", "--port", str(port), *extra], port,
                    log_dir / f"serve-{role}-{port}.log")
 
 

@@ -187,6 +187,17 @@ def test_a_failed_kv_pull_reruns_the_whole_pipeline(disagg, fresh_fakes):
     assert client(disagg).completions.create(model="fake", prompt="kv", max_tokens=3).usage.completion_tokens == 3
 
 
+def test_a_failed_kv_pull_reported_as_the_streams_first_event_is_retried(disagg, fresh_fakes):
+    fresh_fakes["gen1"].configure(kv_fail_in_stream=True)
+    c = client(disagg)
+    for _ in range(2):  # one of them lands on gen1 first
+        text = "".join(ch.choices[0].text for ch in c.completions.create(model="fake", prompt="kv", max_tokens=3,
+                                                                          stream=True))
+        assert len(text.split()) == 3
+    failed = disagg.metric("adpfleet_router_errors_total", reason="kv_transfer_failed")
+    assert failed >= 1 and len(fresh_fakes["ctx"].received()) == 2 + failed  # each retry reran the context step
+
+
 def test_a_dead_context_server_fails_the_kv_pull_and_the_request_gets_an_explicit_503(fresh_fakes, start_router,
                                                                                           log_dir):
     doomed = FakeServer("context", log_dir).wait_healthy()
