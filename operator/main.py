@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 log = logging.getLogger("adpfleet.operator")
 
@@ -87,6 +88,10 @@ async def run(args, namespaces: list[str]) -> None:
                                          alerts_token)
     from adpfleet.operator.telemetry import Heartbeats, OperatorMetrics
 
+    # The API client is synchronous and runs in worker threads: enough of them that fifty fleets
+    # converging at once are not queued behind six (the default on a two-core machine).
+    asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=16,
+                                                                       thread_name_prefix="kube-api"))
     metrics = OperatorMetrics()
     heartbeats = Heartbeats(resync_seconds=args.resync_seconds, stuck_after=args.stuck_seconds)
     api_client = load_api_client()

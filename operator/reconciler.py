@@ -119,13 +119,24 @@ class Reconciler:
         actions += [a for p in plans for a in p.actions if isinstance(a, DeleteServer)]
         actions += [a for p in plans for a in p.actions if isinstance(a, CreateServer)]
         failures = []
+        done: dict[tuple[str, str], list[str]] = {}  # (event reason, why) -> what was done
         for action in actions:
             outcome = await self._act(fleet, desired, action, memory)
             self.metrics.actions.labels(type(action).__name__).inc()
-            await self._report_action(fleet, action, outcome, logger)
-            if not outcome.ok:
-                failures.append(Problem(_failure_reason(action), f"could not {_VERB[type(action)]} "
-                                                                 f"{_describe(fleet, action)}: {outcome.message}"))
+            if outcome.ok:
+                logger.info("%s %s (%s)", _PAST[type(action)], _describe(fleet, action), action.why)
+                done.setdefault((_success_reason(action), action.why), []).append(_describe(fleet, action))
+            else:
+                message = f"could not {_VERB[type(action)]} {_describe(fleet, action)}: {outcome.message}"
+                logger.warning(message)
+                await self.api.record_event(fleet, "Warning", _failure_reason(action), message)
+                failures.append(Problem(_failure_reason(action), message))
+        # One Event per kind of change and reason, naming every object, rather than one per object:
+        # a new fleet of six servers and a router is three Events, not eleven.
+        for (reason, why), what in done.items():
+            verb = _PAST[{"CreatedServer": CreateServer, "DeletedServer": DeleteServer, "Applied": ApplyObject,
+                          "Deleted": DeleteObject}[reason]]
+            await self.api.record_event(fleet, "Normal", reason, f"{verb} {', '.join(what)} ({why})")
         problems += failures
 
         # The status describes the fleet as these actions left it (a deleted pod is terminating, a
@@ -191,16 +202,6 @@ class Reconciler:
         if isinstance(action, DeleteObject):
             return await self.api.delete_object(action.kind, fleet.namespace, action.name, action.uid)
         raise TypeError(f"unknown action {action!r}")
-
-    async def _report_action(self, fleet: FleetRef, action, outcome: Outcome, logger: logging.Logger) -> None:
-        if outcome.ok:
-            message = f"{_PAST[type(action)]} {_describe(fleet, action)} ({action.why})"
-            logger.info(message)
-            await self.api.record_event(fleet, "Normal", _success_reason(action), message)
-        else:
-            message = f"could not {_VERB[type(action)]} {_describe(fleet, action)}: {outcome.message}"
-            logger.warning(message)
-            await self.api.record_event(fleet, "Warning", _failure_reason(action), message)
 
     async def _write_status(self, fleet: FleetRef, obs: FleetObservation, status: dict, memory: FleetMemory,
                             logger: logging.Logger) -> None:
