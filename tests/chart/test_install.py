@@ -121,6 +121,13 @@ def test_install_runs_the_operator_under_its_service_account_and_it_reconciles_a
         k8s_cluster, namespace, release, explain):
     pod = _operator_pod(k8s_cluster, namespace)
     assert pod.spec.service_account_name == FULLNAME
+    # the namespace really enforces the restricted profile: the operator's pod passed it
+    privileged = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "privileged"},
+                  "spec": {"containers": [{"name": "c", "image": "x", "command": ["true"],
+                                           "securityContext": {"privileged": True}}]}}
+    refused = k8s_cluster.kubectl("create", "--dry-run=server", "-n", namespace, "-f", "-",
+                                  input=json.dumps(privileged), check=False)
+    assert refused.returncode != 0 and 'violates PodSecurity "restricted:latest"' in refused.stderr, refused.stderr
     assert any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions)
     assert k8s_cluster.get_json("crd", "inferencefleets.adpfleet.io")["spec"]["group"] == "adpfleet.io"
     # NOTES.txt: what to do next, for this namespace
@@ -219,6 +226,36 @@ def test_the_operator_service_account_is_denied_what_the_chart_does_not_grant(
         api.list_namespaced_secret(namespace)
     assert denied.value.status == 403
     assert api.list_namespaced_pod(namespace).items  # the same token is good for what it is granted
+
+
+def test_cluster_wide_rbac_grants_the_same_rules_in_every_namespace_and_nothing_cluster_scoped(
+        k8s_cluster, other_namespace):
+    """Only the RBAC objects of a cluster-wide release are applied (its operator would also act on
+    other tests' fleets in this shared cluster); what they allow is asked of the API server."""
+    ns = _namespace(k8s_cluster, "chart-wide")
+    release_name = f"wide{secrets.token_hex(2)}"
+    fullname = f"{release_name}-adpfleet"
+    rendered = helm("template", release_name, str(CHART), "-n", ns, "--set", "watch.allNamespaces=true",
+                    "--show-only", "templates/rbac.yaml", "--show-only", "templates/serviceaccount.yaml").stdout
+    try:
+        k8s_cluster.kubectl("apply", "-f", "-", input=rendered)
+        who = f"--as=system:serviceaccount:{ns}:{fullname}"
+
+        def can_i(verb: str, resource: str, *where: str) -> bool:
+            proc = k8s_cluster.kubectl("auth", "can-i", verb, resource, *where, who, check=False)
+            return proc.stdout.strip() == "yes"
+        for where in (["-n", other_namespace], ["-n", "default"]):
+            assert can_i("create", "pods", *where) and can_i("patch", "inferencefleets.adpfleet.io/status", *where)
+            assert can_i("watch", "inferencefleets.adpfleet.io", *where) and can_i("get", "secrets", *where)
+            assert not can_i("list", "secrets", *where) and not can_i("create", "configmaps", *where)
+        assert can_i("list", "pods", "--all-namespaces")  # the cluster-wide watch
+        for verb, resource in (("get", "nodes"), ("create", "clusterroles.rbac.authorization.k8s.io"),
+                               ("delete", "namespaces"), ("create", "customresourcedefinitions.apiextensions.k8s.io"),
+                               ("escalate", "clusterroles.rbac.authorization.k8s.io")):
+            assert not can_i(verb, resource), (verb, resource)
+    finally:
+        k8s_cluster.kubectl("delete", "-f", "-", "--wait=false", input=rendered, check=False)
+        k8s_cluster.core.delete_namespace(ns)
 
 
 def test_upgrade_keeps_the_webhook_token_and_leaves_the_fleet_alone(k8s_cluster, namespace, release, explain):
