@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 from collections.abc import Callable, Iterable
 
@@ -75,6 +76,19 @@ class PodSet:
         return sorted(set(self._by_pod.values()))
 
 
+def _api_client():
+    """An explicit KUBECONFIG wins; else the pod's service account; else ~/.kube/config."""
+    from kubernetes import client, config
+
+    if os.environ.get("KUBECONFIG"):
+        return config.new_client_from_config()
+    try:
+        config.load_incluster_config()
+        return client.ApiClient()
+    except config.ConfigException:
+        return config.new_client_from_config()
+
+
 class Relist(Exception):
     pass
 
@@ -84,7 +98,7 @@ class KubeDiscovery:
     that thread with the full set after every change."""
 
     def __init__(self, namespace: str, selector: str, port: int, on_change: Callable[[list[Endpoint]], None], *,
-                 api_client=None, watch_timeout_s: int = 60, retry_s: float = 1.0):
+                 api_client=None, core_api=None, watch_timeout_s: int = 60, retry_s: float = 1.0):
         self.namespace, self.selector = namespace, selector
         self.pods = PodSet(port)
         self.on_change = on_change
@@ -92,19 +106,13 @@ class KubeDiscovery:
         self.synced = threading.Event()
         self._stop = threading.Event()
         self._resp = None
-        self._api_client = api_client
+        self._api_client, self.core = api_client, core_api
         self._thread = threading.Thread(target=self._run, name="kube-discovery", daemon=True)
 
     def start(self) -> "KubeDiscovery":
-        from kubernetes import client, config
-
-        if self._api_client is None:
-            try:
-                config.load_incluster_config()
-            except config.ConfigException:
-                config.load_kube_config()  # KUBECONFIG or ~/.kube/config
-            self._api_client = client.ApiClient()
-        self.core = client.CoreV1Api(self._api_client)
+        if self.core is None:
+            from kubernetes import client
+            self.core = client.CoreV1Api(self._api_client or _api_client())
         self._thread.start()
         return self
 

@@ -2,13 +2,15 @@
 
 import asyncio
 import json
+import threading
+import time
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from adpfleet.runtime.router import sse
-from adpfleet.runtime.router.discovery import PodSet, endpoint_from_pod, static_endpoints
+from adpfleet.runtime.router.discovery import KubeDiscovery, PodSet, endpoint_from_pod, static_endpoints
 from adpfleet.runtime.router.policy import (Failure, failure_from_status, final_error, is_client_error,
                                              servers_to_avoid, should_retry)
 from adpfleet.runtime.router.pool import Endpoint, ServerPool, normalize_url
@@ -204,6 +206,51 @@ def test_pod_events_add_modify_and_remove_servers():
     assert pods.endpoints() == []
     assert pods.apply("ADDED", pod("c", ip="127.0.0.4"))
     assert not pods.replace([pod("c", ip="127.0.0.4")])
+
+
+class FakeCore:
+    """list_namespaced_pod as the discovery calls it: lists answer `lists` in turn; the first
+    watch reports 410 Gone, later watches stay silent until the discovery stops."""
+
+    def __init__(self, *lists):
+        self.lists, self.watches = list(lists), 0
+        self.stopped = threading.Event()
+
+    def list_namespaced_pod(self, namespace, label_selector, watch=False, **kw):
+        class Resp:
+            def __init__(self, data=b"", lines=()):
+                self.data, self.lines = data, lines
+
+            def stream(self, amt=None, decode_content=False):
+                yield from self.lines
+                stopped.wait(10)
+
+            def release_conn(self):
+                pass
+        stopped = self.stopped
+        if not watch:
+            items = self.lists.pop(0) if len(self.lists) > 1 else self.lists[0]
+            return Resp(json.dumps({"metadata": {"resourceVersion": "7"}, "items": items}).encode())
+        self.watches += 1
+        if self.watches == 1:
+            gone = {"type": "ERROR", "object": {"kind": "Status", "code": 410, "message": "too old resource version"}}
+            return Resp(lines=[json.dumps(gone).encode() + b"\n"])
+        return Resp()
+
+
+def test_a_watch_error_such_as_410_gone_makes_discovery_list_again():
+    seen = []
+    core = FakeCore([pod("a", ip="127.0.0.2")], [pod("a", ip="127.0.0.2"), pod("b", ip="127.0.0.3")])
+    d = KubeDiscovery("ns", "sel", 8000, seen.append, core_api=core, retry_s=0.01).start()
+    try:
+        deadline = time.monotonic() + 10
+        while len(seen) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        core.stopped.set()
+        d.stop()
+    assert [len(s) for s in seen[:2]] == [1, 2], seen
+    assert core.watches >= 1
 
 
 # -- SSE -------------------------------------------------------------------------------------
