@@ -16,5 +16,5 @@ COPY --from=build /wheels /wheels
 RUN pip install --no-cache-dir "$(ls /wheels/adpfleet-*.whl)[operator]" && rm -rf /wheels \
     && useradd --uid 10001 --no-create-home --shell /usr/sbin/nologin adpfleet
 USER 10001:10001
-EXPOSE 8080 9443
+EXPOSE 8080
 ENTRYPOINT ["adpfleet", "operator"]

@@ -61,7 +61,7 @@ class NodeAgent:
     def __init__(self, config: AgentConfig):
         self.config = config
         self.healthy = False
-        self.addresses = AddressPool()
+        self.addresses = AddressPool(str(config.state_dir))
         self.pods: dict[str, dict] = {}          # every pod in the cluster, by uid
         self.workers: dict[str, PodWorker] = {}  # pods bound here, by uid
         self._finished: OrderedDict[str, None] = OrderedDict()  # uids whose worker is done

@@ -61,3 +61,11 @@ def test_every_pod_gets_its_own_loopback_address_and_keeps_it():
     assert pool.allocate("a") == a
     pool.release("a")
     assert pool.allocate("c", preferred=a) == a  # an adopted pod keeps the address it had
+
+
+def test_two_clusters_on_one_machine_hand_out_different_pod_addresses():
+    from adpfleet.cluster.agent.addresses import AddressPool
+
+    a, b = AddressPool("/tmp/cluster-a"), AddressPool("/home/u/.local/state/adpfleet/cluster")
+    assert a.allocate("pod-1") != b.allocate("pod-1")
+    assert AddressPool("/tmp/cluster-a").allocate("x") == AddressPool("/tmp/cluster-a").allocate("y")  # stable
