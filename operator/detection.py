@@ -12,8 +12,9 @@ transfers in flight), and that held at `confirmations` consecutive scrapes. The 
   requests sent to a hung rank never reach its counters;
 - `vetoed`: the loop spins but the `can_queue` vote vetoes the forward — the ranks involved are the
   ones whose empty-batch count keeps rising (DESIGN §1.1);
-- `transfer`: the loop runs, nothing is vetoed, KV blocks stay held for transfers that never
-  complete (the ranks involved hold them);
+- `transfer`: KV blocks stay held for transfers that never complete (the ranks involved hold
+  them): either the loop runs without vetoes, or the ranks scheduling empty batches are the ones
+  whose KV is (mostly) held for those transfers — the transfers are why they starve;
 - anything else that spins without producing tokens is reported as `vetoed` with no starving rank.
 
 Never stalled: an idle server (no work), a server whose work started less than a window ago, a
@@ -246,8 +247,8 @@ def _current_incarnation(samples: Sequence[Scrape]) -> list[Scrape]:
 def _assess(scrapes: list[Scrape], end: int, coverage: float) -> tuple[State, str, int | None]:
     """Progress over the window that ends at scrapes[end]: (state, reason, baseline index)."""
     last = scrapes[end]
-    base = None
-    for i in range(end, -1, -1):
+    base = None  # the newest earlier scrape at least `coverage` old: a window spans two scrapes or more
+    for i in range(end - 1, -1, -1):
         if last.at - scrapes[i].at >= coverage:
             base = i
             break
@@ -305,10 +306,18 @@ def _describe(server: str, role: str, state: State, reason: str, stretch: list[S
         involved = tuple(r for r in ranks if latest.ranks[r].iterations == low)
         how = "no rank's loop advanced in the last interval"
     elif max(vetoed.values(), default=0) > 0 and max(vetoed.values()) >= max(steps.values(), default=0):
-        signature = Signature.VETOED
         involved = tuple(r for r in ranks if empty.get(r, 0) > 0)
-        how = f"forwards vetoed {max(vetoed.values()):.0f} times" + (
-            f", rank(s) {','.join(map(str, involved))} scheduling empty batches" if involved else "")
+        starved_by_transfers = involved and all(
+            held[r] > 0 and held[r] >= 0.5 * latest.ranks[r].kv_cache_blocks_used for r in involved)
+        if starved_by_transfers:  # the empty batches come from KV held for transfers that never complete
+            signature = Signature.TRANSFER
+            how = (f"forwards vetoed {max(vetoed.values()):.0f} times: rank(s) {','.join(map(str, involved))} "
+                   f"schedule empty batches, their KV held for transfers that do not complete "
+                   f"({sum(held[r] for r in involved):.0f} blocks)")
+        else:
+            signature = Signature.VETOED
+            how = f"forwards vetoed {max(vetoed.values()):.0f} times" + (
+                f", rank(s) {','.join(map(str, involved))} scheduling empty batches" if involved else "")
     elif any(held[r] > 0 for r in ranks) and all(held_before.get(r, 0) > 0 or held[r] == 0 for r in ranks):
         signature = Signature.TRANSFER
         involved = tuple(r for r in ranks if held[r] > 0)

@@ -15,6 +15,8 @@ For every **stalled** server, in order (the first rule that applies wins):
 5. The escalation ladder picks the action from how often this server was remediated within
    `escalation.windowSeconds` (n):
    n = 0 → `RestartServer` (drain, then delete the pod; the reconcile recreates it);
+   (n counts restarts not yet `Resolved`: once the server made progress after a restart, a later
+   stall is a new one and starts again at the bottom of the ladder)
    0 < n < `afterRemediations` → `RestartPeers`: the stall persisted after the server's own restart,
    so restart the servers it waits on (the other role's servers; an aggregated server has none and
    is restarted again);
@@ -62,6 +64,7 @@ RESTARTS = (Action.RESTART_SERVER.value, Action.RESTART_PEERS.value, Action.REST
 class Outcome(str, enum.Enum):
     PENDING = "Pending"        # decided and recorded; being carried out
     SUCCEEDED = "Succeeded"    # the pods were deleted (the reconcile recreates them)
+    RESOLVED = "Resolved"      # ... and the server made progress again afterwards: the stall did not persist
     FAILED = "Failed"          # the API refused; see the message
     RECOVERED = "Recovered"    # progress resumed during the drain; nothing was deleted
     DRY_RUN = "DryRun"         # mode DryRun: what would have been done
@@ -266,7 +269,7 @@ def decide(verdicts: Sequence[StallVerdict], history: Sequence[Remediation], spe
                              f"({last.action}, {last.outcome}), cooldown {policy.cooldown_seconds} s")
             continue
         level = sum(1 for r in history if r.server == v.server and r.action in RESTARTS
-                    and r.outcome in (Outcome.PENDING.value, Outcome.SUCCEEDED.value)
+                    and r.outcome in (Outcome.PENDING.value, Outcome.SUCCEEDED.value)  # not Resolved
                     and now - r.time < policy.escalation.window_seconds)
         action, targets = _ladder(v, level, spec, servers)
         evidence = f"{v.summary()}; evidence: {evidence_text(v.evidence)}"
@@ -367,7 +370,8 @@ def budget_used(history: Sequence[Remediation], now: float) -> int:
 
 def _spends_budget(r: Remediation, now: float) -> bool:
     return (r.action in RESTARTS and now - r.time < BUDGET_PERIOD_SECONDS
-            and r.outcome in (Outcome.PENDING.value, Outcome.SUCCEEDED.value, Outcome.FAILED.value))
+            and r.outcome in (Outcome.PENDING.value, Outcome.SUCCEEDED.value, Outcome.RESOLVED.value,
+                              Outcome.FAILED.value))
 
 
 def restarts_in_progress(history: Sequence[Remediation], servers: Sequence[ServerView], spec: FleetSpec,
@@ -391,6 +395,23 @@ def restarts_in_progress(history: Sequence[Remediation], servers: Sequence[Serve
             if r.outcome == Outcome.PENDING.value or pod is None or pod.terminating or not pod.ready or \
                     (pod.created is not None and pod.created < int(r.time)):
                 out[target] = r
+    return out
+
+
+def resolved(history: Sequence[Remediation], verdicts: Sequence[StallVerdict],
+             servers: Sequence[ServerView]) -> list[Remediation]:
+    """Succeeded restarts whose server has since made progress (a Progressing verdict from a pod
+    created after the decision): they become Resolved, and no longer push the ladder up."""
+    progressing = {v.server for v in verdicts if v.state.value == "Progressing"}
+    pods = {s.name: s for s in servers}
+    out = []
+    for r in history:
+        if r.outcome != Outcome.SUCCEEDED.value or r.action not in RESTARTS or r.server not in progressing:
+            continue
+        pod = pods.get(r.server)
+        replaced_since = pod is not None and pod.created is not None and pod.created >= int(r.time)
+        if replaced_since or r.action != Action.RESTART_SERVER.value:
+            out.append(replace(r, outcome=Outcome.RESOLVED.value))
     return out
 
 

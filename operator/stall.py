@@ -36,7 +36,8 @@ from adpfleet.operator.detection import (SampleWindows, Scrape, State, StallVerd
 from adpfleet.operator.reconciler import Reconciler
 from adpfleet.operator.remediation import (Action, Decision, Outcome as RecordOutcome, Plan, Remediation,
                                            ServerView, Verdict, budget_used, decide, degraded_problem,
-                                           history_from_status, restarts_in_progress, rfc3339, stall_conditions,
+                                           history_from_status, resolved, restarts_in_progress, rfc3339,
+                                           stall_conditions,
                                            still_to_delete, with_records)
 from adpfleet.operator.resource import names
 from adpfleet.operator.resource.models import FleetSpec
@@ -160,7 +161,8 @@ class FleetStall:
 
 class StallController:
     def __init__(self, api: RemediationApi, metrics: StallMetrics, inbox: AlertInbox,
-                 wake_reconcile: Callable[[Key], None], *, detection: bool = True, clock: Callable[[], float] = time.time):
+                 wake_reconcile: Callable[[Key], None], *, detection: bool = True, clock: Callable[[], float] = time.time,
+                 scraper=None):
         self.api = api
         self.metrics = metrics
         self.inbox = inbox
@@ -171,6 +173,12 @@ class StallController:
         self.http = httpx.AsyncClient(limits=httpx.Limits(max_connections=64), follow_redirects=False)
         logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per scrape otherwise
         inbox.on_put = self._alert_arrived
+        self._scraper = scraper  # (url, timeout) -> Scrape; tests script it
+
+    async def _scrape(self, pod: ServerPod, timeout: float) -> Scrape:
+        if self._scraper is not None:
+            return await self._scraper(metrics_url(pod.ip), timeout)
+        return await scrape(self.http, metrics_url(pod.ip), timeout, self.clock)
 
     def fleet_known(self, namespace: str, name: str) -> bool:
         return (namespace, name) in self.fleets
@@ -243,8 +251,7 @@ class StallController:
         judged = [p for p in pods if p.phase == "Running" and p.ready and not p.terminating and p.ip]
         fleet.windows.retain(p.name for p in judged)
         if self.detection:
-            scrapes = await asyncio.gather(*(scrape(self.http, metrics_url(p.ip), min(max(1.0, interval * 0.8), 5.0),
-                                                    self.clock) for p in judged))
+            scrapes = await asyncio.gather(*(self._scrape(p, min(max(1.0, interval * 0.8), 5.0)) for p in judged))
             keep = keep_seconds(window, interval, CONFIRMATIONS)
             verdicts = {}
             for pod, sample in zip(judged, scrapes):
@@ -271,10 +278,16 @@ class StallController:
         for verdict in list(fleet.verdicts.values()) + [v for v, _ in fleet.alert_verdicts.values()]:
             await self._count_stall(key, fleet, verdict, pods_by_name)
 
+        done = resolved(history, list(fleet.verdicts.values()), servers)
+        for record in done:
+            fleet.local[record.key()] = record
+        if done:
+            history = self._history(fleet, obs)
+
         # own verdicts, and the verdicts of this tick's alerts (a re-check stands for one decision)
         for_decision = dict(fleet.verdicts)
         for server in sources:
-            if not for_decision.get(server, fleet.alert_verdicts[server][0]).stalled:
+            if server not in for_decision or not for_decision[server].stalled:
                 for_decision[server] = fleet.alert_verdicts[server][0]
         plan = decide(list(for_decision.values()), history, spec, servers, now, source=sources)
         fleet.plan = plan
@@ -306,7 +319,7 @@ class StallController:
         for i in range(3):
             if i:
                 await asyncio.sleep(gap)
-            fresh.append(await scrape(self.http, metrics_url(pod.ip), min(max(1.0, interval * 0.8), 5.0), self.clock))
+            fresh.append(await self._scrape(pod, min(max(1.0, interval * 0.8), 5.0)))
         verdict = judge(pod.name, pod.role, fresh, window_seconds=fresh[-1].at - fresh[0].at, interval_seconds=0.0,
                         confirmations=1)
         if not verdict.stalled:
@@ -482,7 +495,7 @@ class StallController:
         """Whether the stalled server produced real tokens since `before`, watched for `wait` s."""
         deadline = time.monotonic() + wait
         while True:
-            now = await scrape(self.http, metrics_url(pod.ip), 2.0, self.clock)
+            now = await self._scrape(pod, 2.0)
             if now.ok and set(now.ranks) == set(before.ranks) and now.tokens > before.tokens:
                 return True
             if time.monotonic() >= deadline:
@@ -493,7 +506,7 @@ class StallController:
         """Until the (working) servers have finished their requests, or `timeout`."""
         deadline = time.monotonic() + timeout
         while pods and time.monotonic() < deadline:
-            samples = await asyncio.gather(*(scrape(self.http, metrics_url(p.ip), 2.0, self.clock) for p in pods))
+            samples = await asyncio.gather(*(self._scrape(p, 2.0) for p in pods))
             if all(s.ok and s.total("requests_running") + s.total("requests_waiting") == 0 for s in samples):
                 return
             await asyncio.sleep(0.5)

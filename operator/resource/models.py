@@ -336,7 +336,8 @@ class RemediationRecord(KubeModel):
     server: str = Field(max_length=253, description="Pod name.")
     signature: Literal["vetoed", "hung", "transfer"] = Field(description="DESIGN §3.5.")
     action: str = Field(max_length=64, description="What was done: RestartServer, RestartPeers, RestartRole, Halt.")
-    outcome: str = Field(max_length=64, description="Pending, Succeeded, Failed, Recovered, DryRun or Halted.")
+    outcome: str = Field(max_length=64, description="Pending, Succeeded (pods deleted), Resolved (and progress "
+                                                     "resumed), Failed, Recovered, DryRun or Halted.")
     message: str = Field("", max_length=1024, description="The verdict and its evidence (metric values).")
     targets: list[str] = Field(default_factory=list, max_length=256,
                                description="The server pods the action restarts (the stalled server, its peers, "

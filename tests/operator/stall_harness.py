@@ -9,7 +9,6 @@ import os
 import shutil
 import signal
 import socket
-import stat
 import subprocess
 import sys
 import threading
@@ -32,26 +31,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def fault_injection_bin(workdir: Path) -> Path:
-    """A directory whose `adpfleet` runs the real one with `--fault-injection` added to `serve`:
-    put first on a role's PATH (spec env), the node agent then starts servers that accept faults."""
-    d = workdir / "fault-bin"
-    d.mkdir(parents=True, exist_ok=True)
-    wrapper = d / "adpfleet"
-    wrapper.write_text(f"""#!/bin/sh
-if [ "$1" = serve ]; then exec {VENV_BIN}/adpfleet "$@" --fault-injection; fi
-exec {VENV_BIN}/adpfleet "$@"
-""")
-    wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
-    return d
-
-
-def stall_fleet(name: str, workdir: Path, *, mode: str = "Auto", window: int = 6, interval: int = 1,
+def stall_fleet(name: str, *, mode: str = "Auto", window: int = 6, interval: int = 1,
                 cooldown: int = 5, budget: int = 20, context_ranks: int = 2, pad: bool = False) -> dict:
     """One context server (2 ranks, padding off so a starved rank vetoes every forward), one
     generation server, the router; faults accepted; short windows so a test sees a stall in seconds."""
-    path = f"{fault_injection_bin(workdir)}:{VENV_BIN}:/usr/local/bin:/usr/bin:/bin"
-    env = [{"name": "PATH", "value": path}]
+    env = [{"name": "ADPFLEET_FAULT_INJECTION", "value": "1"}]
     probes = {"readinessPeriodSeconds": 1, "startupTimeoutSeconds": 120}
 
     def role(ranks: int, **engine) -> dict:
@@ -129,7 +113,7 @@ class Load:
                     self.in_flight -= 1
                     self.outcomes.append(out)
                 if out.kind != "completed":
-                    time.sleep(0.2)
+                    time.sleep(1.0)  # a client backs off after an error
 
     def completed_since(self, t: float) -> int:
         with self._lock:
@@ -156,34 +140,30 @@ class Load:
 # ---- real Prometheus and Alertmanager ---------------------------------------------------------------
 
 class Monitoring:
-    """Prometheus discovering the fleet's server pods through the API server (as the chart's
-    PodMonitor would), with the chart's rule file; Alertmanager routing the stall alerts to the
-    operator's webhook with the bearer token."""
+    """Prometheus scraping the fleet's server pods with the chart's rule file, and Alertmanager
+    routing the stall alerts to the operator's webhook with the bearer token.
 
-    def __init__(self, workdir: Path, kubeconfig: Path, namespace: str, webhook_url: str, token: str):
+    Debian's Prometheus is built without Kubernetes service discovery, so the targets come from a
+    file (file_sd) that a thread keeps equal to the namespace's server pods, with the labels the
+    chart's PodMonitor gives them (namespace, pod, fleet)."""
+
+    def __init__(self, workdir: Path, core, namespace: str, webhook_url: str, token: str):
         self.workdir = workdir
+        self.core, self.namespace = core, namespace
         self.prom_port, self.am_port = free_port(), free_port()
         self.procs: list[subprocess.Popen] = []
+        self._stop = threading.Event()
         d = workdir / "monitoring"
         d.mkdir(parents=True, exist_ok=True)
         shutil.copy(RULES, d / "alert-rules.yaml")
+        self.targets_file = d / "targets.json"
+        self.targets_file.write_text("[]")
         (d / "prometheus.yml").write_text(yaml.safe_dump({
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s", "scrape_timeout": "1s"},
             "rule_files": [str(d / "alert-rules.yaml")],
             "alerting": {"alertmanagers": [{"static_configs": [{"targets": [f"127.0.0.1:{self.am_port}"]}]}]},
-            "scrape_configs": [{
-                "job_name": "adpfleet-servers",
-                "kubernetes_sd_configs": [{"role": "pod", "kubeconfig_file": str(kubeconfig),
-                                           "namespaces": {"names": [namespace]}}],
-                "relabel_configs": [
-                    {"source_labels": ["__meta_kubernetes_pod_label_adpfleet_io_role"], "regex": ".+",
-                     "action": "keep"},
-                    {"source_labels": ["__meta_kubernetes_pod_ip"], "target_label": "__address__",
-                     "replacement": f"$1:{names.SERVER_HTTP_PORT}"},
-                    {"source_labels": ["__meta_kubernetes_namespace"], "target_label": "namespace"},
-                    {"source_labels": ["__meta_kubernetes_pod_name"], "target_label": "pod"},
-                    {"source_labels": ["__meta_kubernetes_pod_label_adpfleet_io_fleet"], "target_label": "fleet"},
-                ]}]}))
+            "scrape_configs": [{"job_name": "adpfleet-servers",
+                                "file_sd_configs": [{"files": [str(self.targets_file)], "refresh_interval": "1s"}]}]}))
         (d / "alertmanager.yml").write_text(yaml.safe_dump({
             "route": {"receiver": "adpfleet-operator", "group_by": ["alertname", "namespace", "fleet", "pod"],
                       "group_wait": "1s", "group_interval": "5s", "repeat_interval": "1h"},
@@ -192,8 +172,28 @@ class Monitoring:
                 "http_config": {"authorization": {"type": "Bearer", "credentials": token}}}]}]}))
         self.dir = d
 
+    def _discover(self) -> None:
+        last = None
+        while not self._stop.is_set():
+            try:
+                pods = self.core.list_namespaced_pod(self.namespace, label_selector=names.LABEL_ROLE).items
+                groups = [{"targets": [f"{p.status.pod_ip}:{names.SERVER_HTTP_PORT}"],
+                           "labels": {"namespace": self.namespace, "pod": p.metadata.name,
+                                      "fleet": p.metadata.labels.get(names.LABEL_FLEET, "")}}
+                          for p in pods if p.status.pod_ip and p.metadata.deletion_timestamp is None]
+                text = json.dumps(sorted(groups, key=lambda g: g["labels"]["pod"]))
+                if text != last:
+                    tmp = self.targets_file.with_suffix(".tmp")
+                    tmp.write_text(text)
+                    tmp.replace(self.targets_file)
+                    last = text
+            except Exception:  # noqa: BLE001 - a transient API error: try again
+                pass
+            self._stop.wait(0.5)
+
     def start(self) -> "Monitoring":
         d = self.dir
+        threading.Thread(target=self._discover, daemon=True).start()
         self._spawn("alertmanager", ["prometheus-alertmanager", f"--config.file={d / 'alertmanager.yml'}",
                                      f"--storage.path={d / 'am-data'}", f"--web.listen-address=127.0.0.1:{self.am_port}",
                                      "--cluster.listen-address="])
@@ -218,6 +218,7 @@ class Monitoring:
         self.procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
 
     def stop(self) -> None:
+        self._stop.set()
         for p in self.procs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGTERM)

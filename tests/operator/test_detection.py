@@ -161,6 +161,17 @@ def test_transfer_stall_names_the_ranks_holding_kv():
     assert v.stalled and v.signature is Signature.TRANSFER and v.ranks == (0,)
 
 
+def test_a_rank_starved_by_kv_held_for_transfers_is_a_transfer_stall():
+    # padding off: rank 0's KV is full of blocks held for transfers nobody completes, so it schedules
+    # empty batches and every forward is vetoed — the transfers are the cause
+    def held(k):
+        return {0: rank(iterations=50 * k, forward_vetoed=50 * k, empty_batch_iterations=50 * k, prompt_tokens=900,
+                        kv_transfers_in_flight=96, kv_cache_blocks_used=96, requests_waiting=2),
+                1: rank(iterations=50 * k, forward_vetoed=50 * k, prompt_tokens=700, requests_running=1)}
+    v = verdict(series(held, 20))
+    assert v.stalled and v.signature is Signature.TRANSFER and v.ranks == (0,) and "96 blocks" in v.reason
+
+
 def test_kv_transfers_alone_count_as_work():
     samples = series(lambda k: {0: rank(iterations=50 * k, forward_steps=0, kv_transfers_in_flight=8)}, 20)
     v = verdict(samples)

@@ -6,8 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from adpfleet.operator.detection import Signature, State, StallVerdict
-from adpfleet.operator.remediation import (Action, Outcome, Remediation, ServerView, Verdict, decide,
-                                           degraded_problem, history_from_status, restarts_in_progress,
+from adpfleet.operator.remediation import (Action, Outcome, Remediation, ServerView, Verdict, budget_used, decide,
+                                           degraded_problem, history_from_status, resolved, restarts_in_progress,
                                            stall_conditions, still_to_delete, with_records)
 from adpfleet.operator.resource.models import FleetSpec
 
@@ -144,6 +144,18 @@ def test_a_stall_that_persists_after_the_restart_restarts_the_peers():
     assert d.batch == 1  # two at once would leave no Ready generation server
     busy = [record("f-generation-1", ago=5, outcome=Outcome.PENDING)] + history
     assert only(decide([stalled()], busy, spec(), fleet(), NOW)).reason == "ConcurrencyLimit"
+
+
+def test_a_restart_after_which_the_server_made_progress_is_resolved_and_a_new_stall_starts_over():
+    history = [record(ago=120)]
+    progressing = StallVerdict("f-context-0", "context", State.PROGRESSING, NOW, "tokens")
+    done = resolved(history, [progressing], fleet(created=NOW - 100))
+    assert [r.outcome for r in done] == ["Resolved"]
+    assert resolved(history, [progressing], fleet(created=NOW - 3600)) == []  # still the old pod
+    assert resolved(history, [stalled()], fleet()) == []
+    d = only(decide([stalled()], done, spec(), fleet(), NOW))
+    assert (d.action, d.level) == (Action.RESTART_SERVER, 0)
+    assert budget_used(done, NOW) == 1  # it still cost budget
 
 
 def test_a_generation_server_waiting_on_transfers_escalates_to_the_context_servers():

@@ -1,0 +1,215 @@
+"""The stall controller's loop without a cluster: scripted scrapes, a fake API, and a fake reconcile
+pass that writes the controller's part of the status the way RemediatingReconciler does."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+
+from adpfleet.operator import stall as stall_module
+from adpfleet.operator.adapters.kube import Outcome
+from adpfleet.operator.alerts import AlertInbox, StallAlert
+from adpfleet.operator.decisions.desired import FleetRef
+from adpfleet.operator.decisions.observed import FleetObservation, ServerPod
+from adpfleet.operator.detection import RankSample, Scrape
+from adpfleet.operator.remediation import Remediation
+from adpfleet.operator.stall import FleetStall, StallController, StallMetrics
+from prometheus_client import CollectorRegistry
+
+KEY = ("prod", "llama")
+T0 = 1_700_000_000.0
+
+
+class FakeApi:
+    def __init__(self):
+        self.calls: list[tuple] = []
+
+    async def set_drain(self, namespace, name, uid, drain):
+        self.calls.append(("drain" if drain else "undrain", name, uid))
+        return Outcome(True)
+
+    async def delete_pod_within(self, namespace, name, uid, grace):
+        self.calls.append(("delete", name, uid))
+        return Outcome(True)
+
+    async def record_event(self, fleet, type_, reason, message):
+        self.calls.append(("event", reason, message))
+        return Outcome(True)
+
+    def events(self, reason=None):
+        return [c for c in self.calls if c[0] == "event" and (reason is None or c[1] == reason)]
+
+    def deletes(self):
+        return [c for c in self.calls if c[0] == "delete"]
+
+
+class World:
+    """A fleet of two servers whose /metrics the test scripts, and its stored status."""
+
+    def __init__(self, mode="Auto", status=None, created=T0 - 3600):
+        self.now = T0
+        self.api = FakeApi()
+        self.status = status or {}
+        self.spec = {"image": "x", "model": {"name": "tiny"}, "monitoring": {"scrapeIntervalSeconds": 1},
+                     "remediation": {"mode": mode, "stallWindowSeconds": 4, "cooldownSeconds": 30,
+                                     "drainTimeoutSeconds": 1}}
+        self.pods = {"llama-context-0": self._pod("llama-context-0", "context", "127.0.9.1", created),
+                     "llama-generation-0": self._pod("llama-generation-0", "generation", "127.0.9.2", created)}
+        self.metrics = {"127.0.9.1": self.busy(), "127.0.9.2": self.busy()}
+        self.inbox = AlertInbox()
+        self.written: list[dict] = []
+        self.controller = StallController(self.api, StallMetrics(CollectorRegistry()), self.inbox, self.reconcile,
+                                          clock=lambda: self.now, scraper=self.scrape)
+        self.fleet = self.controller.fleets[KEY] = FleetStall(FleetRef("llama", "prod", "fleet-uid"), self.observe,
+                                                              logging.getLogger("test"))
+
+    @staticmethod
+    def _pod(name, role, ip, created):
+        return ServerPod(name=name, uid=f"{name}-uid", role=role, index=0, template_hash="h", owner_uid="fleet-uid",
+                         phase="Running", ready=True, terminating=False, unschedulable=False, problem=None, ip=ip,
+                         created=created)
+
+    def busy(self):
+        state = {"tokens": 0}
+
+        def sample():
+            state["tokens"] += 10
+            return {0: RankSample(iterations=state["tokens"] * 5, forward_steps=state["tokens"],
+                                  generation_tokens=state["tokens"], requests_running=2)}
+        return sample
+
+    def stalled(self):
+        state = {"it": 0}
+
+        def sample():
+            state["it"] += 50
+            return {0: RankSample(iterations=state["it"], forward_vetoed=state["it"], prompt_tokens=500,
+                                  requests_waiting=3),
+                    1: RankSample(iterations=state["it"], forward_vetoed=state["it"], empty_batch_iterations=state["it"],
+                                  prompt_tokens=400, requests_waiting=1)}
+        return sample
+
+    async def scrape(self, url, timeout):
+        self.now += 0.01  # a scrape takes time
+        ip = url.split("//")[1].split(":")[0]
+        source = self.metrics[ip]
+        if isinstance(source, str):
+            return Scrape(at=self.now, error=source)
+        return Scrape(at=self.now, ranks=source())
+
+    def observe(self):
+        return FleetObservation(name="llama", namespace="prod", uid="fleet-uid", generation=1, resource_version="1",
+                                spec=self.spec, status=self.status, pods=tuple(self.pods.values()), objects=())
+
+    def reconcile(self, key):  # what RemediatingReconciler does on the next pass
+        base = {"observedGeneration": 1, "conditions": [c for c in self.status.get("conditions", [])
+                                                        if c["type"] not in ("Stalled", "Remediating")]}
+        self.status = self.controller.overlay(key, self.observe(), base)
+        self.written.append(self.status)
+        self.controller.persisted(key, self.status)
+
+    async def ticks(self, n):
+        for _ in range(n):
+            await self.controller.tick(KEY, self.fleet)
+            await asyncio.gather(*list(self.fleet.tasks))
+            self.now += 1.0
+
+    def condition(self, type_):
+        return next(c for c in self.status["conditions"] if c["type"] == type_)
+
+    def records(self):
+        return self.status.get("recentRemediations", [])
+
+
+@pytest.fixture(autouse=True)
+def quick_drain(monkeypatch):
+    monkeypatch.setattr(stall_module, "STALLED_DRAIN_GRACE_SECONDS", 0.05)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_a_busy_fleet_gets_no_action_and_a_false_stalled_condition():
+    w = World()
+    run(w.ticks(10))
+    assert w.api.calls == []
+    assert w.condition("Stalled")["status"] == "False" and w.condition("Remediating")["status"] == "False"
+
+
+def test_a_stalled_server_is_recorded_drained_deleted_and_reported():
+    w = World()
+    w.metrics["127.0.9.1"] = w.stalled()
+    run(w.ticks(8))
+    kinds = [c[:2] for c in w.api.calls if c[0] != "event"]
+    assert kinds == [("drain", "llama-context-0"), ("delete", "llama-context-0")]
+    assert {c[1] for c in w.api.events()} >= {"StallDetected", "RestartingServer", "Remediated"}
+    (record,) = w.records()
+    assert (record["action"], record["outcome"], record["signature"], record["targets"]) == (
+        "RestartServer", "Succeeded", "vetoed", ["llama-context-0"])
+    stalled = [c for st in w.written for c in st["conditions"] if c["type"] == "Stalled" and c["status"] == "True"]
+    assert stalled and "ranks 1" in stalled[0]["message"] and "vetoed" in stalled[0]["message"]
+    assert w.condition("Remediating")["status"] == "True"  # until the replacement is Ready
+
+
+def test_dry_run_records_and_deletes_nothing():
+    w = World(mode="DryRun")
+    w.metrics["127.0.9.1"] = w.stalled()
+    run(w.ticks(12))
+    assert w.api.deletes() == [] and not [c for c in w.api.calls if c[0] == "drain"]
+    assert [r["outcome"] for r in w.records()] == ["DryRun"]  # once per cooldown, not every scrape
+    assert len(w.api.events("RemediationDryRun")) == 1
+
+
+def test_unreachable_servers_are_never_restarted():
+    w = World()
+    w.metrics["127.0.9.1"] = "GET http://127.0.9.1:8000/metrics: timed out after 1 s"
+    w.metrics["127.0.9.2"] = "GET http://127.0.9.2:8000/metrics: not Prometheus text: garbage"
+    run(w.ticks(20))
+    assert w.api.deletes() == [] and w.records() == []
+    assert len(w.api.events("ServerUnreachable")) == 2  # once each, after a window
+
+
+def test_a_restarted_operator_finishes_a_pending_action_once():
+    pending = Remediation(time=T0 - 2, role="context", server="llama-context-0", signature="vetoed",
+                          action="RestartServer", outcome="Pending", message="m", targets=("llama-context-0",))
+    w = World(status={"recentRemediations": [pending.to_status()]})
+    w.metrics["127.0.9.1"] = w.stalled()
+    run(w.ticks(3))
+    assert [c[1] for c in w.api.deletes()] == ["llama-context-0"]
+    assert w.records()[0]["outcome"] == "Succeeded"
+
+
+def test_a_restarted_operator_never_deletes_the_replacement():
+    pending = Remediation(time=T0 - 20, role="context", server="llama-context-0", signature="vetoed",
+                          action="RestartServer", outcome="Pending", message="m", targets=("llama-context-0",))
+    w = World(status={"recentRemediations": [pending.to_status()]}, created=T0 - 5)  # the pod is already new
+    run(w.ticks(8))
+    assert w.api.deletes() == []
+    assert w.records()[0]["outcome"] == "Resolved"  # finished, and the new server makes progress
+
+
+def test_an_alert_is_rechecked_then_goes_through_the_same_policy():
+    w = World()
+    w.controller.detection = False
+    w.metrics["127.0.9.1"] = w.stalled()
+    alert = StallAlert("AdpfleetServerStalled", "prod", "llama", "llama-context-0", "fp", "2024-01-01T00:00:00Z",
+                       T0)
+    w.inbox.put(alert)
+    run(w.ticks(1))
+    assert [c[1] for c in w.api.deletes()] == ["llama-context-0"]
+    assert "from alert AdpfleetServerStalled" in w.records()[0]["message"]
+    # the same stall alerted again within the cooldown: skipped, not repeated
+    w.inbox.put(StallAlert("AdpfleetServerStalled", "prod", "llama", "llama-context-0", "fp2", "t2", T0))
+    run(w.ticks(1))
+    assert len(w.api.deletes()) == 1
+
+
+def test_an_alert_the_fresh_scrapes_do_not_confirm_is_not_acted_on():
+    w = World()
+    w.controller.detection = False
+    w.inbox.put(StallAlert("AdpfleetServerStalled", "prod", "llama", "llama-context-0", "fp", "t", T0))
+    run(w.ticks(1))
+    assert w.api.deletes() == [] and w.api.events("AlertNotConfirmed")
