@@ -100,6 +100,9 @@ class FakeServer(Process):
         clears the received-request log."""
         httpx.post(self.url + "/fake/config", json=settings, timeout=5, trust_env=False).raise_for_status()
 
+    def stop(self) -> None:  # nothing to shut down gracefully, and hung requests would delay it
+        self.kill()
+
     def reset(self) -> None:
         self.configure(**FAKE_DEFAULTS)
 
