@@ -169,6 +169,8 @@ def build_app(config: RouterConfig, *, kube_api_client=None) -> FastAPI:
                           "disaggregated_params")
         if not isinstance(body.get("stream", False), bool):
             return reject("'stream': Input should be a valid boolean", "stream")
+        if not isinstance(body.get("stream_options") or {}, dict):  # the router reads it when it answers itself
+            return reject("'stream_options': Input should be an object", "stream_options")
         deadline = asyncio.get_running_loop().time() + config.request_timeout
         try:
             outcome = await until_disconnect(request, router.prepare(path, body, deadline))

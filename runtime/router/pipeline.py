@@ -62,7 +62,7 @@ class _Attempt:
     waiting_on: Endpoint | None = None
 
 
-def _transport_failure(server: Endpoint, exc: httpx.TransportError) -> Failure:
+def _transport_failure(server: Endpoint, exc: httpx.HTTPError) -> Failure:
     if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
         return Failure("connect_error", f"cannot connect: {exc!r}", server)
     return Failure("server_error", f"connection lost: {exc!r}", server)
@@ -134,7 +134,7 @@ class Router:
         if choices[0].get("finish_reason") is not None:  # finished at its first token: no generation step
             if not stream:
                 return Answer(200, result)
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))  # a dict: app.py checked
             return Relay(sse.stream_of(result, path.endswith("/chat/completions"), include_usage))
         if not isinstance(params, dict):
             raise AttemptFailed(Failure("bad_response", "the context server answered without "
@@ -163,7 +163,7 @@ class Router:
         try:
             resp = await self.http.post(server.url + path, json=body)
             return resp.status_code, resp.content
-        except httpx.TransportError as e:
+        except httpx.HTTPError as e:
             raise AttemptFailed(_transport_failure(server, e)) from None
         finally:
             self._release(server)
@@ -205,7 +205,7 @@ class Router:
                     relay.on_close += [self._releaser(server), resp.aclose]  # run last to first
                     return relay
             raise AttemptFailed(Failure("server_error", "the stream ended before any token", server))
-        except httpx.TransportError as e:
+        except httpx.HTTPError as e:
             raise AttemptFailed(_transport_failure(server, e)) from None
         finally:
             if relay is None:
@@ -238,8 +238,12 @@ class Router:
                     failure = Failure("deadline", f"the request deadline of {self.request_timeout:g} s passed "
                                       "while streaming", relay.server)
                     break
-                except httpx.TransportError as e:
+                except httpx.HTTPError as e:
                     failure = Failure("stream_broken", f"connection lost after tokens were sent: {e!r}", relay.server)
+                    break
+                except Exception as e:  # noqa: BLE001 - whatever it is, the client gets an explicit end
+                    log.exception("relaying a stream failed")
+                    failure = Failure("stream_broken", f"the router failed to relay the stream: {e!r}", relay.server)
                     break
                 if event is None:
                     failure = Failure("stream_broken", "the stream ended without [DONE]", relay.server)

@@ -131,6 +131,7 @@ def test_requests_spread_over_generation_servers(disagg, fresh_fakes):
     (b"\xff\xfe", None, "not valid JSON"),
     (b"[1, 2]", None, "JSON object"),
     (b'{"prompt": "x", "stream": "yes"}', "stream", "boolean"),
+    (b'{"prompt": "x", "stream": true, "stream_options": "usage"}', "stream_options", "object"),
     (b'{"prompt": "x", "disaggregated_params": {}}', "disaggregated_params", "disaggregated_params"),
 ])
 def test_the_router_itself_refuses_bodies_it_cannot_route(disagg, fresh_fakes, content, param, what):
