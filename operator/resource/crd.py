@@ -52,22 +52,20 @@ def to_structural(node: Any, defs: dict[str, Any]) -> Any:
             raise ValueError(f"cannot express a union of {options} in a structural schema")
         merged = dict(options[0])
         merged.update(node)
-        node = to_structural(merged, defs)
-        if node.get("default", ...) is None:
-            del node["default"]
-        return node
+        return to_structural(merged, defs)
     if "const" in node:
         node["enum"] = [node.pop("const")]
     if "enum" in node and "type" not in node:
         node["type"] = "string"
-    if node.get("default", ...) is None:
+    if node.get("default", ...) is None:  # "no default" in pydantic; Kubernetes has no null default
         del node["default"]
-    if node.get("type") == "object" and "properties" not in node and isinstance(node.get("additionalProperties"), dict):
-        node["additionalProperties"] = to_structural(node["additionalProperties"], defs)  # a map: keep its values' type
-        out = {k: v for k, v in node.items() if k != "title"}
-    else:
-        out = {k: to_structural(v, defs) if k in ("items", "properties") else v
-               for k, v in node.items() if k not in _DROPPED}
+    is_map = node.get("type") == "object" and "properties" not in node and \
+        isinstance(node.get("additionalProperties"), dict)
+    # dict[str, X]: additionalProperties is the values' schema, and stays
+    out = {k: to_structural(v, defs) if (k == "additionalProperties" and is_map) else v for k, v in node.items()
+           if k not in _DROPPED or (k == "additionalProperties" and is_map)}
+    if "items" in out:
+        out["items"] = to_structural(out["items"], defs)
     if "properties" in out:
         out["properties"] = {name: to_structural(sub, defs) for name, sub in out["properties"].items()}
     return out

@@ -184,7 +184,7 @@ class Fleets:
     def resource_versions(self, fleet: str) -> dict[tuple[str, str], str]:
         """resourceVersion of the fleet and of its operator-made children (not of pods, whose status
         the node agent writes)."""
-        apps, rbac = client.AppsV1Api(self.cluster.api_client), client.RbacAuthorizationV1Api(self.cluster.api_client)
+        rbac = client.RbacAuthorizationV1Api(self.cluster.api_client)
         selector = f"{names.LABEL_FLEET}={fleet}"
         out = {("InferenceFleet", fleet): self.get(fleet)["metadata"]["resourceVersion"]}
         for kind, lister in (("Service", self.core.list_namespaced_service),

@@ -5,10 +5,8 @@ import asyncio
 import dataclasses
 import logging
 
-import pytest
-
 from adpfleet.operator.adapters.kube import Outcome
-from adpfleet.operator.decisions.observed import FleetObservation, OwnedObject, ServerPod
+from adpfleet.operator.decisions.observed import FleetObservation, ServerPod
 from adpfleet.operator.reconciler import FleetMemory, Reconciler
 from adpfleet.operator.telemetry import OperatorMetrics
 
