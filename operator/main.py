@@ -79,7 +79,7 @@ def operator_settings(settings) -> None:
 async def run(args, namespaces: list[str]) -> None:
     import kopf
 
-    from adpfleet.operator.adapters.kube import load_api_client
+    from adpfleet.operator.adapters.kube import load_api_client, require_crd
     from adpfleet.operator.alerts import AlertInbox, AlertReceiver
     from adpfleet.operator.handlers import build_registry
     from adpfleet.operator.httpserver import start_http_server
@@ -95,6 +95,7 @@ async def run(args, namespaces: list[str]) -> None:
     metrics = OperatorMetrics()
     heartbeats = Heartbeats(resync_seconds=args.resync_seconds, stuck_after=args.stuck_seconds)
     api_client = load_api_client()
+    require_crd(api_client)
     api = RemediationApi(api_client, metrics)
     inbox = AlertInbox()
     stall = StallController(api, StallMetrics(metrics.registry), inbox, lambda key: loops.wake(key),

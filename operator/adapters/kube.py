@@ -47,6 +47,17 @@ def load_api_client() -> client.ApiClient:
     return client.ApiClient(configuration)
 
 
+def require_crd(api_client: client.ApiClient) -> None:
+    """Refuse to start without the InferenceFleet API: kopf would otherwise run and serve nothing,
+    and not notice the CRD arriving later. Discovery needs no permission beyond being signed in."""
+    groups = client.ApisApi(api_client).get_api_versions(_request_timeout=REQUEST_TIMEOUT).groups or []
+    versions = {v.version for g in groups if g.name == names.GROUP for v in g.versions}
+    if names.VERSION not in versions:
+        raise ValueError(f"the API server does not serve {names.API_VERSION} ({names.KIND}): install the CRD "
+                         f"first, e.g. `adpfleet crds | kubectl apply --server-side -f -` (the Helm chart "
+                         f"installs it from its crds/ directory)")
+
+
 def now_rfc3339() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 

@@ -12,9 +12,10 @@ from adpfleet.cluster.testing import wait_for
 from operator_harness import Fleets
 from specs import fleet_manifest
 
-pytestmark = pytest.mark.k8s
 
 
+
+@pytest.mark.k8s
 def test_metrics_count_reconciles_durations_and_every_api_request(start_operator, fleets):
     op = start_operator()
     fleets.apply(fleet_manifest("demo", status_only=True, router={"enabled": False}))
@@ -28,6 +29,7 @@ def test_metrics_count_reconciles_durations_and_every_api_request(start_operator
     assert op.metric("adpfleet_operator_reconcile_errors_total") == 0
 
 
+@pytest.mark.k8s
 def test_liveness_follows_the_reconcile_loops_heartbeat(start_operator, fleets, api_proxy):
     """A pass stuck on the API server (writes held at the proxy) turns /healthz 503 after
     --stuck-seconds; when it completes, /healthz is 200 again."""
@@ -46,6 +48,7 @@ def test_liveness_follows_the_reconcile_loops_heartbeat(start_operator, fleets, 
     fleets.wait_ready("demo")
 
 
+@pytest.mark.k8s
 def test_logs_are_json_lines_naming_the_fleet(start_operator, fleets):
     op = start_operator()
     fleets.apply(fleet_manifest("demo", status_only=True, router={"enabled": False}))
@@ -57,6 +60,7 @@ def test_logs_are_json_lines_naming_the_fleet(start_operator, fleets):
     assert created and created[0]["object"]["name"] == "demo" and created[0]["object"]["namespace"] == fleets.ns
 
 
+@pytest.mark.k8s
 def test_sigterm_stops_the_operator_promptly_and_cleanly(start_operator, fleets):
     op = start_operator()
     fleets.apply(fleet_manifest("demo", status_only=True, router={"enabled": False}))
@@ -67,6 +71,7 @@ def test_sigterm_stops_the_operator_promptly_and_cleanly(start_operator, fleets)
     assert '"stopped"' in op.log()
 
 
+@pytest.mark.k8s
 def test_a_namespace_scoped_operator_leaves_other_namespaces_alone(start_operator, fleets, k8s_cluster):
     other = f"{fleets.ns[:50]}-other"
     k8s_cluster.core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=other)))
@@ -83,6 +88,7 @@ def test_a_namespace_scoped_operator_leaves_other_namespaces_alone(start_operato
         k8s_cluster.core.delete_namespace(other)
 
 
+@pytest.mark.k8s
 def test_a_cluster_wide_operator_reconciles_fleets_in_every_namespace(start_operator, fleets, k8s_cluster):
     other = f"{fleets.ns[:50]}-other"
     k8s_cluster.core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=other)))
@@ -101,3 +107,19 @@ def test_a_cluster_wide_operator_reconciles_fleets_in_every_namespace(start_oper
         op.stop()
         elsewhere.drop_finalizers()  # in case the test failed before the fleet was deleted
         k8s_cluster.core.delete_namespace(other)
+
+
+@pytest.mark.parametrize("served,refused", [([], True), (["v1beta9"], True), (["v1alpha1"], False)])
+def test_the_operator_refuses_to_start_without_the_crd_and_says_how_to_install_it(monkeypatch, served, refused):
+    from types import SimpleNamespace
+
+    from adpfleet.operator.adapters import kube
+
+    group = SimpleNamespace(name="adpfleet.io", versions=[SimpleNamespace(version=v) for v in served])
+    apis = SimpleNamespace(get_api_versions=lambda **_: SimpleNamespace(groups=[group] if served else []))
+    monkeypatch.setattr(kube.client, "ApisApi", lambda _api_client: apis)
+    if refused:
+        with pytest.raises(ValueError, match=r"install the CRD first, e.g. `adpfleet crds \| kubectl apply"):
+            kube.require_crd(None)
+    else:
+        kube.require_crd(None)
