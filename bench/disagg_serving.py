@@ -187,21 +187,26 @@ def kv_transfer_gbps(nbytes: int, repeats: int) -> tuple[float, int]:
 
     from adpfleet.runtime.serving import kv_transfer
 
+    import random
+
+    bs = 16
     tokens = max(1, nbytes // 1024)
-    k = torch.randn(2, tokens, 2, 32)
-    v = torch.randn(2, tokens, 2, 32)
-    slots = torch.arange(tokens)
-    server = kv_transfer.KVTransferServer("127.0.0.1", 0, k, v, lambda handle: (slots, lambda: None))
+    blocks = -(-tokens // bs)
+    k = torch.randn(2, blocks * bs, 2, 32)
+    v = torch.randn(2, blocks * bs, 2, 32)
+    table = random.Random(0).sample(range(blocks), blocks)  # a paged cache: blocks scattered, in any order
+    slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(tokens)])
+    server = kv_transfer.KVTransferServer("127.0.0.1", 0, k, v, lambda handle: ((table, tokens), lambda: None), bs)
     try:
         times = []
         for _ in range(repeats):
             t0 = time.perf_counter()
             payload = kv_transfer.fetch(server.endpoint, "bench", timeout=60)
             times.append(time.perf_counter() - t0)
-        assert torch.equal(payload.k, k) and torch.equal(payload.v, v)
+        assert torch.equal(payload.k, k[:, slots]) and torch.equal(payload.v, v[:, slots])
     finally:
         server.close()
-    moved = 2 * k.numel() * 4
+    moved = 2 * payload.k.numel() * 4
     return moved / statistics.median(times) / 1e9, moved
 
 

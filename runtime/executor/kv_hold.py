@@ -12,8 +12,6 @@ import threading
 import time
 from dataclasses import dataclass
 
-import torch
-
 from adpfleet.runtime.engine.kv_cache import KVCacheManager
 from adpfleet.runtime.engine.request import Request
 
@@ -75,16 +73,16 @@ class KVHold:
                     self.held[request_id].transferring = False
 
     def lookup(self, request_id: str):
-        """For the transfer server: the cache slots of a held prompt, and what to call once the
-        generation server confirmed it has every byte. None when not held."""
+        """For the transfer server: (block table, token count) of a held prompt, and what to call
+        once the generation server confirmed it has every byte. None when not held."""
         with self._lock:
             h = self.held.get(request_id)
             if h is None:
                 return None
             h.transferring = True
             req = h.request
-            slots = torch.tensor([self.kv.slot(req, p) for p in range(req.num_computed_tokens)], dtype=torch.long)
-        return slots, lambda: self.puller_complete(request_id)
+            where = (list(req.block_table), req.num_computed_tokens)
+        return where, lambda: self.puller_complete(request_id)
 
     @property
     def blocks_in_flight(self) -> int:

@@ -83,7 +83,8 @@ def _start_kv_server(spec: RankSpec, engine):
 
     k_cache, v_cache = engine.runner.kv_cache
     port = spec.kv_port + spec.rank if spec.kv_port else 0
-    return KVTransferServer(spec.kv_host, port, k_cache, v_cache, engine.kv_hold.lookup)
+    return KVTransferServer(spec.kv_host, port, k_cache, v_cache, engine.kv_hold.lookup,
+                            spec.config.tokens_per_block)
 
 
 def _pull(request, timeout: float, arrived: queue.SimpleQueue) -> None:

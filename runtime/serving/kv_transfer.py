@@ -12,9 +12,10 @@ Wire format (version 1), one request per connection:
                        transfer as pulled and free the blocks (a dropped connection leaves them
                        held until the lease expires)
 
-The server gathers the request's slots from the paged cache into one contiguous tensor and sends
-it with a single sendall from its memory; the client receives straight into a preallocated
-tensor. No pickling, no per-block round trips.
+The server sends straight from the paged cache: each block of a layer is contiguous there, so the
+payload is a list of memory views (layer by layer, block by block) handed to sendmsg, with no
+gather copy. The client receives straight into one preallocated tensor. No pickling, no
+per-block round trips.
 """
 
 from __future__ import annotations
@@ -52,11 +53,14 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
 
 
 class KVTransferServer:
-    """Serves held KV of one context rank. `lookup(handle)` returns (slots, on_done) or None;
-    `k_cache`/`v_cache` are the rank's [layers, slots, kv_heads, head_dim] caches."""
+    """Serves held KV of one context rank. `lookup(handle)` returns ((block_table, num_tokens),
+    on_done) or None; `k_cache`/`v_cache` are the rank's [layers, slots, kv_heads, head_dim] caches
+    with `tokens_per_block` slots per block."""
 
-    def __init__(self, host: str, port: int, k_cache: torch.Tensor, v_cache: torch.Tensor, lookup):
+    def __init__(self, host: str, port: int, k_cache: torch.Tensor, v_cache: torch.Tensor, lookup,
+                 tokens_per_block: int):
         self.k_cache, self.v_cache, self.lookup = k_cache, v_cache, lookup
+        self.tokens_per_block = tokens_per_block
         self.sock = socket.create_server((host, port), reuse_port=False)
         self.endpoint = f"{host}:{self.sock.getsockname()[1]}"
         self.bytes_sent = 0
@@ -81,15 +85,15 @@ class KVTransferServer:
                 found = self.lookup(line[2].decode())
                 if found is None:
                     raise KVTransferError(f"no held KV for handle {line[2].decode()!r} (pulled, expired or unknown)")
-                slots, on_done = found
-                k = self.k_cache.index_select(1, slots)
-                v = self.v_cache.index_select(1, slots)
-                header = {"status": "ok", "layers": k.shape[0], "tokens": k.shape[1], "kv_heads": k.shape[2],
+                (block_table, tokens), on_done = found
+                k = self.k_cache
+                header = {"status": "ok", "layers": k.shape[0], "tokens": tokens, "kv_heads": k.shape[2],
                           "head_dim": k.shape[3], "dtype": str(k.dtype).removeprefix("torch."),
-                          "nbytes": 2 * k.numel() * k.element_size()}
+                          "nbytes": 2 * k.shape[0] * tokens * k.shape[2] * k.shape[3] * k.element_size()}
                 conn.sendall(json.dumps(header).encode() + b"\n")
-                conn.sendall(_as_bytes(k))
-                conn.sendall(_as_bytes(v))
+                views = [_as_bytes(piece) for cache in (self.k_cache, self.v_cache)
+                         for piece in _block_pieces(cache, block_table, tokens, self.tokens_per_block)]
+                _send_views(conn, views)
                 self.bytes_sent += header["nbytes"]
                 if f.readline(16).strip() == b"OK":
                     on_done()
@@ -101,6 +105,34 @@ class KVTransferServer:
 
     def close(self) -> None:
         self.sock.close()
+
+
+def _block_pieces(cache: torch.Tensor, block_table: list[int], tokens: int, bs: int):
+    """Contiguous slices of `cache` holding positions 0..tokens-1, layer by layer, in order
+    (neighbouring blocks are merged into one slice)."""
+    runs = []  # (first slot, length)
+    for i, block in enumerate(block_table[:-(-tokens // bs)]):
+        n = min(bs, tokens - i * bs)
+        if runs and runs[-1][0] + runs[-1][1] == block * bs and runs[-1][1] % bs == 0:
+            runs[-1] = (runs[-1][0], runs[-1][1] + n)
+        else:
+            runs.append((block * bs, n))
+    for layer in range(cache.shape[0]):
+        for start, n in runs:
+            yield cache[layer, start:start + n]
+
+
+def _send_views(conn: socket.socket, views: list[memoryview], batch: int = 512) -> None:
+    """sendmsg in batches (IOV_MAX is 1024 on Linux), resuming after partial sends."""
+    for i in range(0, len(views), batch):
+        pending = views[i:i + batch]
+        while pending:
+            sent = conn.sendmsg(pending)
+            while pending and sent >= len(pending[0]):
+                sent -= len(pending[0])
+                pending.pop(0)
+            if pending and sent:
+                pending[0] = pending[0][sent:]
 
 
 def _read_line(conn: socket.socket, limit: int = 65536) -> tuple[bytes, bytes]:
