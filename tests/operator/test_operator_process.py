@@ -14,7 +14,6 @@ from specs import fleet_manifest
 
 
 
-
 @pytest.mark.k8s
 def test_metrics_count_reconciles_durations_and_every_api_request(start_operator, fleets):
     op = start_operator()
