@@ -272,6 +272,12 @@ def decide(verdicts: Sequence[StallVerdict], history: Sequence[Remediation], spe
                     and r.outcome in (Outcome.PENDING.value, Outcome.SUCCEEDED.value)  # not Resolved
                     and now - r.time < policy.escalation.window_seconds)
         action, targets = _ladder(v, level, spec, servers)
+        if action is not Action.HALT:
+            busy = tuple(t for t in targets if t in in_progress)
+            targets = tuple(t for t in targets if t not in in_progress)  # being restarted already
+            if not targets:
+                skip("InProgress", f"{', '.join(busy)} already being restarted", action, busy, level)
+                continue
         evidence = f"{v.summary()}; evidence: {evidence_text(v.evidence)}"
         what = f"{action.value} {', '.join(targets)}" if targets else action.value
         if origin != "scrape":
@@ -306,6 +312,11 @@ def decide(verdicts: Sequence[StallVerdict], history: Sequence[Remediation], spe
         if lonely:
             skip("LastReadyServer", f"{v.summary()}; {lonely}", action, targets, level)
             continue
+        if rolling:  # no more at once than the room the role has left
+            role = role_of(targets[0])
+            room = policy.max_concurrent_per_role - planned_targets.get(role, 0) - sum(
+                1 for name in in_progress if role_of(name) == role)
+            batch = max(1, min(batch, room))
         planned.append(Decision(v, action, targets, Verdict.ACT, action.value, message, level, origin, batch))
         for t in (targets[:batch] if rolling else targets):
             planned_targets[role_of(t)] = planned_targets.get(role_of(t), 0) + 1
