@@ -313,3 +313,63 @@ def test_a_real_idle_two_rank_server_is_parsed_per_rank_and_judged_idle():
         assert judge("s", "context", samples, window_seconds=1.0, interval_seconds=0.5).state is State.IDLE
     finally:
         server.stop()
+
+
+# ---- scraping over HTTP: every failure is a failed Scrape with its reason ------------------------
+
+def _scrape_from(handler, timeout=0.5):
+    import asyncio
+
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    from adpfleet.operator.scrape import scrape
+
+    async def main():
+        app = web.Application()
+        app.router.add_get("/metrics", handler)
+        async with TestServer(app) as server:
+            async with httpx.AsyncClient() as client:
+                return await scrape(client, str(server.make_url("/metrics")), timeout)
+    return asyncio.run(main())
+
+
+def test_scrape_of_a_real_exposition():
+    from aiohttp import web
+
+    async def ok(_):
+        return web.Response(text=render("context", [(0, RankStats()), (1, RankStats())]))
+    s = _scrape_from(ok)
+    assert s.ok and set(s.ranks) == {0, 1}
+
+
+@pytest.mark.parametrize("behaviour, words", [
+    ("slow", "timed out"), ("garbage", "not Prometheus text"), ("404", "HTTP 404"), ("huge", "more than"),
+])
+def test_a_scrape_that_times_out_or_returns_garbage_is_a_failed_scrape(behaviour, words):
+    import asyncio
+
+    from aiohttp import web
+
+    async def handler(_):
+        if behaviour == "slow":
+            await asyncio.sleep(5)
+        if behaviour == "404":
+            return web.Response(status=404)
+        if behaviour == "huge":
+            return web.Response(body=b"#" * (5 * 1024 * 1024))
+        return web.Response(text="<html>oops</html>")
+    s = _scrape_from(handler)
+    assert not s.ok and words in s.error
+
+
+def test_a_refused_connection_is_a_failed_scrape():
+    import asyncio
+
+    from adpfleet.operator.scrape import scrape
+
+    async def main():
+        async with httpx.AsyncClient() as client:
+            return await scrape(client, "http://127.0.0.1:9/metrics", 1.0)
+    s = asyncio.run(main())
+    assert not s.ok and "127.0.0.1:9" in s.error
