@@ -48,3 +48,21 @@ class Server:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+
+
+def metric(server: Server, name: str, **labels) -> float:
+    """The sum of a metric's samples on `server` whose labels include `labels`."""
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()))
+
+
+def wait_until(cond, timeout: float) -> bool:
+    """Poll `cond` until it holds (True) or `timeout` seconds pass (False)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.1)
+    return False
+

@@ -1,13 +1,12 @@
 """Context + generation servers (2 ADP ranks each): the same tokens as aggregated, KV handed over
 and freed, failures explicit."""
 
-import time
 
 import httpx
 import openai
 import pytest
 
-from servers import Server
+from servers import Server, metric, wait_until
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
@@ -41,20 +40,6 @@ def disaggregated(fleet, path, body):
     gen = post(fleet["generation"], path, {**body, "disaggregated_params": c["disaggregated_params"]})
     assert gen.status_code == 200, gen.text
     return c, gen.json()
-
-
-def metric(server, name):
-    text = httpx.get(server.url + "/metrics").text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
-
-
-def wait_until(cond, timeout):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.1)
-    return False
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)

@@ -8,24 +8,9 @@ import pytest
 
 from adpfleet.runtime.serving.kv_transfer import fetch
 
-from servers import Server
+from servers import Server, metric, wait_until
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
-
-
-def metric(server, name, **labels):
-    text = httpx.get(server.url + "/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()))
-
-
-def wait_until(cond, timeout):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.1)
-    return False
 
 
 def background(server, n=4, max_tokens=400):

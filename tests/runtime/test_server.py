@@ -4,7 +4,7 @@ import httpx
 import openai
 import pytest
 
-from servers import Server
+from servers import Server, metric, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -98,25 +98,9 @@ def test_metrics_expose_every_counter_from_startup(server):
     assert 'adpfleet_kv_cache_blocks_total{role="aggregated",rank="0"} 64.0' in text
 
 
-def _metric(server, name, **labels):
-    text = httpx.get(server.url + "/metrics").text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()))
-
-
-def _wait(cond, timeout):
-    import time
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.1)
-    return False
-
-
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_client_that_disconnects_aborts_its_request_and_frees_its_kv(server, stream):
-    aborted = _metric(server, "adpfleet_requests_finished_total", finish_reason="abort")
+    aborted = metric(server, "adpfleet_requests_finished_total", finish_reason="abort")
     body = {"prompt": "long", "max_tokens": 1000, "ignore_eos": True, "stream": stream}  # fits the 1,024-token KV
     with httpx.Client(timeout=60) as client:
         if stream:
@@ -126,5 +110,5 @@ def test_a_client_that_disconnects_aborts_its_request_and_frees_its_kv(server, s
         else:
             with pytest.raises(httpx.ReadTimeout):
                 client.post(server.url + "/v1/completions", json=body, timeout=1.0)
-    assert _wait(lambda: _metric(server, "adpfleet_requests_finished_total", finish_reason="abort") == aborted + 1, 15)
-    assert _wait(lambda: _metric(server, "adpfleet_kv_cache_blocks_used") == 0, 10)
+    assert wait_until(lambda: metric(server, "adpfleet_requests_finished_total", finish_reason="abort") == aborted + 1, 15)
+    assert wait_until(lambda: metric(server, "adpfleet_kv_cache_blocks_used") == 0, 10)
