@@ -12,10 +12,9 @@ Wire format (version 1), one request per connection:
                        transfer as pulled and free the blocks (a dropped connection leaves them
                        held until the lease expires)
 
-The server sends straight from the paged cache: each block of a layer is contiguous there, so the
-payload is a list of memory views (layer by layer, block by block) handed to sendmsg, with no
-gather copy. The client receives straight into one preallocated tensor. No pickling, no
-per-block round trips.
+The server gathers the request's blocks from the paged cache with one vectorised index_select per
+cache (K, then V) and sends each with one sendall; the client receives straight into one
+preallocated tensor. No pickling, no per-block round trips.
 """
 
 from __future__ import annotations
@@ -91,9 +90,8 @@ class KVTransferServer:
                           "head_dim": k.shape[3], "dtype": str(k.dtype).removeprefix("torch."),
                           "nbytes": 2 * k.shape[0] * tokens * k.shape[2] * k.shape[3] * k.element_size()}
                 conn.sendall(json.dumps(header).encode() + b"\n")
-                views = [_as_bytes(piece) for cache in (self.k_cache, self.v_cache)
-                         for piece in _block_pieces(cache, block_table, tokens, self.tokens_per_block)]
-                _send_views(conn, views)
+                for cache in (self.k_cache, self.v_cache):
+                    conn.sendall(_as_bytes(_gather(cache, block_table, tokens, self.tokens_per_block)))
                 self.bytes_sent += header["nbytes"]
                 if f.readline(16).strip() == b"OK":
                     on_done()
@@ -107,32 +105,13 @@ class KVTransferServer:
         self.sock.close()
 
 
-def _block_pieces(cache: torch.Tensor, block_table: list[int], tokens: int, bs: int):
-    """Contiguous slices of `cache` holding positions 0..tokens-1, layer by layer, in order
-    (neighbouring blocks are merged into one slice)."""
-    runs = []  # (first slot, length)
-    for i, block in enumerate(block_table[:-(-tokens // bs)]):
-        n = min(bs, tokens - i * bs)
-        if runs and runs[-1][0] + runs[-1][1] == block * bs and runs[-1][1] % bs == 0:
-            runs[-1] = (runs[-1][0], runs[-1][1] + n)
-        else:
-            runs.append((block * bs, n))
-    for layer in range(cache.shape[0]):
-        for start, n in runs:
-            yield cache[layer, start:start + n]
-
-
-def _send_views(conn: socket.socket, views: list[memoryview], batch: int = 512) -> None:
-    """sendmsg in batches (IOV_MAX is 1024 on Linux), resuming after partial sends."""
-    for i in range(0, len(views), batch):
-        pending = views[i:i + batch]
-        while pending:
-            sent = conn.sendmsg(pending)
-            while pending and sent >= len(pending[0]):
-                sent -= len(pending[0])
-                pending.pop(0)
-            if pending and sent:
-                pending[0] = pending[0][sent:]
+def _gather(cache: torch.Tensor, block_table: list[int], tokens: int, bs: int) -> torch.Tensor:
+    """Positions 0..tokens-1 of every layer, [layers, tokens, kv_heads, head_dim], in one copy.
+    (Sending block views straight from the cache was measured slower: blocks are a few KiB, and
+    the per-view overhead outweighs the copy.)"""
+    table = torch.tensor(block_table[:-(-tokens // bs)], dtype=torch.long)
+    slots = (table[:, None] * bs + torch.arange(bs)).flatten()[:tokens]
+    return cache.index_select(1, slots)
 
 
 def _read_line(conn: socket.socket, limit: int = 65536) -> tuple[bytes, bytes]:
