@@ -1,0 +1,76 @@
+"""What every benchmark needs: the machine it ran on, its matmul peak, peak RSS, a readable table."""
+
+from __future__ import annotations
+
+import os
+import platform
+import resource
+import time
+
+import torch
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set size (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def matmul_gflops(m: int = 2048, k: int = 2048, n: int = 1024, repeats: int = 10, trials: int = 5) -> float:
+    """The machine's float32 matmul throughput in GFLOP/s: best of `trials` timings of `repeats`
+    torch.mm calls of [m, k] @ [k, n] (best, so that other load on the machine counts least)."""
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    out = torch.empty(m, n)
+    torch.mm(a, b, out=out)  # warm-up: thread pool and kernel selection
+    best = float("inf")
+    for _ in range(trials):
+        start = time.perf_counter()
+        for _ in range(repeats):
+            torch.mm(a, b, out=out)
+        best = min(best, time.perf_counter() - start)
+    return 2 * m * k * n * repeats / best / 1e9
+
+
+def machine_info() -> dict:
+    return {
+        "cpu_count": os.cpu_count(),
+        "cpu_model": _cpu_model(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "load_average_1_5_15": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def format_table(headers: list[str], rows: list[list]) -> str:
+    """A plain-text table, numbers right-aligned, for a person to read in a terminal."""
+    cells = [[str(h) for h in headers]] + [[_cell(v) for v in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = []
+    for i, row in enumerate(cells):
+        lines.append("  ".join(c.rjust(w) if i and _numeric(rows[i - 1][j]) else c.ljust(w)
+                               for j, (c, w) in enumerate(zip(row, widths))).rstrip())
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _numeric(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _cell(v) -> str:
+    if isinstance(v, float):
+        return f"{v:,.1f}" if abs(v) >= 10 else f"{v:.2f}"
+    return str(v)
