@@ -1,7 +1,7 @@
 """Engine throughput vs Hugging Face `generate` (issue 2): same weights, same workload, same machine.
 
-    .venv/bin/python bench/engine_throughput.py            # the full run (several minutes on 2 cores)
-    .venv/bin/python bench/engine_throughput.py --quick    # a smoke run of seconds
+    .venv/bin/python bench/engine_throughput.py            # the full run (~6 min on an idle 2-core machine)
+    .venv/bin/python bench/engine_throughput.py --quick    # a smoke run (~1 min, mostly imports)
 
 One random Llama model (~34 M parameters) is saved once and loaded by both sides. The workload is
 64 requests with prompts of 16..256 tokens (fixed seed, same order for both sides), 64 greedy
@@ -9,6 +9,9 @@ output tokens each with EOS ignored, float32, the same torch thread count. adpfl
 it with continuous batching; transformers runs it as static, left-padded batches of each size in
 --hf-batch-sizes, and the fastest is the baseline. Each side runs in its own process, so its peak
 RSS is its own. Throughput is generated tokens per second of wall time over the whole workload.
+Every side runs --rounds times, interleaved with the others, and keeps its fastest round: on a
+shared machine other load only ever slows a round down. A matmul probe before each timed round
+shows how much of the machine that round had.
 
 The compute limit is the workload's ideal FLOPs (no padding; see `workload_flops`) divided by the
 machine's measured float32 matmul throughput; each side's fraction of it is how close it gets.
@@ -60,7 +63,7 @@ def workload_flops(model: dict, prompt_lens: list[int], new_tokens: int) -> dict
 
     - linear layers: 2 FLOPs per weight per token (q, k, v, o, gate, up, down);
     - attention: a query at position t attends to t + 1 keys; QK^T and PV cost
-      2 * heads * head_dim * (t + 1) each, so 4 * q_size * (t + 1) per layer (the brief's
+      2 * heads * head_dim * (t + 1) each, so 4 * q_size * (t + 1) per layer (issue 2's
       "4 x layers x seq_len x hidden per token", summed exactly);
     - lm_head: 2 * hidden * vocab per generated token. Embedding lookups, norms, RoPE and
       activations are left out (well under 1% here)."""
