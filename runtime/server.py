@@ -113,9 +113,7 @@ def build_app(engine, model_name: str, role: str = "aggregated", fault_injection
         if not ok:
             return error(f"server unavailable: {reason}", 503, kind="server_error")
 
-        if role == "context":
-            return await context_response(req, ereq, fmt, max_tokens, request)
-        if req.stream:
+        if req.stream and role != "context":  # a context server always answers in one piece
             return StreamingResponse(stream(req, ereq, fmt), media_type="text/event-stream")
         try:
             text, last = await collect(ereq, request)
@@ -123,6 +121,8 @@ def build_app(engine, model_name: str, role: str = "aggregated", fault_injection
             return failure(e)
         except ClientGone:
             return error("client disconnected", 499)
+        if role == "context":
+            return context_body(ereq, fmt, max_tokens, text, last)
         return fmt.full(text, last.finish_reason, protocol.usage(last.prompt_tokens, last.completion_tokens))
 
     def failure(e: Exception) -> JSONResponse:
@@ -130,13 +130,8 @@ def build_app(engine, model_name: str, role: str = "aggregated", fault_injection
             return error(str(e), 502, kind="kv_transfer_failed")
         return error(f"server failed: {e}", 503, kind="server_error")
 
-    async def context_response(req, ereq, fmt, max_tokens: int, request: Request):
-        try:
-            text, last = await collect(ereq, request)
-        except EngineUnavailable as e:
-            return failure(e)
-        except ClientGone:
-            return error("client disconnected", 499)
+    def context_body(ereq, fmt, max_tokens: int, text: str, last) -> dict:
+        """The first token, and where the generation server pulls the prompt's KV from."""
         done = max_tokens == 1 or last.finish_reason == "stop"
         if done:  # finished at the first token: nothing to transfer
             engine.release_kv(last)
@@ -144,13 +139,10 @@ def build_app(engine, model_name: str, role: str = "aggregated", fault_injection
                         protocol.usage(last.prompt_tokens, last.completion_tokens))
         if not done:
             body["disaggregated_params"] = {
-                "ctx_request_id": ereq.request_id, "first_token_id": ereq_first_token(ereq, last),
+                "ctx_request_id": ereq.request_id, "first_token_id": last.new_token_ids[-1],
                 "prompt_token_ids": ereq.prompt_token_ids, "kv_endpoint": engine.group.kv_endpoints[last.rank],
                 "kv_handle": ereq.request_id}
         return body
-
-    def ereq_first_token(ereq, last) -> int:
-        return last.new_token_ids[-1]
 
     async def stream(req, ereq, fmt):
         last, first = None, True
