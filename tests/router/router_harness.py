@@ -13,6 +13,8 @@ from pathlib import Path
 
 import httpx
 
+from adpfleet.cluster.testing import wait_for
+
 HERE = Path(__file__).parent
 
 
@@ -23,19 +25,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def wait_until(check, *, timeout: float, what: str, interval: float = 0.05):
-    deadline = time.monotonic() + timeout
-    last = None
-    while True:
-        try:
-            result = check()
-            if result:
-                return result
-            last = result
-        except Exception as e:  # noqa: BLE001 - reported on timeout
-            last = e
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}; last seen: {last!r}")
-        time.sleep(interval)
+    """The suite's one poll-with-deadline (adpfleet.cluster.testing.wait_for), polling faster."""
+    return wait_for(check, timeout=timeout, what=what, interval=interval)
 
 
 class Process:
