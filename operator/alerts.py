@@ -204,21 +204,17 @@ class AlertReceiver:
         if request.content_type != "application/json":
             self.count("malformed", 1)
             return _error(415, f"Content-Type must be application/json, got {request.content_type or 'none'}")
-        if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
-            self.count("malformed", 1)
-            return _error(413, f"the body is {request.content_length} bytes, at most {MAX_BODY_BYTES}")
         try:
-            raw = await request.content.read(MAX_BODY_BYTES + 1)
-        except Exception as e:  # noqa: BLE001 - the client went away mid-body
-            return _error(400, f"could not read the body: {e}")
-        if len(raw) > MAX_BODY_BYTES:
+            body = json.loads(await _read_body(request))
+        except _Refused as e:
             self.count("malformed", 1)
-            return _error(413, f"the body is more than {MAX_BODY_BYTES} bytes")
-        try:
-            body = json.loads(raw)
+            return _error(e.status, e.message)
         except (UnicodeDecodeError, ValueError) as e:
             self.count("malformed", 1)
             return _error(400, f"the body is not valid JSON: {e}")
+        except RecursionError:
+            self.count("malformed", 1)
+            return _error(400, "the body is not an Alertmanager payload: JSON nested too deeply")
         now = self.clock()
         try:
             parsed = parse_payload(body, now)
@@ -272,6 +268,31 @@ class AlertReceiver:
         if unknown and not fresh and not duplicates:
             return web.json_response({**body, "error": {"message": "; ".join(unknown)}}, status=404)
         return web.json_response(body, status=202)
+
+
+class _Refused(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+async def _read_body(request: web.Request) -> bytes:
+    """The whole body, however it arrives (`content.read(n)` alone returns only what is buffered
+    now); `_Refused` 413 once it passes MAX_BODY_BYTES, chunked or not."""
+    if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
+        raise _Refused(413, f"the body is {request.content_length} bytes, at most {MAX_BODY_BYTES}")
+    chunks, size = [], 0
+    try:
+        async for chunk in request.content.iter_any():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise _Refused(413, f"the body is more than {MAX_BODY_BYTES} bytes")
+            chunks.append(chunk)
+    except _Refused:
+        raise
+    except Exception as e:  # noqa: BLE001 - the client went away mid-body
+        raise _Refused(400, f"could not read the body: {e}") from None
+    return b"".join(chunks)
 
 
 def _error(status: int, message: str, headers: Mapping[str, str] | None = None) -> web.Response:

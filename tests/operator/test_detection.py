@@ -104,6 +104,16 @@ def test_work_that_arrived_less_than_a_window_ago_is_not_a_stall():
     assert v.state is State.SUSPECT and not v.stalled
 
 
+def test_work_that_starts_after_the_baseline_is_stalled_only_after_a_whole_window_of_work():
+    # idle until scrape 20, then work that never produces a token: the scrape before the work is
+    # no baseline for the stall, so it is called a whole window (less the jitter allowance) after
+    # the work began, never earlier
+    samples = series(lambda k: {0: rank(iterations=50 * k, forward_vetoed=50 * k,
+                                        requests_waiting=1 if k >= 20 else 0)}, 40)
+    detected = next(samples[n - 1].at for n in range(1, 41) if verdict(samples[:n]).stalled)
+    assert W - 0.5 * I <= detected - samples[20].at <= W + 2 * I
+
+
 def test_a_server_just_started_is_warming_up_not_stalled():
     samples = series(lambda k: {0: rank(iterations=50 * k, forward_vetoed=50 * k, requests_waiting=3)}, 5)
     assert verdict(samples[:1]).state is State.WARMING_UP
@@ -183,6 +193,25 @@ def test_a_starved_rank_with_room_in_its_kv_is_vetoed_even_if_it_holds_some_tran
                         requests_waiting=1)}
     v = verdict(series(starved, 20))
     assert v.stalled and v.signature is Signature.VETOED and v.ranks == (1,)
+
+
+def test_transfers_that_start_mid_window_are_not_the_transfer_signature():
+    # the loop spins without vetoes and without tokens; KV transfers appear only late in the
+    # window: they cannot be why it made no progress since the baseline
+    samples = series(lambda k: {0: rank(iterations=50 * k, requests_waiting=1,
+                                        kv_transfers_in_flight=8 if k >= 25 else 0)}, 30)
+    v = verdict(samples)
+    assert v.stalled and v.signature is Signature.VETOED
+
+
+def test_a_few_vetoes_among_running_forwards_do_not_hide_a_transfer_stall():
+    # forwards run (dummies) far more often than they are vetoed; KV stays held for transfers
+    # from the start of the window: the transfers are the stall, not the vote
+    def held(k):
+        return {0: rank(iterations=60 * k, forward_steps=50 * k, forward_vetoed=10 * k, prompt_tokens=900,
+                        kv_transfers_in_flight=40, requests_waiting=3)}
+    v = verdict(series(held, 20))
+    assert v.stalled and v.signature is Signature.TRANSFER and v.ranks == (0,)
 
 
 def test_kv_transfers_alone_count_as_work():

@@ -101,6 +101,16 @@ def test_cooldown_per_server():
     assert only(other).outcome is Verdict.ACT  # another server is not cooled down
 
 
+def test_cooldown_also_covers_a_server_restarted_as_a_peer_of_another():
+    # f-context-0's stall restarted both generation servers 30 s ago; they are back and Ready
+    peers = record("f-context-0", ago=30, action=Action.RESTART_PEERS,
+                   targets=("f-generation-0", "f-generation-1"))
+    d = only(decide([stalled("f-generation-0")], [peers], spec(cooldownSeconds=60), fleet(), NOW))
+    assert (d.outcome, d.reason) == (Verdict.SKIP, "Cooldown") and "f-generation-0 was remediated 30 s ago" in d.message
+    later = only(decide([stalled("f-generation-0")], [peers], spec(cooldownSeconds=60), fleet(), NOW + 31))
+    assert later.outcome is Verdict.ACT
+
+
 def test_a_pending_restart_is_never_repeated_by_a_restarted_operator():
     # the operator recorded the decision, then died before (or while) deleting the pod
     history = history_from_status({"recentRemediations": [record(ago=5, outcome=Outcome.PENDING).to_status()]})
@@ -130,6 +140,15 @@ def test_carrying_out_a_pending_record_never_deletes_the_replacement():
     assert still_to_delete(rec, NOW - 3600)
     assert not still_to_delete(rec, NOW - 1)
     assert not still_to_delete(rec, None)
+
+
+def test_a_pod_created_in_the_decisions_own_second_is_the_replacement():
+    # creationTimestamp has whole seconds: a pod stamped with the decision's second was created
+    # after it (a stalled pod is at least a window old), so it is never deleted
+    rec = Remediation(time=NOW + 0.7, role="context", server="f-context-0", signature="vetoed",
+                      action="RestartServer", outcome="Pending", targets=("f-context-0",))
+    assert not still_to_delete(rec, NOW)
+    assert still_to_delete(rec, NOW - 1)
 
 
 # ---- escalation ---------------------------------------------------------------------------------
@@ -176,6 +195,15 @@ def test_escalation_halts_after_too_many_remediations():
     assert only(later).reason == "Halted"
 
 
+def test_a_halt_older_than_the_escalation_window_lets_remediation_resume():
+    halt = Remediation(time=NOW - 3601, role="context", server="f-context-0", signature="vetoed", action="Halt",
+                       outcome="Halted")
+    plan = decide([stalled("f-context-1")], [halt], spec(escalation={"windowSeconds": 3600}), fleet(), NOW)
+    assert only(plan).outcome is Verdict.ACT and not plan.halted
+    recent = decide([stalled("f-context-1")], [halt], spec(escalation={"windowSeconds": 3600}), fleet(), NOW - 2)
+    assert only(recent).reason == "Halted" and recent.halted
+
+
 def test_escalation_can_restart_the_whole_role():
     history = [record(ago=a) for a in (100, 200, 300)]
     d = only(decide([stalled()], history, spec(escalation={"afterRemediations": 3, "action": "RestartRole"}),
@@ -204,6 +232,14 @@ def test_budget_per_hour_then_degraded_and_events_only():
         is Verdict.ACT
 
 
+def test_failed_actions_spend_budget_and_dry_runs_do_not():
+    failed = [record(f"f-context-{i % 2}", ago=600 + i, outcome=Outcome.FAILED) for i in range(2)]
+    assert budget_used(failed, NOW) == 2
+    assert only(decide([stalled("f-generation-0")], failed, spec(budgetPerHour=2), fleet(), NOW)).reason == \
+        "BudgetExhausted"
+    assert budget_used([record(outcome=Outcome.DRY_RUN), record(outcome=Outcome.RECOVERED)], NOW) == 0
+
+
 def test_budget_counts_actions_decided_in_the_same_pass():
     plan = decide([stalled("f-context-0"), stalled("f-generation-0")], [], spec(budgetPerHour=1), fleet(), NOW)
     assert [d.outcome for d in plan.decisions] == [Verdict.ACT, Verdict.SKIP]
@@ -223,6 +259,15 @@ def test_never_the_last_ready_server_of_a_role_unless_the_whole_role_is_stalled(
     assert (d.outcome, d.reason) == (Verdict.SKIP, "LastReadyServer")
     both = decide([stalled("f-context-0"), stalled("f-context-1")], [], spec(maxConcurrentPerRole=2), fleet(), NOW)
     assert [d.outcome for d in both.decisions] == [Verdict.ACT, Verdict.ACT]
+
+
+def test_a_rolling_peer_restart_never_takes_the_peer_roles_last_ready_server():
+    # the stall persisted after f-context-0's own restart: its peers are next, but only one
+    # generation server is Ready and the generation role is not stalled
+    one_ready = fleet(f_generation_1=ServerView("f-generation-1", "generation", ready=False, created=NOW - 10))
+    d = only(decide([stalled()], [record(ago=120)], spec(maxConcurrentPerRole=2), one_ready, NOW))
+    assert (d.action, d.outcome, d.reason) == (Action.RESTART_PEERS, Verdict.SKIP, "LastReadyServer")
+    assert "would leave no Ready generation server" in d.message
 
 
 def test_a_single_server_role_that_is_stalled_is_restarted():
@@ -296,26 +341,62 @@ def test_conditions_stalled_and_remediating():
 
 # ---- properties -----------------------------------------------------------------------------------
 
-@settings(max_examples=300, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["f-context-0", "f-context-1", "f-generation-0", "f-generation-1"]),
-                          st.floats(1, 2000)), max_size=12),
-       st.lists(st.sampled_from(["f-context-0", "f-context-1", "f-generation-0", "f-generation-1"]), unique=True),
-       st.integers(1, 3), st.integers(0, 8), st.sampled_from(["Auto", "DryRun"]))
-def test_policy_invariants(past, stalled_now, k, budget, mode):
-    """Whatever happened before: never more than the budget per hour, never more than K servers of
-    a role at once, never a server twice in one plan, never a server in cooldown."""
-    s = spec(maxConcurrentPerRole=k, budgetPerHour=budget, mode=mode, cooldownSeconds=300)
-    history = with_records([], [record(name, ago=ago) for name, ago in past])
-    plan = decide([stalled(n) for n in stalled_now], history, s, fleet(), NOW)
+SERVERS = ("f-context-0", "f-context-1", "f-generation-0", "f-generation-1")
+
+
+def _past(name: str, action: Action, outcome: Outcome, ago: float) -> Remediation:
+    """A history record as `decide` could have written it: targets follow the action."""
+    role = name.split("-")[1]
+    own = tuple(s for s in SERVERS if role in s)
+    peers = tuple(s for s in SERVERS if role not in s)
+    targets = {Action.RESTART_SERVER: (name,), Action.RESTART_PEERS: peers, Action.RESTART_ROLE: own,
+               Action.HALT: ()}[action]
+    return Remediation(time=NOW - ago, role=role, server=name, signature="vetoed", action=action.value,
+                       outcome=(Outcome.HALTED if action is Action.HALT else outcome).value, targets=targets)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(SERVERS), st.sampled_from(list(Action)),
+                          st.sampled_from([o for o in Outcome if o is not Outcome.HALTED]), st.floats(1, 5000)),
+                max_size=12),
+       st.lists(st.sampled_from(SERVERS), unique=True),
+       st.tuples(st.booleans(), st.booleans(), st.booleans(), st.booleans()),
+       st.sampled_from([NOW - 10, NOW - 6000]),
+       st.integers(1, 3), st.integers(0, 8), st.sampled_from(["Auto", "DryRun"]),
+       st.sampled_from(["Halt", "RestartRole"]), st.integers(1, 3))
+def test_policy_invariants(past, stalled_now, ready, created, k, budget, mode, escalate, after):
+    """Whatever happened before (restarts of servers, peers and roles with any outcome, halts),
+    however many servers are Ready: never more than the budget per hour, never more than K servers
+    of a role at once, never a server twice in one plan, never a server in cooldown, nothing while
+    a recent Halt stands, and never a role's last Ready server unless its stall excuses it."""
+    s = spec(maxConcurrentPerRole=k, budgetPerHour=budget, mode=mode, cooldownSeconds=300,
+             escalation={"action": escalate, "afterRemediations": after})
+    history = with_records([], [_past(*p) for p in past])
+    servers = [ServerView(n, n.split("-")[1], r, created=created) for n, r in zip(SERVERS, ready)]
+    plan = decide([stalled(n) for n in stalled_now], history, s, servers, NOW)
     acted = [d for d in plan.actions if d.action is not Action.HALT]
-    assert plan.budget_used + len(acted) <= max(budget, plan.budget_used)
-    targets = [t for d in acted for t in (d.targets[:d.batch] if d.rolling else d.targets)]
+    assert plan.budget_used + len(acted) <= max(plan.budget, plan.budget_used)
+    targets = [t for d in acted for t in d.targets]
     assert len(targets) == len(set(targets))
+    first_batches = [t for d in acted for t in (d.targets[:d.batch] if d.rolling else d.targets)]
     for role in ("context", "generation"):
         busy = [n for n in plan.in_progress if role in n]
-        assert len(busy) + sum(role in t for t in targets) <= max(k, len(busy))
+        assert len(busy) + sum(role in t for t in first_batches) <= max(k, len(busy))
     for d in acted:
         assert not any((d.verdict.server == r.server or d.verdict.server in r.targets) and NOW - r.time < 300
                        for r in history)
-    if mode == "DryRun":
+    if mode == "DryRun" or any(r.action == "Halt" and NOW - r.time < 3600 for r in history):
         assert acted == []
+
+    def wholly_stalled(role):
+        return all(n in stalled_now for n in SERVERS if role in n)
+
+    def ready_left(role, removed):
+        return [v.name for v in servers if v.role == role and v.ready and v.name not in plan.in_progress
+                and v.name not in removed]
+    for d in acted:
+        removed = d.targets[:d.batch] if d.rolling else d.targets
+        for role in {t.split("-")[1] for t in removed}:
+            excused = wholly_stalled(role) or (role != d.verdict.role and wholly_stalled(d.verdict.role))
+            if ready_left(role, ()) and not excused:
+                assert ready_left(role, removed), (d, servers)
