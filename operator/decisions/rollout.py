@@ -14,11 +14,15 @@ Per role the rules, in order (the first that applies decides this pass):
 
 Everything else (the router's objects) is applied when missing or when its template hash changed,
 and deleted when no longer wanted.
+
+Each action says how to report it: `verb` and `past` for messages, `reason` (done) and `failure`
+(refused) for Events and the Degraded condition.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from adpfleet.operator.decisions.observed import OwnedObject, ServerPod
 from adpfleet.operator.resource import names
@@ -29,6 +33,13 @@ class CreateServer:
     role: str
     index: int
     why: str
+    verb: ClassVar[str] = "create"
+    past: ClassVar[str] = "created"
+    reason: ClassVar[str] = "CreatedServer"        # the Event when it was done ...
+    failure: ClassVar[str] = "CreateServerFailed"  # ... and when the API refused it
+
+    def describe(self, fleet: str) -> str:
+        return f"{self.role} server {names.server_name(fleet, self.role, self.index)}"
 
 
 @dataclass(frozen=True)
@@ -37,6 +48,13 @@ class DeleteServer:
     name: str
     uid: str
     why: str
+    verb: ClassVar[str] = "delete"
+    past: ClassVar[str] = "deleted"
+    reason: ClassVar[str] = "DeletedServer"
+    failure: ClassVar[str] = "DeleteServerFailed"
+
+    def describe(self, fleet: str) -> str:
+        return f"{self.role} server {self.name}"
 
 
 @dataclass(frozen=True)
@@ -45,6 +63,13 @@ class ApplyObject:
     name: str
     manifest: dict = field(compare=False, hash=False, repr=False)
     why: str = ""
+    verb: ClassVar[str] = "apply"
+    past: ClassVar[str] = "applied"
+    reason: ClassVar[str] = "Applied"
+    failure: ClassVar[str] = "ApplyFailed"
+
+    def describe(self, fleet: str) -> str:
+        return f"{self.kind} {self.name}"
 
 
 @dataclass(frozen=True)
@@ -53,6 +78,13 @@ class DeleteObject:
     name: str
     uid: str
     why: str
+    verb: ClassVar[str] = "delete"
+    past: ClassVar[str] = "deleted"
+    reason: ClassVar[str] = "Deleted"
+    failure: ClassVar[str] = "DeleteFailed"
+
+    def describe(self, fleet: str) -> str:
+        return f"{self.kind} {self.name}"
 
 
 Action = CreateServer | DeleteServer | ApplyObject | DeleteObject

@@ -12,7 +12,8 @@ from aiohttp.test_utils import TestClient, TestServer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from adpfleet.operator.alerts import (ALERTS_PATH, AlertInbox, AlertReceiver, SeenAlerts, StaticToken,
+from adpfleet.operator.inbox import AlertInbox
+from adpfleet.operator.alerts import (ALERTS_PATH, AlertReceiver, SeenAlerts, StaticToken,
                                       parse_payload, PayloadError)
 
 TOKEN = "s3cret-token"

@@ -1,9 +1,10 @@
 """Desired objects are a pure function of the spec."""
 
-from adpfleet.operator.decisions.desired import FleetRef, desired_fleet, router_objects, server_template
+from adpfleet.operator.decisions.desired import desired_fleet, router_objects, server_template
 from adpfleet.operator.decisions.observed import ServerPod
 from adpfleet.operator.decisions.rollout import plan_role
 from adpfleet.operator.resource import names
+from adpfleet.operator.resource.names import FleetRef
 from adpfleet.operator.resource.models import FleetSpec
 
 from specs import fleet_manifest
