@@ -6,11 +6,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from adpfleet.operator.decisions.detection import StallVerdict
-from adpfleet.operator.decisions.history import (Remediation, budget_used, history_from_status, resolved,
-                                                 restarts_in_progress, still_to_delete, with_records)
+from adpfleet.operator.decisions.history import (Remediation, budget_used, history_from_status, left_drained,
+                                                 pending, resolved, restart_deadline, restarts_in_progress,
+                                                 still_to_delete, with_records)
 from adpfleet.operator.decisions.observed import ServerView
 from adpfleet.operator.decisions.remediation import decide
-from adpfleet.operator.decisions.stall_status import degraded_problem, stall_conditions
+from adpfleet.operator.decisions.stall_status import degraded_problem, overlay, stall_conditions
 from adpfleet.operator.resource.vocabulary import Action, Choice, Outcome, ServerState, Signature
 from adpfleet.operator.resource.models import FleetSpec
 
@@ -152,6 +153,35 @@ def test_a_pod_created_in_the_decisions_own_second_is_the_replacement():
                       action=Action.RESTART_SERVER, outcome=Outcome.PENDING, targets=("f-context-0",))
     assert not still_to_delete(rec, NOW)
     assert still_to_delete(rec, NOW - 1)
+
+
+def test_a_restarted_operator_finishes_pending_records_until_their_restart_deadline():
+    s = spec(drainTimeoutSeconds=30)  # startup 600 s by default: the deadline is 30 + 600 + 60 s
+    fresh, stale = record(ago=100, outcome=Outcome.PENDING), record("f-context-1", ago=700, outcome=Outcome.PENDING)
+    done = record("f-generation-0", ago=100)
+    assert pending([fresh, stale, done], s, NOW) == ([fresh], [stale])
+
+
+def test_the_restart_deadline_uses_the_roles_startup_and_the_longest_for_an_unknown_role():
+    s = FleetSpec.model_validate({"image": "x", "model": {"name": "tiny"},
+                                  "context": {"probes": {"startupTimeoutSeconds": 100}},
+                                  "generation": {"probes": {"startupTimeoutSeconds": 900}},
+                                  "remediation": {"drainTimeoutSeconds": 10}})
+    rec = record(ago=0)
+    assert restart_deadline(rec, s, "context") == NOW + 10 + 100 + 60
+    assert restart_deadline(rec, s, "generation") == NOW + 10 + 900 + 60
+    assert restart_deadline(rec, s) == restart_deadline(rec, s, "aggregated") == NOW + 10 + 900 + 60
+
+
+def test_a_server_left_drained_by_a_recovered_action_is_undrained():
+    recovered = record(ago=30, outcome=Outcome.RECOVERED)
+    drained = fleet(created=NOW - 3600, f_context_0=ServerView("f-context-0", "context", True, created=NOW - 3600,
+                                                               draining=True))
+    assert left_drained([recovered], drained, NOW) == ["f-context-0"]
+    assert left_drained([record(ago=30, outcome=Outcome.PENDING)], drained, NOW) == []  # still being restarted
+    replaced = fleet(f_context_0=ServerView("f-context-0", "context", True, created=NOW - 1, draining=True))
+    assert left_drained([recovered], replaced, NOW) == []  # a new pod: drained for another reason
+    assert left_drained([record(ago=7200, outcome=Outcome.RECOVERED)], drained, NOW) == []
 
 
 # ---- escalation ---------------------------------------------------------------------------------
@@ -340,6 +370,24 @@ def test_conditions_stalled_and_remediating():
     previous = {c["type"]: c for c in (stalled_c, remediating)}
     s2, r2 = stall_conditions([], calm, previous, 3, "2024-01-01T00:01:00Z")
     assert (s2["status"], r2["status"]) == ("False", "False") and s2["lastTransitionTime"] == "2024-01-01T00:01:00Z"
+
+
+def test_remediations_degraded_reason_shows_unless_the_reconcile_reports_a_problem_of_its_own():
+    halted = decide([stalled()], [record(ago=a) for a in (100, 200, 300)],
+                    spec(escalation={"afterRemediations": 3, "action": "Halt"}), fleet(), NOW)
+    now = "2024-01-01T00:00:00Z"
+
+    def status(degraded: str, reason: str) -> dict:
+        return {"observedGeneration": 2, "conditions": [
+            {"type": "Degraded", "status": degraded, "reason": reason, "message": "", "lastTransitionTime": now,
+             "observedGeneration": 2}]}
+    fine = overlay(status("False", "AsExpected"), {}, [stalled()], halted, [], now, generation=2)
+    conditions = {c["type"]: c for c in fine["conditions"]}
+    assert (conditions["Degraded"]["status"], conditions["Degraded"]["reason"]) == ("True", "RemediationHalted")
+    assert conditions["Stalled"]["status"] == "True" and "recentRemediations" not in fine
+    own = overlay(status("True", "SecretNotFound"), {}, [stalled()], halted, [record()], now, generation=2)
+    assert {c["type"]: c["reason"] for c in own["conditions"]}["Degraded"] == "SecretNotFound"
+    assert own["recentRemediations"] == [record().to_status()]
 
 
 # ---- properties -----------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ StatusPart (overlay, then stored)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 
 import pytest
@@ -219,3 +220,24 @@ def test_an_alert_the_fresh_scrapes_do_not_confirm_is_not_acted_on():
     w.inbox.put(StallAlert("AdpfleetServerStalled", "prod", "llama", "llama-context-0", "fp", "t", T0))
     run(w.ticks(1))
     assert w.api.deletes() == [] and w.api.events("AlertNotConfirmed")
+
+
+def test_a_restarted_operator_abandons_a_pending_action_too_old_to_finish():
+    stale = Remediation(time=T0 - 10_000, role="context", server="llama-context-0", signature=Signature.VETOED,
+                        action=Action.RESTART_SERVER, outcome=Outcome.PENDING, message="m",
+                        targets=("llama-context-0",))
+    w = World(status={"recentRemediations": [stale.to_status()]})
+    run(w.ticks(2))
+    assert w.api.deletes() == [] and not [c for c in w.api.calls if c[0] == "drain"]
+    (record,) = w.records()
+    assert record["outcome"] == "Failed" and "too old to finish" in record["message"]
+
+
+def test_a_server_left_drained_by_a_recovered_action_is_undrained():
+    recovered = Remediation(time=T0 - 30, role="context", server="llama-context-0", signature=Signature.VETOED,
+                            action=Action.RESTART_SERVER, outcome=Outcome.RECOVERED, message="m",
+                            targets=("llama-context-0",))
+    w = World(status={"recentRemediations": [recovered.to_status()]})
+    w.pods["llama-context-0"] = dataclasses.replace(w.pods["llama-context-0"], draining=True)
+    run(w.ticks(1))
+    assert ("undrain", "llama-context-0", "llama-context-0-uid") in w.api.calls and w.api.deletes() == []
