@@ -28,7 +28,7 @@ from adpfleet.operator.decisions.conditions import Problem
 from adpfleet.operator.decisions.desired import DesiredFleet, desired_fleet
 from adpfleet.operator.decisions.observed import FleetObservation, ServerPod
 from adpfleet.operator.decisions.rollout import (Action, ApplyObject, CreateServer, DeleteObject, DeleteServer,
-                                                 RolePlan, plan_objects, plan_role)
+                                                 RolePlan, Wording, plan_objects, plan_role)
 from adpfleet.operator.resource import names
 from adpfleet.operator.resource.models import FleetSpec, fleet_name_problem
 from adpfleet.operator.resource.names import FleetRef
@@ -146,23 +146,23 @@ class Reconciler:
         actions += [a for p in plans for a in p.actions if isinstance(a, DeleteServer)]
         actions += [a for p in plans for a in p.actions if isinstance(a, CreateServer)]
         failures = []
-        done: dict[tuple[type, str], list[str]] = {}  # (action type, why) -> what was done
+        done: dict[tuple[Wording, str], list[str]] = {}  # (how the action is said, why) -> what was done
         for action in actions:
             outcome = await self._act(fleet, desired, action, memory)
             self.metrics.actions.labels(type(action).__name__).inc()
             what = action.describe(fleet.name)
             if outcome.ok:
-                logger.info("%s %s (%s)", action.past, what, action.why)
-                done.setdefault((type(action), action.why), []).append(what)
+                logger.info("%s %s (%s)", action.wording.past, what, action.why)
+                done.setdefault((action.wording, action.why), []).append(what)
             else:
-                message = f"could not {action.verb} {what}: {outcome.message}"
+                message = f"could not {action.wording.verb} {what}: {outcome.message}"
                 logger.warning(message)
-                await self.api.record_event(fleet, "Warning", action.failure, message)
-                failures.append(Problem(action.failure, message))
+                await self.api.record_event(fleet, "Warning", action.wording.failure, message)
+                failures.append(Problem(action.wording.failure, message))
         # One Event per kind of change and reason, naming every object, rather than one per object:
         # a new fleet of six servers and a router is three Events, not eleven.
-        for (kind, why), what in done.items():
-            await self.api.record_event(fleet, "Normal", kind.reason, f"{kind.past} {', '.join(what)} ({why})")
+        for (wording, why), what in done.items():
+            await self.api.record_event(fleet, "Normal", wording.reason, f"{wording.past} {', '.join(what)} ({why})")
         problems += failures
 
         # The status describes the fleet as these actions left it (a deleted pod is terminating, a

@@ -15,8 +15,8 @@ Per role the rules, in order (the first that applies decides this pass):
 Everything else (the router's objects) is applied when missing or when its template hash changed,
 and deleted when no longer wanted.
 
-Each action says how to report it: `verb` and `past` for messages, `reason` (done) and `failure`
-(refused) for Events and the Degraded condition.
+Each action says how it is reported (`wording`: verb and past tense for messages, the Event reasons
+for done and refused) and what it acts on (`describe`).
 """
 
 from __future__ import annotations
@@ -29,14 +29,20 @@ from adpfleet.operator.resource import names
 
 
 @dataclass(frozen=True)
+class Wording:
+    """How an action is reported: in log lines and messages, and as Event (and Degraded) reasons."""
+    verb: str      # "could not create ..."
+    past: str      # "created ..."
+    reason: str    # the Event when it was done
+    failure: str   # the Event and Degraded reason when the API refused it
+
+
+@dataclass(frozen=True)
 class CreateServer:
     role: str
     index: int
     why: str
-    verb: ClassVar[str] = "create"
-    past: ClassVar[str] = "created"
-    reason: ClassVar[str] = "CreatedServer"        # the Event when it was done ...
-    failure: ClassVar[str] = "CreateServerFailed"  # ... and when the API refused it
+    wording: ClassVar[Wording] = Wording("create", "created", "CreatedServer", "CreateServerFailed")
 
     def describe(self, fleet: str) -> str:
         return f"{self.role} server {names.server_name(fleet, self.role, self.index)}"
@@ -48,10 +54,7 @@ class DeleteServer:
     name: str
     uid: str
     why: str
-    verb: ClassVar[str] = "delete"
-    past: ClassVar[str] = "deleted"
-    reason: ClassVar[str] = "DeletedServer"
-    failure: ClassVar[str] = "DeleteServerFailed"
+    wording: ClassVar[Wording] = Wording("delete", "deleted", "DeletedServer", "DeleteServerFailed")
 
     def describe(self, fleet: str) -> str:
         return f"{self.role} server {self.name}"
@@ -63,10 +66,7 @@ class ApplyObject:
     name: str
     manifest: dict = field(compare=False, hash=False, repr=False)
     why: str = ""
-    verb: ClassVar[str] = "apply"
-    past: ClassVar[str] = "applied"
-    reason: ClassVar[str] = "Applied"
-    failure: ClassVar[str] = "ApplyFailed"
+    wording: ClassVar[Wording] = Wording("apply", "applied", "Applied", "ApplyFailed")
 
     def describe(self, fleet: str) -> str:
         return f"{self.kind} {self.name}"
@@ -78,10 +78,7 @@ class DeleteObject:
     name: str
     uid: str
     why: str
-    verb: ClassVar[str] = "delete"
-    past: ClassVar[str] = "deleted"
-    reason: ClassVar[str] = "Deleted"
-    failure: ClassVar[str] = "DeleteFailed"
+    wording: ClassVar[Wording] = Wording("delete", "deleted", "Deleted", "DeleteFailed")
 
     def describe(self, fleet: str) -> str:
         return f"{self.kind} {self.name}"
