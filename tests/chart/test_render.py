@@ -322,8 +322,8 @@ def test_given_a_certificate_the_webhook_is_served_over_tls_on_its_own_port():
 
 # ---- RBAC ---------------------------------------------------------------------------------------
 
-# Exactly what the operator's code asks of the API (operator/handlers.py, adapters/kube.py,
-# stall.py): a new verb here must come with the code that uses it.
+# Exactly what the operator's code asks of the API (kopf's watches from operator/handlers.py, every
+# other request in operator/adapters/kube.py): a new verb here must come with the code that uses it.
 FLEET_RULES = {
     ("adpfleet.io", "inferencefleets"): {"list", "watch", "patch"},
     ("adpfleet.io", "inferencefleets/status"): {"patch"},
