@@ -7,6 +7,7 @@ does not import torch (the CLI imports it in the operator's image too).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, fields
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -50,6 +51,10 @@ class EngineConfig:
         import torch
 
         return getattr(torch, self.dtype)
+
+    def with_model(self, model: str) -> "EngineConfig":
+        """The same settings for a resolved model (a URI's local directory)."""
+        return dataclasses.replace(self, model=model)
 
     @classmethod
     def from_args(cls, args) -> "EngineConfig":
