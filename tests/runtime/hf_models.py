@@ -29,8 +29,9 @@ def hf_config(model_type: str, **overrides):
     return transformers.AutoConfig.for_model(model_type, **{**COMMON, **EXTRA.get(model_type, {}), **overrides})
 
 
-def save_hf_model(model_type: str, path, seed: int = 0, **overrides):
-    """Build a random transformers model of this model_type, save it, return it (eval, float32)."""
+def save_hf_model(model_type: str, path, seed: int = 0, max_shard_size: str | None = None, **overrides):
+    """Build a random transformers model of this model_type, save it (sharded with an index if
+    `max_shard_size` is given), return it (eval, float32)."""
     import transformers
 
     torch.manual_seed(seed)
@@ -42,7 +43,7 @@ def save_hf_model(model_type: str, path, seed: int = 0, **overrides):
             elif name.endswith("norm.weight"):
                 p.normal_(1, 0.2)
     model.eval()
-    model.save_pretrained(str(path))
+    model.save_pretrained(str(path), **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     return model
 
 
