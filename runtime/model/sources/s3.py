@@ -29,7 +29,8 @@ class S3Source:
         self.endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
         config = Config(retries={"max_attempts": 3, "mode": "standard"}, connect_timeout=10, read_timeout=60,
                         s3={"addressing_style": "path"} if self.endpoint else {})
-        self.client = boto3.client("s3", endpoint_url=self.endpoint, config=config)
+        # a new session: credentials are read from the environment now, not cached from an earlier client
+        self.client = boto3.session.Session().client("s3", endpoint_url=self.endpoint, config=config)
         self.prefix = uri.path + "/" if uri.path else ""
         self.revision: str | None = None  # S3 has no revisions; the marker keeps the ETags instead
         self.etags: dict[str, str] = {}
