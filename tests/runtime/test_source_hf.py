@@ -212,3 +212,24 @@ def test_generate_runs_a_model_given_by_its_hf_uri(env, capsys):
     from adpfleet.cli import main
 
     assert main(["generate", "hello world", "--model", f"hf://{REPO}@v1", "--max-tokens", "3"]) == 0
+
+
+@pytest.fixture
+def small_volume(tmp_path):
+    """A 64 KiB tmpfs: room for the metadata, not for the weights."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)],
+                      capture_output=True).returncode:
+        pytest.skip("mounting a small tmpfs needs root (CAP_SYS_ADMIN)")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_cache_volume_without_room_is_disk_full_before_the_weights(env, hub, small_volume):
+    with pytest.raises(ModelSourceError) as err:
+        resolve_model(f"hf://{REPO}", cache_dir=str(small_volume))
+    assert err.value.reason == "DiskFull" and "GB free" in str(err.value)
+    assert not [p for m, p, _ in hub.log if m == "GET" and "/lfs-objects/" in p]
