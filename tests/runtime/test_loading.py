@@ -105,12 +105,27 @@ def test_configs_the_runtime_does_not_run_are_refused_naming_the_key(model_type,
     assert err.value.reason == ("UnsupportedModelType" if key == "model_type" else "InvalidModel")
 
 
-@pytest.mark.parametrize("model_type, features", [
-    ("llama", dict(qkv_bias=False, o_bias=False, qk_norm=False, is_moe=False)),
-    ("mixtral", dict(qkv_bias=False, qk_norm=False, is_moe=True)),
-    ("qwen2", dict(qkv_bias=True, o_bias=False, qk_norm=False, tie_word_embeddings=True)),
-    ("qwen3", dict(qkv_bias=False, o_bias=False, qk_norm=True)),
+@pytest.mark.parametrize("model_type, features, overrides", [
+    ("llama", dict(qkv_bias=False, o_bias=False, qk_norm=False, is_moe=False), {}),
+    ("llama", dict(qkv_bias=True, o_bias=True), dict(attention_bias=True)),
+    ("mixtral", dict(qkv_bias=False, qk_norm=False, is_moe=True, num_local_experts=4), {}),
+    ("qwen2", dict(qkv_bias=True, o_bias=False, qk_norm=False, tie_word_embeddings=True), {}),
+    ("qwen3", dict(qkv_bias=False, o_bias=False, qk_norm=True), {}),
+    ("qwen3", dict(qkv_bias=True, o_bias=True, qk_norm=True), dict(attention_bias=True)),
 ])
-def test_each_architecture_maps_its_config(model_type, features):
-    cfg = ModelConfig.from_dict(json.loads(hf_config(model_type).to_json_string()))
+def test_each_architecture_maps_its_config(model_type, features, overrides):
+    cfg = ModelConfig.from_dict(json.loads(hf_config(model_type, **overrides).to_json_string()))
     assert {k: getattr(cfg, k) for k in features} == features
+
+
+def test_a_tensor_for_an_expert_the_config_lacks_is_named():
+    from pathlib import Path
+
+    from adpfleet.runtime.model.tiny import tiny_checkpoint
+
+    cfg, weights = tiny_checkpoint("tiny")
+    weights["model.layers.0.block_sparse_moe.experts.7.w1.weight"] = weights[
+        "model.layers.0.block_sparse_moe.experts.0.w1.weight"]
+    with pytest.raises(ModelLoadError) as err:
+        assemble(cfg, [(Path("ckpt"), weights.items())], ParallelContext(), "cpu", torch.float32)
+    assert "is for expert 7, but config.json has num_local_experts=4" in str(err.value)
