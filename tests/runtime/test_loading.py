@@ -129,3 +129,17 @@ def test_a_tensor_for_an_expert_the_config_lacks_is_named():
     with pytest.raises(ModelLoadError) as err:
         assemble(cfg, [(Path("ckpt"), weights.items())], ParallelContext(), "cpu", torch.float32)
     assert "is for expert 7, but config.json has num_local_experts=4" in str(err.value)
+
+
+def test_a_chat_template_file_is_the_models_chat_template(tmp_path):
+    from tokenizers import Tokenizer, models
+
+    from adpfleet.runtime.tokenizer import load_tokenizer
+
+    Tokenizer(models.WordLevel({"<unk>": 0, "hi": 1}, unk_token="<unk>")).save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "old"}))
+    cfg = ModelConfig.from_dict(hf_config("llama").to_dict())
+    assert load_tokenizer(str(tmp_path), cfg).chat_template == "old"
+    (tmp_path / "chat_template.jinja").write_text("{{ messages[0].content }}!")
+    tok = load_tokenizer(str(tmp_path), cfg)
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "hi!"
