@@ -1,10 +1,11 @@
 """Load a CausalLM from a Hugging Face directory (`config.json` + `*.safetensors`), for any
 registered architecture.
 
-The model is built directly in its dtype and on its device, with parameters set to NaN; then
-each checkpoint file is read in turn (memory-mapped, shard by shard) and each tensor goes to the
-parameter its architecture maps it to, whose weight loader reads only the slice this rank keeps.
-A parameter still NaN at the end is one the checkpoint lacks: it is named, never left random.
+The model is built directly in its dtype and on its device, its parameters allocated but not
+initialised; then each checkpoint file is read in turn (memory-mapped, shard by shard) and each
+tensor goes to the parameter its architecture maps it to, whose weight loader reads only the slice
+this rank keeps and says how much it wrote. A parameter not wholly written at the end is one the
+checkpoint lacks (or lacks a part of): it is named, never left uninitialised.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from adpfleet.runtime.model.config import ModelConfig, ModelLoadError
 from adpfleet.runtime.model.parallel import SINGLE, ParallelContext
 from adpfleet.runtime.model.registry import architecture
 from adpfleet.runtime.model.tiny import TINY_MODELS, tiny_checkpoint
-from adpfleet.runtime.model.weights import (CheckpointTensor, WeightMismatch, checkpoint_files, default_dtype,
-                                            default_loader, read_checkpoint)
+from adpfleet.runtime.model.weights import (CheckpointTensor, WeightMismatch, checkpoint_files, default_loader,
+                                            empty_parameters, read_checkpoint)
 
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -44,25 +45,26 @@ def assemble(cfg: ModelConfig, sources: Iterable[Source], par: ParallelContext, 
              dtype: torch.dtype) -> CausalLM:
     """Build the model and fill it from (file, iterable of (name, tensor)) pairs, one file at a time."""
     arch = architecture(cfg.model_type)
-    with torch.device(device), default_dtype(dtype):
+    with torch.device(device), empty_parameters(dtype):
         model = CausalLM(cfg, par)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    written: dict[int, int] = {}  # elements written, by parameter (tied ones are one parameter)
     with torch.no_grad():
-        for p in model.parameters():
-            p.fill_(float("nan"))
-        params = dict(model.named_parameters(remove_duplicate=False))
         for file, named in sources:
             for name, tensor in named:
                 if not _IGNORED.search(name):
-                    _load_tensor(cfg, arch.parameter_for(name), params, name, tensor, file)
+                    param, n = _load_tensor(cfg, arch.parameter_for(name), params, name, tensor, file)
+                    written[id(param)] = written.get(id(param), 0) + n
     for name, p in model.named_parameters():
-        if torch.isnan(p).any():
+        if written.get(id(p), 0) < p.numel():
             raise ModelLoadError(f"the checkpoint has no weights for parameter {name!r} "
                                  f"(expected for {cfg.model_type} with {cfg.num_hidden_layers} layers)")
     return model.to(device=device, dtype=dtype).eval()
 
 
 def _load_tensor(cfg: ModelConfig, target: tuple[str, dict], params: dict, name: str,
-                 tensor: CheckpointTensor, file: Path) -> None:
+                 tensor: CheckpointTensor, file: Path) -> tuple[torch.nn.Parameter, int]:
+    """The parameter the tensor went to and how many of its elements it wrote."""
     layer = _LAYER.match(name)
     if layer and int(layer.group(1)) >= cfg.num_hidden_layers:
         raise ModelLoadError(f"{file}: tensor {name!r} is for layer {layer.group(1)}, but config.json has "
@@ -73,6 +75,6 @@ def _load_tensor(cfg: ModelConfig, target: tuple[str, dict], params: dict, name:
         raise ModelLoadError(f"{file}: unexpected tensor {name!r} for a {cfg.model_type} model "
                              f"(no parameter {param_name!r}; is config.json from another model?)")
     try:
-        getattr(param, "weight_loader", default_loader)(param, tensor, **shard)
+        return param, getattr(param, "weight_loader", default_loader)(param, tensor, **shard)
     except WeightMismatch as e:
         raise ModelLoadError(f"{file}: tensor {name!r} {e}") from None

@@ -4,10 +4,11 @@ A checkpoint is read one safetensors file at a time, memory-mapped; a tensor is 
 parameter asks for it and then only the slice this rank keeps (`CheckpointTensor[index]`), so a
 rank never holds a whole checkpoint, or another rank's shard, in memory.
 
-Each parameter carries a `weight_loader(param, tensor, **shard)`: the default copies a tensor of
-the parameter's shape; the packed and parallel layers attach the loaders below, which check the
-tensor's full shape against the config, pick the slice and the place (rows of a packed qkv or
-gate_up, this rank's columns of a tensor-parallel projection, this rank's experts).
+Each parameter carries a `weight_loader(param, tensor, **shard) -> elements written`: the default
+copies a tensor of the parameter's shape; the packed and parallel layers attach the loaders below,
+which check the tensor's full shape against the config, pick the slice and the place (rows of a
+packed qkv or gate_up, this rank's columns of a tensor-parallel projection, this rank's experts).
+The loader adds up what each parameter was given, so a part the checkpoint lacks is found.
 """
 
 from __future__ import annotations
@@ -86,8 +87,9 @@ def read(tensor: CheckpointTensor, expected: tuple[int, ...], index=slice(None))
     return tensor[index]
 
 
-def default_loader(param: torch.Tensor, tensor: CheckpointTensor) -> None:
+def default_loader(param: torch.Tensor, tensor: CheckpointTensor) -> int:
     param.data.copy_(read(tensor, tuple(param.shape)))
+    return param.numel()
 
 
 def packed_loader(sizes: dict[str, int]):
@@ -96,9 +98,9 @@ def packed_loader(sizes: dict[str, int]):
     for part, size in sizes.items():
         offsets[part], start = (start, start + size), start + size
 
-    def load(param, tensor, part: str) -> None:
+    def load(param, tensor, part: str) -> int:
         lo, hi = offsets[part]
-        param.data[lo:hi].copy_(read(tensor, (hi - lo, *param.shape[1:])))
+        return param.data[lo:hi].copy_(read(tensor, (hi - lo, *param.shape[1:]))).numel()
     return load
 
 
@@ -107,16 +109,16 @@ def column_parallel_loader(full: int, lo: int, hi: int, parts: tuple[str, ...]):
     has each part whole ([full, in]); this rank reads its rows."""
     local = hi - lo
 
-    def load(param, tensor, part: str) -> None:
+    def load(param, tensor, part: str) -> int:
         k = parts.index(part)
-        param.data[k * local:(k + 1) * local].copy_(read(tensor, (full, param.shape[1]), slice(lo, hi)))
+        return param.data[k * local:(k + 1) * local].copy_(read(tensor, (full, param.shape[1]), slice(lo, hi))).numel()
     return load
 
 
 def row_parallel_loader(full: int, lo: int, hi: int):
     """A tensor-parallel down projection: the checkpoint's [out, full]; this rank reads columns."""
-    def load(param, tensor) -> None:
-        param.data.copy_(read(tensor, (param.shape[0], full), (slice(None), slice(lo, hi))))
+    def load(param, tensor) -> int:
+        return param.data.copy_(read(tensor, (param.shape[0], full), (slice(None), slice(lo, hi)))).numel()
     return load
 
 
@@ -124,21 +126,20 @@ def expert_loader(num_experts: int, first: int, last: int, parts: tuple[str, ...
     """Experts [first, last) of `num_experts` stacked on dim 0, each of `parts` stacked on dim 1.
     A tensor is one expert's part (`expert`, `part`) or all experts at once (no shard ids); other
     ranks' experts are never read."""
-    def load(param, tensor, expert: int | None = None, part: str | None = None) -> None:
+    def load(param, tensor, expert: int | None = None, part: str | None = None) -> int:
         per_expert = tuple(param.shape[1:])
         if expert is None:
-            param.data.copy_(read(tensor, (num_experts, *per_expert), slice(first, last)))
-            return
+            return param.data.copy_(read(tensor, (num_experts, *per_expert), slice(first, last))).numel()
         if expert >= num_experts:
             raise WeightMismatch(f"is for expert {expert}, but config.json has num_local_experts={num_experts}")
         if not first <= expert < last:
-            return  # another rank's expert
+            return 0  # another rank's expert
         dest = param.data[expert - first]
         if part is not None:
             rows = per_expert[0] // len(parts)
             k = parts.index(part)
             dest = dest[k * rows:(k + 1) * rows]
-        dest.copy_(read(tensor, tuple(dest.shape)))
+        return dest.copy_(read(tensor, tuple(dest.shape))).numel()
     return load
 
 
@@ -146,12 +147,24 @@ def set_loader(param: torch.nn.Parameter, loader) -> None:
     param.weight_loader = loader
 
 
+_INIT_FUNCTIONS = ("uniform_", "normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
+                   "xavier_normal_", "trunc_normal_", "zeros_", "ones_", "constant_")
+
+
 @contextmanager
-def default_dtype(dtype: torch.dtype):
-    """Parameters created inside are allocated in `dtype` (no float32 copy first)."""
-    before = torch.get_default_dtype()
+def empty_parameters(dtype: torch.dtype):
+    """Parameters created inside are allocated in `dtype` (no float32 copy first) and not
+    randomly initialised (the checkpoint overwrites them; initialising them took three quarters
+    of a load), as transformers does when it loads."""
+    import torch.nn.init as init
+
+    before, saved = torch.get_default_dtype(), {name: getattr(init, name) for name in _INIT_FUNCTIONS}
     torch.set_default_dtype(dtype)
+    for name in _INIT_FUNCTIONS:
+        setattr(init, name, lambda tensor, *args, **kwargs: tensor)
     try:
         yield
     finally:
         torch.set_default_dtype(before)
+        for name, fn in saved.items():
+            setattr(init, name, fn)

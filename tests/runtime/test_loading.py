@@ -143,3 +143,15 @@ def test_a_chat_template_file_is_the_models_chat_template(tmp_path):
     (tmp_path / "chat_template.jinja").write_text("{{ messages[0].content }}!")
     tok = load_tokenizer(str(tmp_path), cfg)
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "hi!"
+
+
+def test_a_part_of_a_packed_parameter_the_checkpoint_lacks_is_named():
+    from pathlib import Path
+
+    from adpfleet.runtime.model.tiny import tiny_checkpoint
+
+    cfg, weights = tiny_checkpoint("tiny-dense")
+    del weights["model.layers.1.self_attn.k_proj.weight"]
+    with pytest.raises(ModelLoadError) as err:
+        assemble(cfg, [(Path("ckpt"), weights.items())], ParallelContext(), "cpu", torch.float32)
+    assert "no weights for parameter 'model.layers.1.self_attn.qkv_proj.weight'" in str(err.value)
