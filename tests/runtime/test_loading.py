@@ -155,3 +155,16 @@ def test_a_part_of_a_packed_parameter_the_checkpoint_lacks_is_named():
     with pytest.raises(ModelLoadError) as err:
         assemble(cfg, [(Path("ckpt"), weights.items())], ParallelContext(), "cpu", torch.float32)
     assert "no weights for parameter 'model.layers.1.self_attn.qkv_proj.weight'" in str(err.value)
+
+
+def test_a_rank_needs_only_its_own_experts():
+    from pathlib import Path
+
+    from adpfleet.runtime.model.tiny import tiny_checkpoint
+
+    cfg, weights = tiny_checkpoint("tiny")
+    del weights["model.layers.0.block_sparse_moe.experts.3.w1.weight"]  # rank 1's (4 experts, 2 ranks)
+    assemble(cfg, [(Path("ckpt"), weights.items())], ParallelContext(0, 2), "cpu", torch.float32)
+    with pytest.raises(ModelLoadError) as err:
+        assemble(cfg, [(Path("ckpt"), weights.items())], ParallelContext(1, 2), "cpu", torch.float32)
+    assert "no weights for parameter 'model.layers.0.mlp.gate_up'" in str(err.value)
