@@ -17,11 +17,12 @@ from pathlib import Path
 import torch
 
 from adpfleet.runtime.model.causal_lm import CausalLM
+from adpfleet.runtime.model.checkpoint import checkpoint_files
 from adpfleet.runtime.model.config import ModelConfig, ModelLoadError
 from adpfleet.runtime.model.parallel import SINGLE, ParallelContext
 from adpfleet.runtime.model.registry import architecture
 from adpfleet.runtime.model.tiny import TINY_MODELS, tiny_checkpoint
-from adpfleet.runtime.model.weights import (CheckpointTensor, WeightMismatch, checkpoint_files, default_loader,
+from adpfleet.runtime.model.weights import (CheckpointTensor, WeightMismatch, default_loader,
                                             empty_parameters, read_checkpoint)
 
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")

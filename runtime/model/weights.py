@@ -13,7 +13,6 @@ The loader adds up what each parameter was given, so a part the checkpoint lacks
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,10 +20,7 @@ from typing import Protocol
 
 import torch
 
-from adpfleet.model_uri import NO_SAFETENSORS
 from adpfleet.runtime.model.errors import ModelLoadError
-
-INDEX_FILE = "model.safetensors.index.json"
 
 
 class CheckpointTensor(Protocol):
@@ -45,26 +41,6 @@ class _SafetensorsSlice:
 
     def __getitem__(self, index) -> torch.Tensor:
         return self._slice[index]
-
-
-def checkpoint_files(path: Path) -> list[Path]:
-    """The safetensors files of a model directory: the shards its index names, else every
-    `*.safetensors` file."""
-    index = path / INDEX_FILE
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = [path / name for name in sorted(set(weight_map.values()))]
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise ModelLoadError(f"{index} is not a safetensors index ({e})") from None
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise ModelLoadError(f"{index} names shards that are missing: {', '.join(missing)}", NO_SAFETENSORS)
-        return files
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"{path} has no *.safetensors weights", NO_SAFETENSORS)
-    return files
 
 
 def read_checkpoint(file: Path) -> Iterator[tuple[str, CheckpointTensor]]:

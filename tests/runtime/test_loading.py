@@ -9,7 +9,8 @@ import torch
 from adpfleet.runtime.model.config import ModelConfig, ModelLoadError
 from adpfleet.runtime.model.loader import assemble, load_model
 from adpfleet.runtime.model.parallel import ParallelContext
-from adpfleet.runtime.model.weights import checkpoint_files, read_checkpoint
+from adpfleet.runtime.model.checkpoint import checkpoint_files
+from adpfleet.runtime.model.weights import read_checkpoint
 
 from hf_models import hf_config, save_hf_model
 

@@ -121,8 +121,17 @@ def _disk_errors(directory: Path):
 
 
 def main(args) -> int:
-    """`adpfleet fetch-model URI [--dest DIR] [--cache-dir DIR]`: prints the model's directory."""
+    """`adpfleet fetch-model URI [--dest DIR] [--cache-dir DIR]`: fetches (or finds) the model,
+    checks what loading would refuse first, prints the model's directory."""
+    from adpfleet.runtime.model.checkpoint import check_model_dir
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model = resolve_model(args.model, args.cache_dir, args.dest)
+    if parse_model_uri(args.model).kind != "builtin":
+        try:
+            check_model_dir(Path(model.path))
+        except ModelSourceError as e:
+            e.uri = args.model
+            raise
     print(model.path, flush=True)
     return 0

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from adpfleet.model_uri import NO_SAFETENSORS, ModelSourceError
-from adpfleet.runtime.model.weights import INDEX_FILE
+from adpfleet.runtime.model.checkpoint import INDEX_FILE
 
 METADATA_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                   "special_tokens_map.json", "chat_template.jinja", "chat_template.json", INDEX_FILE)
