@@ -91,7 +91,9 @@ def child_read(files: list[str]) -> dict:
 
 def child_hub(url: str, repo: str, dest: str) -> dict:
     os.environ["HF_ENDPOINT"] = url
-    import huggingface_hub  # noqa: F401  (imported before the clock starts, as httpx is for plain)
+    # the client's modules are imported before the clock starts, as httpx is for plain HTTP
+    from huggingface_hub import HfApi, snapshot_download  # noqa: F401
+    from huggingface_hub.errors import HfHubHTTPError  # noqa: F401
 
     import adpfleet.runtime.model.config  # noqa: F401
     from adpfleet.runtime.model.sources.fetch import resolve_model

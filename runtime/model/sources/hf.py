@@ -16,6 +16,10 @@ from pathlib import Path
 from adpfleet.model_uri import (ACCESS_DENIED, REPOSITORY_NOT_FOUND, REVISION_NOT_FOUND, SOURCE_UNREACHABLE,
                                 UNAUTHORIZED, ModelSourceError, ModelURI)
 
+# Files downloaded at once: parallel streams hide a remote hub's latency, but each costs a core
+# (measured on 2 cores against a local hub: 8 streams took 1.6x as long as 1 or 2).
+DOWNLOAD_WORKERS = min(8, os.cpu_count() or 1)
+
 
 class HubSource:
     def __init__(self, uri: ModelURI):
@@ -40,7 +44,7 @@ class HubSource:
 
         if names:
             snapshot_download(self.uri.name, revision=self.revision, allow_patterns=names, local_dir=dest,
-                              endpoint=self.endpoint, token=self.token)
+                              endpoint=self.endpoint, token=self.token, max_workers=DOWNLOAD_WORKERS)
 
     @contextmanager
     def errors(self):
