@@ -67,7 +67,7 @@ def _download(uri: ModelURI, partial: Path) -> dict:
                                    f"{uri.uri} has no config.json (is it a Hugging Face model?)")
         metadata = metadata_files(listing)
         source.download(metadata, partial)
-        label = uri.uri + (f"@{source.revision}" if uri.kind == "hf" and not uri.revision else "")
+        label = f"hf://{uri.name}@{source.revision}" if uri.kind == "hf" else uri.uri  # the commit it pins
         cfg = ModelConfig.from_dir(partial)  # refuses an unsupported model_type before the weights
         weights = weight_files(listing, partial, uri.uri)
         total = sum(listing[n] for n in weights)
