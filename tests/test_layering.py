@@ -1,8 +1,9 @@
 """The import graph of the whole package has the shape the code is meant to have: no cycle between
 modules, and in each tower no import from a lower floor to a higher one (a floor may import its own
-floor and every floor below it). The towers meet only in the CLI: the runtime and the operator never
-import each other (the operator's image has no torch), and the local cluster (development
-infrastructure) is imported by the CLI and the demo only.
+floor and every floor below it). The towers meet only in the CLI and in the shared contracts (standard library
+modules both may import, such as the model-source URI): the runtime and the operator never import
+each other (the operator's image has no torch), and the local cluster (development infrastructure)
+is imported by the CLI and the demo only.
 
 Imports are read with `ast` from every module, wherever they stand (a function-local or a
 type-only import is a dependency too). `KNOWN_VIOLATIONS` lists the violations someone is removing
@@ -13,6 +14,7 @@ gone — so the list only shrinks: delete its line when the work lands.
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -51,12 +53,15 @@ FLOORS = {
     "cluster": [
         ("local control plane and node agent", ["adpfleet.cluster"]),
     ],
+    "contracts": [
+        ("what both towers share, standard library only", ["adpfleet.model_uri"]),
+    ],
     "cli": [
         ("the command line and the demo: may import every tower", ["adpfleet"]),
     ],
 }
-MAY_IMPORT = {"runtime": {"runtime"}, "operator": {"operator"}, "cluster": {"cluster"},
-              "cli": {"cli", "runtime", "operator", "cluster"}}
+MAY_IMPORT = {"runtime": {"runtime", "contracts"}, "operator": {"operator", "contracts"}, "cluster": {"cluster"},
+              "contracts": {"contracts"}, "cli": {"cli", "runtime", "operator", "cluster", "contracts"}}
 # Third-party modules the pure decisions must not touch (they talk to the world).
 IMPURE = ("kubernetes", "kopf", "aiohttp", "httpx", "asyncio", "socket", "subprocess", "requests")
 
@@ -181,7 +186,10 @@ def violations() -> dict[str, str]:
         if name.startswith("adpfleet.operator.decisions"):
             for lib in sorted(third_party[name] & set(IMPURE)):
                 out[f"impure: {name} imports {lib}"] = "decisions are pure functions: no I/O"
-        if tower in ("operator", "cluster") and "torch" in third_party[name]:
+        if tower == "contracts":
+            for lib in sorted(third_party[name] - set(sys.stdlib_module_names) - {"__future__"}):
+                out[f"not stdlib: {name} imports {lib}"] = "a shared contract is standard library only"
+        if tower in ("operator", "cluster", "contracts") and "torch" in third_party[name]:
             out[f"torch: {name}"] = "the operator's image has no torch"
     return out
 
@@ -210,6 +218,8 @@ def test_known_violations_only_shrink():
     ("import adpfleet.runtime.engine.llm_engine\n", "adpfleet.operator.reconciler",
      "adpfleet.runtime.engine.llm_engine", "across"),
     ("from adpfleet.cluster import testing\n", "adpfleet.runtime.server", "adpfleet.cluster.testing", "across"),
+    ("from adpfleet.operator.resource import names\n", "adpfleet.model_uri", "adpfleet.operator.resource.names",
+     "across"),
 ])
 def test_the_check_sees_an_upward_or_crossing_import(tmp_path, source, importer, imported, kind):
     """The rules can fail: an import written where it does not belong is reported."""
