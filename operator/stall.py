@@ -28,7 +28,8 @@ import httpx
 from adpfleet.operator.adapters.kube import KubeApi, now_rfc3339
 from adpfleet.operator.adapters.scrape import Scrape, metrics_url, scrape, timeout_for
 from adpfleet.operator.decisions import stall_status
-from adpfleet.operator.decisions.detection import SampleWindows, StallVerdict, evidence_text, judge, keep_seconds
+from adpfleet.operator.decisions.detection import (SampleWindows, StallVerdict, attribute, evidence_text, judge,
+                                                   keep_seconds)
 from adpfleet.operator.decisions.history import (Remediation, budget_used, history_from_status, left_drained,
                                                  pending, resolved, restarts_in_progress, rfc3339, still_to_delete,
                                                  with_records)
@@ -173,7 +174,8 @@ class StallController:
     # ---- verdicts --------------------------------------------------------------------------------
 
     async def _judge(self, fleet: FleetStall, look: Look) -> dict[str, StallVerdict]:
-        """Scrape every judged server and judge its window of scrapes."""
+        """Scrape every judged server and judge its window of scrapes; a server Blocked by its peers
+        is told which ones (a transfer stall is the stall of the server not completing its pulls)."""
         fleet.windows.retain(p.name for p in look.judged)
         scrapes = await asyncio.gather(*(self._scrape(p, timeout_for(look.interval)) for p in look.judged))
         keep = keep_seconds(look.window, look.interval, CONFIRMATIONS)
@@ -184,6 +186,7 @@ class StallController:
             verdicts[pod.name] = judge(pod.name, pod.role, fleet.windows.samples(pod.name),
                                        window_seconds=look.window, interval_seconds=look.interval,
                                        confirmations=CONFIRMATIONS)
+        verdicts = {v.server: v for v in attribute(verdicts.values(), [p.view for p in look.pods])}
         await self._report_unreachable(fleet, verdicts, look.window)
         return verdicts
 

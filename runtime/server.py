@@ -170,8 +170,8 @@ def build_app(engine, model_name: str, role: str = "aggregated", fault_injection
                 kind, rank = body["kind"], body.get("rank", 0)
                 if kind not in faults.KINDS:
                     raise ValueError(f"'kind' must be one of {', '.join(faults.KINDS)}")
-                if kind == "stop-reaping" and role != "context":
-                    raise ValueError("stop-reaping applies to context servers only")
+                if kind in faults.CONTEXT_ONLY and role != "context":
+                    raise ValueError(f"{kind} applies to context servers only")
                 if not isinstance(rank, int):
                     raise ValueError("'rank' must be an integer")
                 engine.group.inject_fault(kind, rank)

@@ -74,7 +74,9 @@ class KVHold:
 
     def lookup(self, request_id: str):
         """For the transfer server: (block table, token count) of a held prompt, and what to call
-        once the generation server confirmed it has every byte. None when not held."""
+        when the transfer ends: `done(True)` once the generation server confirmed it has every byte,
+        `done(False)` when it did not (the blocks wait for another pull, or their lease). None when
+        not held."""
         with self._lock:
             h = self.held.get(request_id)
             if h is None:
@@ -82,11 +84,32 @@ class KVHold:
             h.transferring = True
             req = h.request
             where = (list(req.block_table), req.num_computed_tokens)
-        return where, lambda: self.puller_complete(request_id)
+
+        def done(ok: bool) -> None:
+            if ok:
+                self.puller_complete(request_id)
+            else:
+                self._abandon(request_id)
+        return where, done
+
+    def _abandon(self, request_id: str) -> None:
+        with self._lock:
+            if request_id in self.held:
+                self.held[request_id].transferring = False
 
     @property
     def blocks_in_flight(self) -> int:
         return sum(len(h.request.block_table) for h in self.held.values())
+
+    @property
+    def blocks_awaiting_pull(self) -> int:
+        """Held blocks no generation server is pulling or has pulled: the generation side's part of
+        the held KV. The rest (a pull under way, or done and not yet freed) is this server's part;
+        stall detection tells the two apart (docs/remediation.md, the transfer signature)."""
+        completed = getattr(self.puller, "completed", ())
+        with self._lock:
+            return sum(len(h.request.block_table) for rid, h in self.held.items()
+                       if not h.transferring and rid not in completed)
 
     def reap(self) -> list[str]:
         """Free the KV of every pulled or expired request; returns their ids."""

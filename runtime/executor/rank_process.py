@@ -129,7 +129,7 @@ def run_rank(spec: RankSpec, conn) -> None:
                     stop = True
                 elif msg[0] == "fault":
                     frozen |= msg[1] == "freeze"
-                    faults.apply(msg[1], engine)
+                    faults.apply(msg[1], engine, kv_server)
             if frozen:  # injected: stop stepping; the peers wait in their next collective
                 time.sleep(0.1)
                 continue

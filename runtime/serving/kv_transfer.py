@@ -53,8 +53,9 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
 
 class KVTransferServer:
     """Serves held KV of one context rank. `lookup(handle)` returns ((block_table, num_tokens),
-    on_done) or None; `k_cache`/`v_cache` are the rank's [layers, slots, kv_heads, head_dim] caches
-    with `tokens_per_block` slots per block."""
+    ended) or None; `ended(True)` is called once the generation server confirmed every byte,
+    `ended(False)` when the pull did not complete. `k_cache`/`v_cache` are the rank's [layers,
+    slots, kv_heads, head_dim] caches with `tokens_per_block` slots per block."""
 
     def __init__(self, host: str, port: int, k_cache: torch.Tensor, v_cache: torch.Tensor, lookup,
                  tokens_per_block: int):
@@ -74,6 +75,8 @@ class KVTransferServer:
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
+        ended = None  # the hold's callback once a held prompt was found: told whether the pull completed
+        confirmed = False
         with conn:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             f = conn.makefile("rb")
@@ -84,7 +87,7 @@ class KVTransferServer:
                 found = self.lookup(line[2].decode())
                 if found is None:
                     raise KVTransferError(f"no held KV for handle {line[2].decode()!r} (pulled, expired or unknown)")
-                (block_table, tokens), on_done = found
+                (block_table, tokens), ended = found
                 k = self.k_cache
                 header = {"status": "ok", "layers": k.shape[0], "tokens": tokens, "kv_heads": k.shape[2],
                           "head_dim": k.shape[3], "dtype": str(k.dtype).removeprefix("torch."),
@@ -93,13 +96,15 @@ class KVTransferServer:
                 for cache in (self.k_cache, self.v_cache):
                     conn.sendall(_as_bytes(_gather(cache, block_table, tokens, self.tokens_per_block)))
                 self.bytes_sent += header["nbytes"]
-                if f.readline(16).strip() == b"OK":
-                    on_done()
+                confirmed = f.readline(16).strip() == b"OK"
             except (KVTransferError, OSError, ValueError) as e:
                 try:
                     conn.sendall(json.dumps({"status": "error", "message": str(e)}).encode() + b"\n")
                 except OSError:
                     pass
+            finally:
+                if ended is not None:  # a pull that did not complete leaves the blocks for another one
+                    ended(confirmed)
 
     def close(self) -> None:
         self.sock.close()
