@@ -168,6 +168,18 @@ def test_dry_run_records_and_deletes_nothing():
     assert len(w.api.events("RemediationDryRun")) == 1
 
 
+def test_dry_run_then_auto_remediates_at_once_and_no_skip_follows_each_dry_run():
+    w = World(mode="DryRun")
+    w.metrics["127.0.9.1"] = w.stalled()
+    run(w.ticks(12))
+    assert len(w.api.events("RemediationDryRun")) == 1 and w.api.events("RemediationSkipped") == []
+    w.spec["remediation"]["mode"] = "Auto"  # the person read the dry run and turns remediation on
+    run(w.ticks(1))
+    assert [c[:2] for c in w.api.calls if c[0] in ("drain", "delete")] == [("drain", "llama-context-0"),
+                                                                          ("delete", "llama-context-0")]
+    assert [r["outcome"] for r in w.records()] == ["Succeeded", "DryRun"] and w.api.events("RemediationSkipped") == []
+
+
 def test_unreachable_servers_are_never_restarted():
     w = World()
     w.metrics["127.0.9.1"] = "GET http://127.0.9.1:8000/metrics: timed out after 1 s"
