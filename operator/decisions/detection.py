@@ -108,6 +108,10 @@ def judge(server: str, role: str, samples: Sequence[Scrape], *, window_seconds: 
     state, reason, base_index = assessments[0]
     confirmed = (len(assessments) >= max(1, confirmations) and all(a[0] is ServerState.STALLED for a in assessments)
                  and all(s.ok for s in samples[-len(assessments):]))  # consecutive: no failed scrape between
+    if state is ServerState.STALLED and confirmed:
+        # the evidence spans the whole confirmed stretch: from the oldest confirming test's baseline
+        base_index = assessments[-1][2]
+        reason = _no_progress(scrapes[base_index], latest)
     if state is ServerState.STALLED and not confirmed:
         state, reason = ServerState.SUSPECT, reason + f"; not yet confirmed ({_count_stalled(assessments)}/" \
                                                 f"{confirmations} scrapes)"
@@ -152,8 +156,7 @@ def _assess(scrapes: list[Scrape], end: int, coverage: float) -> tuple[ServerSta
         if base is not None and end > base and all(
                 r in scrapes[base].ranks and s.iterations <= scrapes[base].ranks[r].iterations
                 for r, s in last.ranks.items()) and last.tokens <= scrapes[base].tokens:
-            return ServerState.STALLED, (f"no rank's loop advanced for {last.at - scrapes[base].at:.0f} s (an idle loop "
-                                   f"spins; its queue counters are frozen)"), base
+            return ServerState.STALLED, _no_progress(scrapes[base], last), base
         return ServerState.IDLE, "no requests and no KV transfers", None
     # the stretch the verdict speaks for: from the baseline (or the oldest scrape) to `end`
     first = base if base is not None else 0
@@ -173,7 +176,15 @@ def _assess(scrapes: list[Scrape], end: int, coverage: float) -> tuple[ServerSta
             return ServerState.WARMING_UP, "one scrape so far", None
         return ServerState.SUSPECT, (f"no real tokens with work pending for {last.at - scrapes[0].at:.0f} s "
                                f"of the {coverage:.0f} s needed"), 0
-    return ServerState.STALLED, f"no real tokens for {last.at - scrapes[base].at:.0f} s while having work", base
+    return ServerState.STALLED, _no_progress(scrapes[base], last), base
+
+
+def _no_progress(base: Scrape, last: Scrape) -> str:
+    """Why a stretch from `base` to `last` is a stall, with its length."""
+    if last.work <= 0:
+        return (f"no rank's loop advanced for {last.at - base.at:.0f} s (an idle loop spins; its queue counters "
+                f"are frozen)")
+    return f"no real tokens for {last.at - base.at:.0f} s while having work"
 
 
 def _describe(server: str, role: str, state: ServerState, reason: str, stretch: list[Scrape],

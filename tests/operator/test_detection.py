@@ -300,6 +300,13 @@ def test_stall_needs_confirmation_on_consecutive_scrapes():
     assert not verdict(samples[:first], confirmations=3).stalled
 
 
+def test_a_confirmed_stall_reports_the_whole_window_without_tokens():
+    # a 20 s window scraped every 5 s: each test's baseline is 15 s old, the stall spans 20 s
+    v = verdict(series(vetoed_stall, 12, interval=5.0), window=20.0, interval=5.0)
+    assert v.stalled and v.reason.startswith("no real tokens for 20 s while having work")
+    assert v.evidence["window_seconds"] == 20.0
+
+
 def test_progress_resuming_clears_the_stall():
     samples = series(vetoed_stall, 30)
     resumed = Scrape(at=30 * I, ranks={r: RankSample(**{**s.__dict__, "prompt_tokens": s.prompt_tokens + 64})
