@@ -28,7 +28,7 @@ from adpfleet.operator.decisions.conditions import Problem
 from adpfleet.operator.decisions.desired import DesiredFleet, desired_fleet
 from adpfleet.operator.decisions.observed import FleetObservation, ServerPod
 from adpfleet.operator.decisions.rollout import (Action, ApplyObject, CreateServer, DeleteObject, DeleteServer,
-                                                 RolePlan, Wording, plan_objects, plan_role)
+                                                 RolePlan, Wording, plan_objects, plan_role, vacancies)
 from adpfleet.operator.resource import names
 from adpfleet.operator.resource.models import FleetSpec, fleet_name_problem
 from adpfleet.operator.resource.names import FleetRef
@@ -71,6 +71,7 @@ class FleetMemory:
     written_status: tuple[str, dict] | None = None
     status_refused: str | None = None  # the last refusal reported (one Event per distinct refusal)
     failures: int = 0
+    vacated: dict[str, tuple[int, ...]] = field(default_factory=dict)  # role -> slots to refill first
 
 
 @dataclass(frozen=True)
@@ -199,8 +200,10 @@ class Reconciler:
         foreign = [dataclasses.replace(p, terminating=True) for p in obs.foreign_pods()]
         role_pods = {role: with_expectations(obs.role_pods(role), memory, now, desired, obs.uid, role) +
                      [p for p in foreign if p.role == role] for role in names.ROLES}
-        plans = [plan_role(role, desired.replicas[role], desired.servers[role].template_hash, role_pods[role])
-                 for role in names.ROLES]
+        for role in names.ROLES:
+            memory.vacated[role] = vacancies(memory.vacated.get(role, ()), desired.replicas[role], role_pods[role])
+        plans = [plan_role(role, desired.replicas[role], desired.servers[role].template_hash, role_pods[role],
+                           memory.vacated[role]) for role in names.ROLES]
         return role_pods, plans
 
     # ---- pieces ----

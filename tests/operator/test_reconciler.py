@@ -126,6 +126,19 @@ def test_status_written_moments_ago_is_not_written_again_while_the_cache_lags():
     assert api2.calls == []
 
 
+def test_a_deleted_server_comes_back_under_its_name_even_from_a_higher_slot():
+    # a roll left f-generation-1 as the only generation server; then it was deleted (remediation)
+    pods = running_pods()
+    gen = dataclasses.replace(pods[1], name="f-generation-1", index=1, uid="u-gen-1")
+    memory = FleetMemory()
+    api = FakeApi()
+    reconcile(api, observation(pods=[pods[0], dataclasses.replace(gen, terminating=True)], rv="2"), memory)
+    assert not [c for c in api.calls if c[0] == "create_pod"]  # its name is still taken: wait
+    api = FakeApi()
+    reconcile(api, observation(pods=[pods[0]], rv="3"), memory)  # gone
+    assert [c for c in api.calls if c[0] == "create_pod"] == [("create_pod", "f-generation-1")]
+
+
 def test_missing_secret_degrades_the_fleet_and_creates_nothing():
     manifest = fleet_manifest("f", router={"enabled": False}, model={"name": "tiny", "tokenSecretRef": {"name": "hf"}})
     api = FakeApi()

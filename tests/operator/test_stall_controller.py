@@ -223,6 +223,22 @@ def test_a_stored_stall_stands_until_a_restarted_operator_has_judged_a_window():
     assert w.condition("Stalled")["lastTransitionTime"] == "2023-11-14T22:00:00.000000Z"
 
 
+def test_a_repeat_stall_of_the_replacement_climbs_the_ladder_under_the_same_name():
+    w = World()
+    w.metrics["127.0.9.1"] = w.stalled()
+    run(w.ticks(8))
+    assert [c[1] for c in w.api.deletes()] == ["llama-context-0"]
+    # the reconcile recreates the server under its name (a new pod), which stalls again after the cooldown
+    w.now += 30
+    w.pods["llama-context-0"] = dataclasses.replace(w.pods["llama-context-0"], uid="new-uid", created=w.now)
+    w.metrics["127.0.9.1"] = w.stalled()
+    run(w.ticks(8))
+    first, second = w.records()[-1], w.records()[0]
+    assert (first["action"], second["action"]) == ("RestartServer", "RestartPeers"), w.records()
+    assert second["server"] == "llama-context-0" and second["targets"] == ["llama-generation-0"]
+    assert "remediation 2 of llama-context-0" in second["message"]
+
+
 def test_unreachable_servers_are_never_restarted():
     w = World()
     w.metrics["127.0.9.1"] = "GET http://127.0.9.1:8000/metrics: timed out after 1 s"
