@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None, help="model id reported by /v1/models")
     serve.add_argument("--no-pad-empty-batch", action="store_true",
                        help="disable post-schedule padding (only to reproduce the ADP stall)")
-    serve.add_argument("--collective-timeout", type=float, default=60.0,
+    serve.add_argument("--collective-timeout", type=float, default=120.0,
                        help="seconds a rank may block in a collective (or stay silent) before the server "
                             "declares it hung, turns unhealthy and exits non-zero")
     serve.add_argument("--fault-injection", action="store_true",

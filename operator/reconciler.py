@@ -281,6 +281,8 @@ class Reconciler:
             await self.api.record_event(fleet, "Warning", cond["reason"], cond["message"])
         elif type_ == "Degraded" and had and had.get("status") == "True":
             await self.api.record_event(fleet, "Normal", "Recovered", f"no longer degraded ({had.get('reason')})")
+        elif type_ == "Ready" and had and had.get("status") == cond["status"]:
+            return  # the same readiness for another reason (all servers Ready, or the minimum)
         elif type_ == "Ready" and cond["status"] == "True":
             await self.api.record_event(fleet, "Normal", "FleetReady", cond["message"])
         elif type_ == "Ready" and had and had.get("status") == "True":

@@ -90,6 +90,9 @@ def server_pod(body: dict) -> ServerPod:
         waiting = (container.get("state") or {}).get("waiting") or {}
         if waiting.get("reason") in _STUCK_WAITING:
             problem = f"{waiting['reason']}: {waiting.get('message', '')}".rstrip(": ")
+        crashed = _crash(container)
+        if crashed:
+            problem = crashed
     if status.get("phase") == "Failed":
         problem = f"Failed: {status.get('reason', '')} {status.get('message', '')}".strip()
     try:
@@ -105,6 +108,24 @@ def server_pod(body: dict) -> ServerPod:
         restarts=sum(c.get("restartCount", 0) for c in status.get("containerStatuses") or []),
         ip=status.get("podIP") or "", created=_epoch(meta.get("creationTimestamp")),
         draining=annotations.get(names.ANNOTATION_DRAIN) == "true")
+
+
+def _crash(container: dict) -> str | None:
+    """A container that keeps failing: its last run ended in an error and the run since has not got
+    past its startup probe. Said the same way whether the kubelet is backing off or running it
+    again (and without the back-off's growing delay), so the fleet's Degraded condition stays put
+    through a crash loop and reads the container's own error."""
+    if container.get("ready") or container.get("started"):
+        return None
+    for state in (container.get("state") or {}, container.get("lastState") or {}):
+        ended = state.get("terminated") or {}
+        if ended and ended.get("exitCode") not in (0, None):
+            why = (ended.get("message") or ended.get("reason") or "").strip()
+            return f"CrashLoopBackOff: container {container.get('name', '')} exited with code " \
+                   f"{ended['exitCode']}" + (f": {why}" if why else "")
+        if ended:
+            return None
+    return None
 
 
 def _epoch(timestamp) -> float | None:

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import json
-
 from adpfleet.operator.resource import crd, names
+from adpfleet.operator.resource.crd import allowed_values, default_text
 
 
 def _type_of(node: dict) -> str:
@@ -14,33 +13,6 @@ def _type_of(node: dict) -> str:
     if t == "object" and "properties" not in node and isinstance(node.get("additionalProperties"), dict):
         return f"map of {_type_of(node['additionalProperties'])}"
     return t
-
-
-def _constraints(node: dict) -> str:
-    parts = []
-    if "enum" in node:
-        parts.append(" \\| ".join(f"`{v}`" for v in node["enum"]))
-    if "minimum" in node and "maximum" in node:
-        parts.append(f"{node['minimum']}–{node['maximum']}")
-    elif "minimum" in node:
-        parts.append(f"≥ {node['minimum']}")
-    elif "maximum" in node:
-        parts.append(f"≤ {node['maximum']}")
-    if "minLength" in node:
-        parts.append("non-empty" if node["minLength"] == 1 else f"≥ {node['minLength']} chars")
-    if "maxItems" in node:
-        parts.append(f"≤ {node['maxItems']} items")
-    if "maxProperties" in node:
-        parts.append(f"≤ {node['maxProperties']} entries")
-    if node.get("pattern") and "enum" not in node:
-        parts.append("quantity" if "KMGTPE" in node["pattern"] else "pattern")
-    return ", ".join(parts)
-
-
-def _default(node: dict) -> str:
-    if "default" not in node or isinstance(node["default"], dict) and node["default"]:
-        return ""
-    return f"`{json.dumps(node['default'])}`"
 
 
 def _rows(node: dict, path: str, required: set[str], out: list[tuple[str, dict, bool]]) -> None:
@@ -84,7 +56,7 @@ def reference_markdown() -> str:
             for name, sub, is_required in rows:
                 desc = (sub.get("description") or "").replace("|", "\\|").replace("\n", " ")
                 lines.append(f"| `{name}`{' (required)' if is_required else ''} | {_type_of(sub)} | "
-                             f"{_default(sub)} | {_constraints(sub)} | {desc} |")
+                             f"{default_text(sub)} | {allowed_values(sub)} | {desc} |")
             rules = node.get("x-kubernetes-validations") or []
             if rules:
                 lines += ["", "Rules:"]

@@ -135,13 +135,14 @@ class Fleets:
         return next((c for c in self.get(name).get("status", {}).get("conditions", []) if c["type"] == type_), {})
 
     def wait_ready(self, name: str, timeout: float = 60) -> dict:
-        """Until Ready=True for the fleet's current generation; the fleet."""
+        """Until Ready=True with every server Ready (AllServersReady) for the fleet's current
+        generation; the fleet."""
         def ready():
             fleet = self.get(name)
             status = fleet.get("status", {})
             cond = next((c for c in status.get("conditions", []) if c["type"] == "Ready"), {})
-            return fleet if (cond.get("status") == "True" and status.get("observedGeneration")
-                             == fleet["metadata"]["generation"]) else None
+            return fleet if (cond.get("status") == "True" and cond.get("reason") == "AllServersReady"
+                             and status.get("observedGeneration") == fleet["metadata"]["generation"]) else None
         return wait_for(ready, timeout=timeout, what=f"fleet {self.ns}/{name} to be Ready",
                         interval=0.25)
 

@@ -53,3 +53,15 @@ def test_a_valid_fleet_is_accepted_and_defaulted(k8s_cluster, bad_specs_namespac
     assert spec["remediation"]["mode"] == "Auto" and spec["context"]["engine"]["kvBlocks"] == 64
     assert spec["generation"]["engine"]["maxBatchSize"] == 64  # nested defaults of a partly given object
     k8s_cluster.kubectl("delete", "inferencefleet", "good", f"--namespace={bad_specs_namespace}")
+
+
+def test_kubectl_explain_shows_each_fields_description_default_and_range(k8s_cluster, fleet_crd):
+    from adpfleet.cluster.testing import wait_for
+
+    def explain(field: str) -> str:
+        return k8s_cluster.kubectl("explain", f"inferencefleet.{field}").stdout
+    text = wait_for(lambda: explain("spec.context.engine.kvBlocks"), timeout=30, what="the CRD in OpenAPI v3")
+    assert "Paged KV-cache blocks per ADP rank. Default: 512. Allowed: 1 to 10000000." in " ".join(text.split())
+    for field, words in (("spec.imagePullPolicy", "When the kubelet pulls"), ("spec.imagePullSecrets", "registry"),
+                         ("status.conditions", "Progressing, Degraded")):
+        assert words in " ".join(explain(field).split()), field
