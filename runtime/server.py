@@ -195,6 +195,7 @@ def main(args) -> int:
     import uvicorn
 
     from adpfleet.runtime.config import EngineConfig
+    from adpfleet.runtime.serving.drain import GracefulServer
     from adpfleet.runtime.model.sources.fetch import resolve_model
     from adpfleet.runtime.serving.engine_client import EngineClient
 
@@ -224,7 +225,7 @@ def main(args) -> int:
     # the environment variable lets an InferenceFleet's `env` enable it without a new flag
     fault_injection = args.fault_injection or os.environ.get("ADPFLEET_FAULT_INJECTION") == "1"
     app = build_app(client, name, args.role, fault_injection=fault_injection)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
+    server = GracefulServer(app, client, host=args.host, port=args.port, drain_timeout_s=args.drain_timeout)
     log.info("serving %s (%s, %d ADP ranks) on http://%s:%d", name, args.role, args.dp, args.host, args.port)
     try:
         server.run()

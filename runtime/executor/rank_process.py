@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import signal
 import sys
 import threading
 import time
@@ -100,6 +101,10 @@ def _pull(request, timeout: float, arrived: queue.SimpleQueue) -> None:
 
 
 def run_rank(spec: RankSpec, conn) -> None:
+    # The kubelet's SIGTERM (a terminal's SIGINT) reaches the whole process group: a rank leaves when
+    # its server stops it (the stop is agreed by every rank), or when its server is gone.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{spec.rank} %(levelname)s %(name)s: %(message)s")
     try:
         engine, executor, puller = _build(spec)
