@@ -28,6 +28,7 @@ transfers pulled soon, late or never (until the lease), transfers that start and
 from __future__ import annotations
 
 import argparse
+import collections
 import logging
 import random
 import sys
@@ -217,6 +218,7 @@ class Simulation:
         self.states: set = set()
         self.violations: dict[str, Violation] = {}  # the first of each kind
         self.longest_stall = 0  # passes in a row without a real token while unstarved work waited
+        self.coverage: collections.Counter = collections.Counter()  # what the events and passes reached
 
     # -- events between passes -------------------------------------------------------------------
     def _request(self, rank: int):
@@ -236,6 +238,8 @@ class Simulation:
             cap = k.max_num_active_requests
             size = rng.choice([1, 2, max(1, cap - 1), cap, cap + 1, 2 * cap + 1])
             target = rng.randrange(k.ranks) if rng.random() < 0.6 else None
+            self.coverage["burst above the cap on one rank" if size > cap and target is not None
+                          else "burst"] += 1
             loads = [[e.num_active_real + len(e.pending) + len(new.get(r, [])), 0] for r, e in enumerate(self.engines)]
             for _ in range(size):
                 rank = target if target is not None else pick_rank([tuple(x) for x in loads])
@@ -250,6 +254,7 @@ class Simulation:
         if arrivals and self.live and rng.random() < 0.03:
             rid = rng.choice(sorted(self.live))
             if self.engines[self.live[rid]].abort(rid):
+                self.coverage["abort"] += 1
                 self.expected[self.live[rid]].finished += 1
                 del self.live[rid]
         for r in range(k.ranks):
@@ -259,6 +264,7 @@ class Simulation:
             elif arrivals and not self._starved(r) and rng.random() < 0.01:
                 self.starved_until[r] = self.pass_no + rng.randint(1, 60)
                 faults.apply("starve", self.engines[r])
+                self.coverage["starve fault"] += 1
         if k.role == "context":
             if arrivals and rng.random() < 0.05:
                 r = rng.randrange(k.ranks)
@@ -268,6 +274,8 @@ class Simulation:
                     self.engines[r].kv_hold.lookup(rid)  # a transfer starts reading the blocks...
                     if rng.random() < 0.5:  # ...and completes, or is abandoned
                         self.completions.append((self.pass_no + rng.randint(1, k.lease), r, rid))
+                    else:
+                        self.coverage["transfer abandoned"] += 1
             for due in [c for c in self.completions if c[0] <= self.pass_no]:
                 self.completions.remove(due)
                 self.engines[due[1]].kv_hold.puller_complete(due[2])
@@ -304,6 +312,9 @@ class Simulation:
                 outcome = ("committed" if ran else "rolled_back") if ok else \
                     ("unaffordable" if not affordable else "failed")
                 exp.padding_dummies[(phase, outcome)] += 1
+                self.coverage[f"{phase} dummy {outcome}"] += 1
+            if fleet_has_work and probe.scheduled_empty and e.num_active_real >= k.max_num_active_requests:
+                self.coverage["empty batch at the active-request cap"] += 1
             if ran:
                 context, generation, qlen = probe.forward_batch
                 dummies = [q for q, _ in context if q.is_dummy] + [q for q in generation if q.is_dummy]
@@ -313,7 +324,9 @@ class Simulation:
                 decodes = [q for q in generation if not q.is_dummy]
                 exp.spec_decode_draft_tokens += (qlen - 1) * len(decodes)
                 if qlen > 1:
-                    exp.spec_decode_accepted_tokens += sum(len(probe.sampled[q]) - 1 for q in decodes)
+                    accepted = sum(len(probe.sampled[q]) - 1 for q in decodes)
+                    exp.spec_decode_accepted_tokens += accepted
+                    self.coverage["draft tokens accepted"] += accepted > 0
             for out in res.outputs:
                 exp.generation_tokens += len(out.new_token_ids)
                 if out.finished:
@@ -458,6 +471,7 @@ class SearchReport:
     states: set = field(default_factory=set)
     violations: list[Violation] = field(default_factory=list)
     longest_stall: int = 0
+    coverage: collections.Counter = field(default_factory=collections.Counter)
     seconds: float = 0.0
 
 
@@ -476,6 +490,11 @@ def search(seeds, pad: bool = True, reserve: bool = True, passes: int = 400, bud
         report.passes += sim.pass_no
         report.states |= sim.states
         report.longest_stall = max(report.longest_stall, sim.longest_stall)
+        report.coverage += sim.coverage
+        for e in sim.engines:
+            if e.kv_hold is not None:
+                report.coverage["hold expired at its lease"] += e.kv_hold.expired
+                report.coverage["hold pulled"] += e.kv_hold.pulled
         report.violations += found
         if found and stop_when(report):
             break
@@ -502,6 +521,7 @@ def main(argv=None) -> int:
     print(f"{report.runs} runs, {report.passes} passes, {len(report.states)} distinct abstract states, "
           f"{report.seconds:.0f} s; violations: {kinds or 'none'}; longest stall of unstarved work: "
           f"{report.longest_stall} passes")
+    print("reached:", ", ".join(f"{k} {n}" for k, n in sorted(report.coverage.items())))
     for v in report.violations[:5]:
         print(v)
     return 1 if report.violations and not args.no_padding else 0
