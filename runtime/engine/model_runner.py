@@ -41,13 +41,11 @@ class ModelRunner:
         # cut by max_tokens (validation keeps prompt + max_tokens within it): its logits are unused.
         pos = pos.clamp(max=self.model.cfg.max_position_embeddings - 1)
         hidden = self.model(ids, pos, meta, self.kv_cache)
-        rows = []
-        for i, (req, n) in enumerate(batch.context):
-            if not req.is_dummy and req.num_computed_tokens + n == req.num_prompt_tokens:
-                rows.append(meta.query_start_loc[i] + n - 1)
+        sampling = {req for reqs in sampling_requests(batch) for req in reqs}
+        rows = [meta.query_start_loc[i] + n - 1 for i, (req, n) in enumerate(batch.context) if req in sampling]
         qlen = batch.decode_query_len
         for j, req in enumerate(batch.generation):
-            if not req.is_dummy:
+            if req in sampling:
                 start = meta.num_prefill_tokens + j * qlen
                 rows.extend(range(start, start + qlen))
         if not rows:

@@ -93,6 +93,7 @@ def test_an_idle_rank_gets_a_one_token_context_dummy_while_the_fleet_has_work():
     result = ADPExecutor(e, vote).step()
     assert vote.votes == [[1, 1]] and result.ran
     assert forwards[0]["context"] == [("pre_schedule", 1, 1)] and forwards[0]["generation"] == []
+    assert e.stats.empty_batch_iterations == 0  # its batch (the dummy) was not empty
     assert dummies(e, "pre_schedule")["committed"] == 1 and sum(dummies(e).values()) == 0
     assert e.stats.prompt_tokens == 0 and e.stats.generation_tokens == 0 and not result.outputs
     assert not e.active and e.kv.num_used_blocks == 0  # torn down after the forward
@@ -181,13 +182,14 @@ def test_an_empty_batch_gets_a_generation_dummy_and_the_pass_runs():
 
 
 def test_the_generation_dummy_is_a_decode_query_of_one_plus_draft_tokens():
-    e = engine(draft_tokens=2, kv_blocks=5)
-    starve(e, held_blocks=4)
+    e = engine(draft_tokens=2, kv_blocks=10, tokens_per_block=2)  # the reserve: 2 blocks of 2
+    starve(e, held_blocks=6)  # 4 blocks free, 2 of them available: the request needs 5
     vote = FakeVote(peer_tokens=7)
     forwards = record_forwards(e)
     assert ADPExecutor(e, vote).step().ran
     assert vote.votes == [[1, 3]]
-    assert forwards[0]["generation"] == [("post_schedule", 3, 1)] and forwards[0]["pad_to"] == 7
+    # 3 query tokens, and KV for all 3 (2 blocks of 2)
+    assert forwards[0]["generation"] == [("post_schedule", 3, 2)] and forwards[0]["pad_to"] == 7
 
 
 def test_no_dummy_when_the_batch_is_not_empty():
@@ -196,6 +198,7 @@ def test_no_dummy_when_the_batch_is_not_empty():
     vote = FakeVote()
     ADPExecutor(e, vote).step()
     assert vote.votes == [[1, 2]] and dummies(e) == dict.fromkeys(OUTCOMES, 0)
+    assert e.stats.empty_batch_iterations == 0
 
 
 def test_no_dummy_when_adp_is_off():
@@ -254,14 +257,18 @@ def test_an_unaffordable_dummy_degrades_to_an_empty_batch_without_raising(caplog
     assert e.kv.num_used_blocks == 4 and any("post-schedule padding" in r.message for r in caplog.records)
 
 
-@pytest.mark.parametrize("error", [NoFreeBlocksError("adp-dummy", 1, 0), RuntimeError("allocator broke")])
-def test_allocation_errors_degrade_to_an_empty_batch_without_raising(monkeypatch, error):
+@pytest.mark.parametrize("error, after_allocating", [(NoFreeBlocksError("adp-dummy", 1, 0), False),
+                                                     (RuntimeError("allocator broke"), False),
+                                                     (RuntimeError("broke half-way"), True)])
+def test_allocation_errors_degrade_to_an_empty_batch_without_raising(monkeypatch, error, after_allocating):
     e = engine()
     starve(e)
     real_grow = e.kv.grow
 
     def grow(req, n):
         if req.is_dummy:
+            if after_allocating:
+                real_grow(req, n)
             raise error
         return real_grow(req, n)
 
@@ -283,6 +290,13 @@ def test_the_dummy_is_rolled_back_when_the_fleet_still_cannot_queue():
     assert e.kv.num_used_blocks == 3 and not any(r.is_dummy for r in e.active)
     ex.step()  # the next pass may pad again: the singleton did not leak
     assert dummies(e)["rolled_back"] == 2
+
+
+def test_a_pass_in_which_no_rank_has_a_batch_is_not_counted_as_vetoed():
+    e = engine()
+    starve(e)
+    result = ADPExecutor(e, FakeVote(peer_size=0, peer_tokens=0), pad_empty_batch=False).step()
+    assert not result.ran and e.stats.forward_vetoed == 0 and e.stats.empty_batch_iterations == 1
 
 
 def test_the_allocation_rollback_of_a_vetoed_pass_never_touches_the_dummy():
