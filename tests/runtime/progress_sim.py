@@ -42,7 +42,7 @@ from adpfleet.runtime.engine.sampling import InvalidRequestError, SamplingParams
 from adpfleet.runtime.executor import faults
 from adpfleet.runtime.executor.adp_router import pick_rank
 from adpfleet.runtime.executor.kv_hold import KVHold
-from adpfleet.runtime.metrics import PADDING_OUTCOMES, PADDING_PHASES
+from adpfleet.runtime.metrics import RankStats
 from lockstep import LockstepFleet, TableModel, cycle_table
 
 TOKENS = 32  # prompts draw from the first TOKENS ids; the table model cycles among them
@@ -128,22 +128,6 @@ class Violation:
                 f"{self.starved or 'none'})\n  {self.knobs}")
 
 
-@dataclass
-class Expected:
-    """What the probes saw on one rank: the counters its stats must agree with."""
-    iterations: int = 0
-    forward_steps: int = 0
-    forward_vetoed: int = 0
-    empty_batch_iterations: int = 0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    spec_decode_draft_tokens: int = 0
-    spec_decode_accepted_tokens: int = 0
-    finished: int = 0
-    padding_dummies: dict = field(default_factory=lambda: {(p, o): 0 for p in PADDING_PHASES
-                                                           for o in PADDING_OUTCOMES})
-
-
 class RankProbe:
     """Wraps one rank's scheduling, forward, sampling and dummy allocation to see each pass."""
 
@@ -208,7 +192,8 @@ class Simulation:
             self.engines.append(LLMEngine(k.engine_config(), model=TableModel(self.table), kv_hold=hold))
         self.fleet = LockstepFleet(self.engines, pad_empty_batch=k.pad_empty_batch)
         self.probes = [RankProbe(e, x.padding) for e, x in zip(self.engines, self.fleet.executors)]
-        self.expected = [Expected() for _ in self.engines]
+        self.expected = [RankStats() for _ in self.engines]  # the counters as the probes saw them
+        self.finished = [0] * k.ranks
         self.live: dict[str, int] = {}  # request id -> rank
         self.starved_until = [0] * k.ranks
         self.completions: list[tuple[int, int, str]] = []  # (pass, rank, request id) of started transfers
@@ -255,7 +240,7 @@ class Simulation:
             rid = rng.choice(sorted(self.live))
             if self.engines[self.live[rid]].abort(rid):
                 self.coverage["abort"] += 1
-                self.expected[self.live[rid]].finished += 1
+                self.finished[self.live[rid]] += 1
                 del self.live[rid]
         for r in range(k.ranks):
             if self._starved(r) and (not arrivals or self.pass_no >= self.starved_until[r]):
@@ -330,9 +315,9 @@ class Simulation:
             for out in res.outputs:
                 exp.generation_tokens += len(out.new_token_ids)
                 if out.finished:
-                    exp.finished += 1
+                    self.finished[r] += 1
                     self.live.pop(out.request_id, None)
-            self._check_counters(r, e, exp)
+            self._check_counters(r, e, exp, self.finished[r])
             self._check_kv(r, e)
             tokens += e.stats.prompt_tokens + e.stats.generation_tokens
             probe.reset()
@@ -360,7 +345,7 @@ class Simulation:
         waiting request needs — its lease, plus one more for a transfer reading it."""
         return 2 * self.knobs.lease if self.knobs.role == "context" else 0
 
-    def _check_counters(self, r: int, e: LLMEngine, exp: Expected) -> None:
+    def _check_counters(self, r: int, e: LLMEngine, exp: RankStats, finished: int) -> None:
         s = e.stats
         for name in ("iterations", "forward_steps", "forward_vetoed", "empty_batch_iterations", "prompt_tokens",
                      "generation_tokens", "spec_decode_draft_tokens", "spec_decode_accepted_tokens"):
@@ -371,9 +356,9 @@ class Simulation:
             diff = {key: (s.padding_dummies[key], n) for key, n in exp.padding_dummies.items()
                     if s.padding_dummies[key] != n}
             self._violate("accounting", f"rank {r}: padding dummies (counted, seen): {diff}")
-        if sum(s.requests_finished.values()) != exp.finished:
+        if sum(s.requests_finished.values()) != finished:
             self._violate("accounting", f"rank {r}: {sum(s.requests_finished.values())} finished counted, "
-                                        f"{exp.finished} seen")
+                                        f"{finished} seen")
 
     def _check_kv(self, r: int, e: LLMEngine) -> None:
         kv, padding = e.kv, self.fleet.executors[r].padding
