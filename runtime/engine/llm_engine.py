@@ -129,9 +129,6 @@ class LLMEngine:
                 self.drafter.propose(req)
         return batch
 
-    def empty_batch(self) -> ScheduledBatch:
-        return ScheduledBatch(decode_query_len=self.config.decode_query_len)
-
     def step(self) -> list[RequestOutput]:
         outputs = self.fetch()
         batch = self.schedule_batch()

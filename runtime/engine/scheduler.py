@@ -4,7 +4,8 @@ The capacity scheduler admits waiting requests in arrival order while the KV blo
 prompt + max_tokens (+ the draft lookahead) fit, and stops at the first that does not
 (head-of-line, as upstream).
 The micro-batch scheduler then fills the batch: generation requests first (one decode step
-of 1 + draft tokens each), then prompt chunks, within `max_num_tokens` tokens and `max_batch_size` requests.
+of 1 + draft tokens each), then prompt chunks, within `max_num_tokens` tokens and
+`max_batch_size` requests.
 Scheduling allocates the blocks the batch will write (tentatively): `revert` gives them back if
 the pass does not run.
 """
