@@ -6,9 +6,10 @@ vetoed, or the fleet was idle: no release waits for a forward. (Upstream reaps o
 forward, so while every pass is vetoed nothing is released and a rank starved by held blocks
 stays starved — one way the ADP stall lasts forever.)
 
-Every hold ends: pulled, or expired `lease_s` after it began. A transfer that is reading the
-blocks delays the expiry (the blocks must not be reused under it), but by at most `lease_s`
-from the start of that transfer, so an abandoned transfer cannot pin the KV forever.
+Every hold ends within two leases of its start: pulled, or expired `lease_s` after it began. A
+transfer may start reading the blocks only while the lease runs; it delays the expiry (the
+blocks must not be reused under it), but by at most `lease_s` from its own start, so neither an
+abandoned transfer nor a string of retried ones can pin the KV for longer.
 """
 
 from __future__ import annotations
@@ -79,12 +80,14 @@ class KVHold:
 
     def lookup(self, request_id: str):
         """For the transfer server: (block table, token count) of a held prompt, and what to call
-        once the generation server confirmed it has every byte. None when not held."""
+        once the generation server confirmed it has every byte. None when not held, or when its
+        lease has run out."""
+        now = self.clock()
         with self._lock:
             h = self.held.get(request_id)
-            if h is None:
+            if h is None or now >= h.deadline:  # gone, or its lease ran out: too late to start
                 return None
-            h.transfer_deadline = self.clock() + self.lease_s
+            h.transfer_deadline = now + self.lease_s
             req = h.request
             where = (list(req.block_table), req.num_computed_tokens)
         return where, lambda: self.puller_complete(request_id)

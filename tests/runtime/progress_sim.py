@@ -341,9 +341,9 @@ class Simulation:
     @property
     def bound(self) -> int:
         """Passes in a row that may go without a real token while a rank that is not starved has
-        work: none on aggregated ranks; on context ranks, up to the release of held KV that a
-        waiting request needs — its lease, plus one more for a transfer reading it."""
-        return 2 * self.knobs.lease if self.knobs.role == "context" else 0
+        work: none on aggregated ranks; on context ranks, until the held KV a waiting request needs
+        is released — within two leases of the last real token (docs/adp.md)."""
+        return 2 * self.knobs.lease - 1 if self.knobs.role == "context" else 0
 
     def _check_counters(self, r: int, e: LLMEngine, exp: RankStats, finished: int) -> None:
         s = e.stats

@@ -1,5 +1,5 @@
-"""The context server's KV hold: every hold ends — pulled, or at its lease, or one lease after an
-abandoned transfer began reading it."""
+"""The context server's KV hold: every hold ends within two leases — pulled, or at its lease, or
+one lease after the last transfer that began reading it (while the lease ran)."""
 
 from adpfleet.runtime.engine.kv_cache import KVCacheManager
 from adpfleet.runtime.engine.request import Request
@@ -57,3 +57,23 @@ def test_an_abandoned_transfer_cannot_pin_the_kv_forever():
     assert hold.reap() == []
     clock.now += 0.1
     assert hold.reap() == ["r"] and kv.num_used_blocks == 0 and hold.expired == 1
+
+
+def test_a_transfer_cannot_start_once_the_lease_has_run_out():
+    hold, kv, clock = held(lease_s=10)
+    clock.now += 10  # expired, not reaped yet
+    assert hold.lookup("r") is None
+    assert hold.reap() == ["r"]
+
+
+def test_retried_transfers_cannot_pin_the_kv_past_two_leases():
+    hold, kv, clock = held(lease_s=10)
+    for _ in range(9):  # a transfer starts every pass, none confirms
+        clock.now += 1
+        hold.lookup("r")
+    clock.now += 1
+    assert hold.lookup("r") is None  # the lease ran out at 110: no new transfer
+    clock.now = 118.9  # one lease after the last transfer began (at 109), not yet
+    assert hold.reap() == []
+    clock.now = 119
+    assert hold.reap() == ["r"] and kv.num_used_blocks == 0  # within two leases of the hold
