@@ -25,8 +25,9 @@ from adpfleet.cluster.agent.container import PODINIT, terminate_group
 from adpfleet.cluster.agent.events import EventRecorder, now_iso
 from adpfleet.cluster.agent.kubeapi import ApiError, KubeApi
 from adpfleet.cluster.agent.node import HOST_IP, NodeRegistration
-from adpfleet.cluster.agent.pod import PodWorker, pod_dir_name
+from adpfleet.cluster.agent.pod import NodeServices, PodWorker, pod_dir_name
 from adpfleet.cluster.agent.podenv import NodeContext
+from adpfleet.cluster.agent.sandbox import LogSource
 
 log = logging.getLogger(__name__)
 RESCHEDULE_EVERY = 5.0  # unschedulable pods are looked at again this often even without events
@@ -86,11 +87,16 @@ class NodeAgent:
                                      kubelet_version=config.kubelet_version)
         await self.node.register()
         server = urlparse(credentials.server)
-        self.node_context = NodeContext(HOST_IP, server.hostname, server.port or 443,
-                                        self.node.capacity, config.pass_env)
+        node_context = NodeContext(HOST_IP, server.hostname, server.port or 443, self.node.capacity,
+                                   config.pass_env)
+        self.services = NodeServices(
+            api=self.api, events=self.events, addresses=self.addresses, context=node_context,
+            probe_session=self.probe_session, state_dir=config.state_dir, backoff_initial=config.backoff_initial,
+            backoff_max=config.backoff_max, status_only=config.status_only, mount_problem=self.mount_problem,
+            done=self._worker_done)
         tasks = [asyncio.create_task(self.node.keep_fresh())]
         ctx = logserver.tls_context(config.serving_cert, config.serving_key, config.client_ca)
-        self._logserver = await logserver.serve(self, HOST_IP, config.port, ctx)
+        self._logserver = await logserver.serve(lambda: self.healthy, self._find_log, HOST_IP, config.port, ctx)
         resource_version = await self._list()
         await self._adopt_or_clean_up()
         self.healthy = True
@@ -193,20 +199,23 @@ class NodeAgent:
         self._wake_scheduler.set()
 
     def _start_worker(self, pod: dict, adopted: dict[str, psutil.Process]) -> None:
-        worker = PodWorker(self, pod, adopted)
+        worker = PodWorker(self.services, pod, adopted)
         self.workers[worker.uid] = worker
         worker.update(pod)
         worker.task = asyncio.create_task(worker.run())
 
-    def worker_done(self, worker: PodWorker) -> None:
+    def _worker_done(self, worker: PodWorker) -> None:
         self.workers.pop(worker.uid, None)
         self._finished[worker.uid] = None
         while len(self._finished) > 10000:
             self._finished.popitem(last=False)
         self._wake_scheduler.set()  # its resources are free again
 
-    def worker_by_name(self, namespace: str, name: str) -> PodWorker | None:
-        return next((w for w in self.workers.values() if w.namespace == namespace and w.name == name), None)
+    def _find_log(self, namespace: str, name: str, container: str, previous: bool) -> LogSource:
+        worker = next((w for w in self.workers.values() if w.namespace == namespace and w.name == name), None)
+        if worker is None:
+            raise LookupError(f"container {container!r} of pod {namespace}/{name} is not on this node")
+        return worker.log_source(container, previous)
 
     # ---- scheduling ----
 
@@ -266,23 +275,6 @@ class NodeAgent:
                                    body={"status": {"conditions": [condition]}}, patch="strategic")
         except ApiError as exc:
             log.debug("marking %s/%s unschedulable failed: %s", meta["namespace"], meta["name"], exc)
-
-    # ---- host paths the pods need ----
-
-    def ensure_host_path(self, path: Path, *, is_file: bool) -> None:
-        """Create a missing mount point (or working directory) on the host and remember it, so that
-        `cluster down` can remove it again."""
-        if path.exists() or path.is_symlink():
-            return
-        missing = [p for p in [*reversed(path.parents), path] if not p.exists()]
-        for p in missing[:-1]:
-            p.mkdir(exist_ok=True)
-        if is_file:
-            missing[-1].touch()
-        else:
-            missing[-1].mkdir(exist_ok=True)
-        with open(self.config.state_dir / "created-mountpoints", "a") as out:
-            out.writelines(f"{p}\n" for p in missing)
 
 
 def _wants_scheduling(pod: dict) -> bool:

@@ -21,16 +21,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import psutil
 
 from adpfleet.cluster.agent import podenv
 from adpfleet.cluster.agent.events import now_iso
 from adpfleet.cluster.agent.probes import Prober, ProbeTarget
-
-if TYPE_CHECKING:
-    from adpfleet.cluster.agent.pod import PodWorker
+from adpfleet.cluster.agent.sandbox import Launch, LogSource, PodSandbox
 
 log = logging.getLogger(__name__)
 PODINIT = str(Path(__file__).with_name("podinit.py"))
@@ -73,8 +70,9 @@ class ContainerProcess:
 
 
 class ContainerRunner:
-    def __init__(self, pod: "PodWorker", spec: dict, *, init: bool, previous: dict | None):
-        self.pod, self.spec, self.name, self.init = pod, spec, spec["name"], init
+    def __init__(self, sandbox: PodSandbox, spec: dict, *, init: bool, previous: dict | None):
+        self.sandbox, self.spec, self.name, self.init = sandbox, spec, spec["name"], init
+        self._emit = sandbox.event(self.name)
         previous = previous or {}
         self.previous = previous
         self.restart_count = int(previous.get("restartCount", 0))
@@ -94,7 +92,7 @@ class ContainerRunner:
         self._stopping = False
         self._backoff = 0.0
         self._env: dict[str, str] = {}   # of the current process, for exec probes
-        self._cwd = str(pod.work_dir)
+        self._cwd = str(sandbox.dir.work)
 
     # ---- status ----
 
@@ -106,9 +104,17 @@ class ContainerRunner:
             status["containerID"] = f"adpfleet://{self.pid}"
         return status
 
+    def log_source(self, previous: bool) -> LogSource | None:
+        """The log of the current run (or the previous one), None when there is none."""
+        restart = self.restart_count - (1 if previous else 0)
+        path = self.sandbox.dir.log(self.name, restart)
+        if restart < 0 or not path.exists():
+            return None
+        return LogSource(path, lambda: self.restart_count == restart and "running" in self.state)
+
     def _set(self, state: dict) -> None:
         self.state = state
-        self.pod.changed()
+        self.sandbox.changed()
 
     # ---- the loop ----
 
@@ -116,7 +122,7 @@ class ContainerRunner:
         try:
             await self._run(adopted)
         except Exception as exc:  # noqa: BLE001 - a bug here must show on the pod, not vanish
-            log.exception("container %s of %s/%s", self.name, self.pod.namespace, self.pod.name)
+            log.exception("container %s of %s/%s", self.name, self.sandbox.namespace, self.sandbox.name)
             self._set({"waiting": {"reason": "AgentError", "message": f"node agent error: {exc!r}"}})
             self._finish()
 
@@ -153,11 +159,11 @@ class ContainerRunner:
                 return self._finish()
             delay = self._next_backoff(ran_for)
             if delay:
+                sandbox = self.sandbox
                 message = (f"back-off {delay:g}s restarting failed container={self.name} "
-                           f"pod={self.pod.name}_{self.pod.namespace}({self.pod.uid})")
+                           f"pod={sandbox.name}_{sandbox.namespace}({sandbox.uid})")
                 self._set({"waiting": {"reason": "CrashLoopBackOff", "message": message}})
-                self.pod.events.emit(self.pod.pod, "Warning", "BackOff",
-                                     f"Back-off restarting failed container {self.name}", self.name)
+                self._emit("Warning", "BackOff", f"Back-off restarting failed container {self.name}")
                 await self._sleep_unless_stopped(delay)
                 if self._stopping:
                     break
@@ -184,7 +190,7 @@ class ContainerRunner:
         self.exit_code = UNKNOWN_EXIT
 
     def _should_restart(self, code: int) -> bool:
-        policy = self.pod.pod["spec"].get("restartPolicy", "Always")
+        policy = self.sandbox.restart_policy
         if self.init:  # init containers run until they succeed, unless the pod never restarts
             return code != 0 and policy != "Never"
         return policy == "Always" or (policy == "OnFailure" and code != 0)
@@ -192,16 +198,16 @@ class ContainerRunner:
     def _next_backoff(self, ran_for: float) -> float:
         """The kubelet's back-off: the first restart is immediate, then initial, doubling, capped;
         a container that ran longer than the cap starts over."""
-        config = self.pod.config
-        if ran_for > config.backoff_max:
+        sandbox = self.sandbox
+        if ran_for > sandbox.backoff_max:
             self._backoff = 0.0
         delay = self._backoff
-        self._backoff = min(config.backoff_max, max(config.backoff_initial, self._backoff * 2))
+        self._backoff = min(sandbox.backoff_max, max(sandbox.backoff_initial, self._backoff * 2))
         return delay
 
     def _finish(self) -> None:
         self.finished.set()
-        self.pod.changed()
+        self.sandbox.changed()
 
     async def _sleep_unless_stopped(self, seconds: float) -> None:
         try:
@@ -212,47 +218,42 @@ class ContainerRunner:
     # ---- one run of the process ----
 
     async def _start(self):
-        pod = self.pod
         try:
-            env = await podenv.container_env(pod.pod, self.spec, pod.ip, pod.node_context, pod.fetch,
-                                             pod.markers(self.name))
-            argv = podenv.command_line(self.spec, env)
-            mounts = pod.mounts_for(self.spec)
+            launch = await self.sandbox.prepare(self.spec)
         except podenv.ContainerConfigError as exc:
             return await self._not_created("CreateContainerConfigError", str(exc))
         except OSError as exc:  # a mount point or subPath that cannot be created
             return await self._not_created("CreateContainerError", str(exc))
         try:
-            return self._launch(env, argv, mounts)
+            return self._launch(launch)
         except OSError as exc:
             return await self._not_created("CreateContainerError", str(exc))
 
     async def _not_created(self, reason: str, message: str) -> None:
         self._set({"waiting": {"reason": reason, "message": message}})
-        self.pod.events.emit(self.pod.pod, "Warning", "Failed", f"Error: {message}", self.name)
+        self._emit("Warning", "Failed", f"Error: {message}")
         await self._sleep_unless_stopped(2.0)  # the kubelet retries on its next sync, too
 
-    def _launch(self, env: dict[str, str], argv: list[str], mounts: list[dict]) -> ContainerProcess:
-        pod = self.pod
-        cwd = Path(self.spec.get("workingDir") or pod.work_dir)
-        pod.ensure_directory(cwd)
-        run_dir = pod.dir / "run"
-        run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # launch specs hold secret values
-        start_error = run_dir / f"{self.name}.start-error"
+    def _launch(self, launch: Launch) -> ContainerProcess:
+        directory = self.sandbox.dir
+        directory.run.mkdir(mode=0o700, parents=True, exist_ok=True)  # launch specs hold secret values
+        start_error = directory.start_error(self.name)
         start_error.unlink(missing_ok=True)
-        launch = run_dir / f"{self.name}.json"
-        launch.write_text(json.dumps({"argv": argv, "env": env, "cwd": str(cwd), "mounts": mounts,
-                                      "startErrorFile": str(start_error)}))
-        log_path = pod.log_path(self.name, self.restart_count)
+        spec = directory.run / f"{self.name}.json"
+        spec.write_text(json.dumps({"argv": launch.argv, "env": launch.env, "cwd": str(launch.cwd),
+                                    "mounts": launch.mounts, "hostname": launch.hostname,
+                                    "startErrorFile": str(start_error)}))
+        log_path = directory.log(self.name, self.restart_count)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as out:
-            proc = subprocess.Popen([sys.executable, "-I", "-S", PODINIT, str(launch)], env=env, cwd=str(cwd),
-                                    stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
+            proc = subprocess.Popen([sys.executable, "-I", "-S", PODINIT, str(spec)], env=launch.env,
+                                    cwd=str(launch.cwd), stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                                    start_new_session=True)
         self.pid = proc.pid
         self.ready = False
-        self._env, self._cwd = env, str(cwd)
+        self._env, self._cwd = launch.env, str(launch.cwd)
         self._set({"running": {"startedAt": now_iso()}})
-        pod.events.emit(pod.pod, "Normal", "Started", f"Started container {self.name}", self.name)
+        self._emit("Normal", "Started", f"Started container {self.name}")
         return ContainerProcess(proc.pid, proc)
 
     async def _supervise(self, handle, started_monotonic: float) -> int:
@@ -284,13 +285,13 @@ class ContainerRunner:
 
     def _record_exit(self, code: int, adopted: bool) -> None:
         running = self.state.get("running", {})
-        start_error = self.pod.dir / "run" / f"{self.name}.start-error"
+        start_error = self.sandbox.dir.start_error(self.name)
         terminated = {"exitCode": code, "startedAt": running.get("startedAt"), "finishedAt": now_iso(),
                       "reason": "Completed" if code == 0 else "Error", "containerID": f"adpfleet://{self.pid}"}
         if start_error.exists():
             failure = json.loads(start_error.read_text())
             terminated.update(reason=failure["reason"], message=failure["message"])
-            self.pod.events.emit(self.pod.pod, "Warning", "Failed", f"Error: {failure['message']}", self.name)
+            self._emit("Warning", "Failed", f"Error: {failure['message']}")
         elif adopted:
             terminated.update(reason="Unknown", message="the process was started by a previous node agent, "
                                                         "so its exit code is unknown")
@@ -303,12 +304,12 @@ class ContainerRunner:
     # ---- probes ----
 
     def _start_probers(self, handle, started_monotonic: float, resumed: bool) -> list[asyncio.Task]:
-        spec, pod = self.spec, self.pod
+        spec, sandbox = self.spec, self.sandbox
         if self.init:
             return []
         named_ports = {p["name"]: p["containerPort"] for p in spec.get("ports") or [] if p.get("name")}
-        self._target = ProbeTarget(pod_ip=pod.ip, ports=named_ports, env=self._env, cwd=self._cwd,
-                                   pid=handle.pid, private_mounts=pod.private_mounts)
+        self._target = ProbeTarget(pod_ip=sandbox.ip, ports=named_ports, env=self._env, cwd=self._cwd,
+                                   pid=handle.pid, private_mounts=sandbox.private_mounts)
         self._started_monotonic = started_monotonic
         self._probe_tasks: list[asyncio.Task] = []
         if "startupProbe" in spec and not resumed:
@@ -318,7 +319,7 @@ class ContainerRunner:
         return self._probe_tasks
 
     def _spawn_prober(self, kind: str, probe: dict) -> None:
-        prober = Prober(kind, probe, self._target, self.pod.probe_session, self._on_probe)
+        prober = Prober(kind, probe, self._target, self.sandbox.probe_session, self._on_probe)
         self._probe_tasks.append(asyncio.ensure_future(prober.run(self._started_monotonic)))
 
     def _on_started(self) -> None:
@@ -329,26 +330,24 @@ class ContainerRunner:
             self._spawn_prober("readiness", self.spec["readinessProbe"])
         else:
             self.ready = True
-        self.pod.changed()
+        self.sandbox.changed()
 
     async def _on_probe(self, kind: str, ok: bool, message: str) -> None:
-        events, pod = self.pod.events, self.pod.pod
         if kind == "readiness":
             self.ready = ok
             if not ok:
-                events.emit(pod, "Warning", "Unhealthy", f"Readiness probe failed: {message}", self.name)
-            self.pod.changed()
+                self._emit("Warning", "Unhealthy", f"Readiness probe failed: {message}")
+            self.sandbox.changed()
             return
         if ok:
             if kind == "startup" and not self.started:
                 self._on_started()
             return
         label = "Liveness" if kind == "liveness" else "Startup"
-        events.emit(pod, "Warning", "Unhealthy", f"{label} probe failed: {message}", self.name)
-        events.emit(pod, "Normal", "Killing",
-                    f"Container {self.name} failed {kind} probe, will be restarted", self.name)
+        self._emit("Warning", "Unhealthy", f"{label} probe failed: {message}")
+        self._emit("Normal", "Killing", f"Container {self.name} failed {kind} probe, will be restarted")
         probe = self.spec[f"{kind}Probe"]
-        self.request_kill(float(probe.get("terminationGracePeriodSeconds") or self.pod.grace_period()))
+        self.request_kill(float(probe.get("terminationGracePeriodSeconds") or self.sandbox.grace_period))
 
     # ---- commands from the pod ----
 

@@ -15,23 +15,25 @@ import copy
 import logging
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Callable
 
+import aiohttp
 import psutil
 
+from adpfleet.cluster.agent import podenv
 from adpfleet.cluster.agent import volumes as volumes_mod
+from adpfleet.cluster.agent.addresses import AddressPool
 from adpfleet.cluster.agent.container import ContainerRunner, terminate_group
-from adpfleet.cluster.agent.events import now_iso
-from adpfleet.cluster.agent.kubeapi import ApiError, retrying
+from adpfleet.cluster.agent.events import EventRecorder, now_iso
+from adpfleet.cluster.agent.kubeapi import ApiError, KubeApi, retrying
+from adpfleet.cluster.agent.node import HOST_IP
 from adpfleet.cluster.agent.podenv import ContainerConfigError
-
-if TYPE_CHECKING:
-    from adpfleet.cluster.agent.agent import NodeAgent
+from adpfleet.cluster.agent.sandbox import Emit, Launch, LogSource, PodDirectory, PodSandbox
 
 log = logging.getLogger(__name__)
 STATUS_ONLY_ANNOTATION = "adpfleet.io/node-agent"  # value "status-only": report Running/Ready, run nothing
-HOST_IP = "127.0.0.1"
 
 
 def pod_dir_name(pod: dict) -> str:
@@ -39,27 +41,51 @@ def pod_dir_name(pod: dict) -> str:
     return f"{meta['namespace']}_{meta['name']}_{meta['uid']}"
 
 
+@dataclass
+class NodeServices:
+    """What the node agent lends each pod; a PodWorker never sees the agent itself."""
+    api: KubeApi
+    events: EventRecorder
+    addresses: AddressPool
+    context: podenv.NodeContext
+    probe_session: aiohttp.ClientSession
+    state_dir: Path                 # the agent's: pods/<pod dir>/, created-mountpoints
+    backoff_initial: float
+    backoff_max: float
+    status_only: bool               # the agent's --status-only: every pod is status-only
+    mount_problem: str | None       # why private mount namespaces are unavailable (None: they work)
+    done: Callable[["PodWorker"], None]  # the worker has finished: its pod object is gone
+
+    @property
+    def private_mounts(self) -> bool:
+        return self.mount_problem is None
+
+
 class PodWorker:
-    def __init__(self, agent: "NodeAgent", pod: dict, adopted: dict[str, psutil.Process]):
-        self.agent, self.pod = agent, pod
-        meta, status = pod["metadata"], pod.get("status") or {}
+    def __init__(self, node: NodeServices, pod: dict, adopted: dict[str, psutil.Process]):
+        self.node, self.pod = node, pod
+        meta, spec, status = pod["metadata"], pod["spec"], pod.get("status") or {}
         self.uid, self.name, self.namespace = meta["uid"], meta["name"], meta["namespace"]
-        self.config, self.events = agent.config, agent.events
-        self.node_context, self.probe_session = agent.node_context, agent.probe_session
-        self.private_mounts = agent.private_mounts
-        self.dir = agent.config.state_dir / "pods" / pod_dir_name(pod)
-        self.work_dir = self.dir / "work"
-        self.ip: str | None = status.get("podIP")
-        self.status_only = (agent.config.status_only
+        self.events = node.events
+        self.dir = PodDirectory(node.state_dir / "pods" / pod_dir_name(pod))
+        self.sandbox = PodSandbox(
+            namespace=self.namespace, name=self.name, uid=self.uid, dir=self.dir,
+            restart_policy=spec.get("restartPolicy", "Always"),
+            grace_period=float(spec.get("terminationGracePeriodSeconds", 30)),
+            backoff_initial=node.backoff_initial, backoff_max=node.backoff_max,
+            private_mounts=node.private_mounts, probe_session=node.probe_session,
+            prepare=self._prepare, changed=self.changed, event=self._container_events,
+            ip=status.get("podIP") or "")
+        self.status_only = (node.status_only
                             or (meta.get("annotations") or {}).get(STATUS_ONLY_ANNOTATION) == "status-only")
         self.start_time = status.get("startTime") or now_iso()
         self.adopted = adopted
         previous = {s["name"]: s for s in (status.get("containerStatuses") or [])
                     + (status.get("initContainerStatuses") or [])}
-        self.init_runners = [ContainerRunner(self, c, init=True, previous=previous.get(c["name"]))
-                             for c in pod["spec"].get("initContainers") or []]
-        self.runners = [ContainerRunner(self, c, init=False, previous=previous.get(c["name"]))
-                        for c in pod["spec"]["containers"]]
+        self.init_runners = [ContainerRunner(self.sandbox, c, init=True, previous=previous.get(c["name"]))
+                             for c in spec.get("initContainers") or []]
+        self.runners = [ContainerRunner(self.sandbox, c, init=False, previous=previous.get(c["name"]))
+                        for c in spec["containers"]]
         for runner in self.runners if self.init_runners else []:
             if runner.state == {"waiting": {"reason": "ContainerCreating"}}:
                 runner.state = {"waiting": {"reason": "PodInitializing"}}
@@ -91,18 +117,26 @@ class PodWorker:
     def changed(self) -> None:
         self._dirty.set()
 
-    def grace_period(self) -> float:
-        return float(self.pod["spec"].get("terminationGracePeriodSeconds", 30))
-
     def all_runners(self) -> list[ContainerRunner]:
         return self.init_runners + self.runners
 
-    def log_path(self, container: str, restart_count: int) -> Path:
-        return self.dir / "logs" / container / f"{restart_count}.log"
+    def log_source(self, container: str, previous: bool) -> LogSource:
+        """For `kubectl logs`; LookupError saying what is missing."""
+        runner = next((r for r in self.all_runners() if r.name == container), None)
+        if runner is None:
+            raise LookupError(f"pod {self.namespace}/{self.name} has no container {container!r}")
+        source = runner.log_source(previous)
+        if source is None:
+            raise LookupError(f"no {'previous ' if previous else ''}log for container {container!r} "
+                              f"in pod {self.namespace}/{self.name}")
+        return source
 
-    def markers(self, container: str) -> dict[str, str]:
-        return {"ADPFLEET_CLUSTER": str(self.config.state_dir), "ADPFLEET_POD_UID": self.uid,
-                "ADPFLEET_CONTAINER": container}
+    @property
+    def ip(self) -> str:
+        return self.sandbox.ip
+
+    def _container_events(self, container: str) -> Emit:
+        return lambda type_, reason, message: self.events.emit(self.pod, type_, reason, message, container)
 
     # ---- the pod's life ----
 
@@ -125,7 +159,7 @@ class PodWorker:
             log.exception("%s/%s: starting the pod failed", self.namespace, self.name)
 
     async def _bring_up(self) -> None:
-        self.ip = self.agent.addresses.allocate(self.uid, self.ip)
+        self.sandbox.ip = self.node.addresses.allocate(self.uid, self.sandbox.ip or None)
         self.changed()
         if self.status_only:
             self.ready_to_start = True
@@ -153,8 +187,8 @@ class PodWorker:
         delay = 1.0
         while True:
             try:
-                self.volumes = await volumes_mod.materialise(self.pod, self.dir, self.agent.api, self.fetch,
-                                                             self.ip, self.node_context)
+                self.volumes = await volumes_mod.materialise(self.pod, self.dir.path, self.node.api, self.fetch,
+                                                             self.ip, self.node.context)
                 return
             except Exception as exc:  # noqa: BLE001 - any failure here is retried, like the kubelet does
                 self.events.emit(self.pod, "Warning", "FailedMount", f"MountVolume.SetUp failed: {exc}")
@@ -166,14 +200,14 @@ class PodWorker:
             token = min(self.volumes.tokens, key=lambda t: t.refresh_at)
             await asyncio.sleep(max(1.0, token.refresh_at - time.time()))
             try:
-                await volumes_mod.refresh_token(self.agent.api, self.pod, token)
+                await volumes_mod.refresh_token(self.node.api, self.pod, token)
             except Exception as exc:  # noqa: BLE001 - the current token is still valid for a while
                 log.warning("%s/%s: %s; retrying in 10 s", self.namespace, self.name, exc)
                 token.refresh_at = time.time() + 10
 
     async def _stop_containers(self) -> None:
         meta = self.pod["metadata"]
-        grace = float(meta.get("deletionGracePeriodSeconds", self.grace_period()))
+        grace = float(meta.get("deletionGracePeriodSeconds", self.sandbox.grace_period))
         if self._gone:
             grace = min(grace, 2.0)  # force-deleted: the kubelet's minimum grace
         if any(r.pid and not r.finished.is_set() for r in self.all_runners()):
@@ -192,23 +226,34 @@ class PodWorker:
             body = {"apiVersion": "v1", "kind": "DeleteOptions", "gracePeriodSeconds": 0,
                     "preconditions": {"uid": self.uid}}
             try:
-                await retrying(f"deleting {path}", lambda: self.agent.api.request("DELETE", path, body=body),
+                await retrying(f"deleting {path}", lambda: self.node.api.request("DELETE", path, body=body),
                                retry_conflicts=False)
             except ApiError as exc:
                 if exc.status not in (404, 409):  # gone, or another pod of that name: not ours to delete
                     log.warning("%s/%s: deleting the pod object failed: %s", self.namespace, self.name, exc)
             except Exception as exc:  # noqa: BLE001 - the next agent start finalises it
                 log.warning("%s/%s: deleting the pod object failed: %s", self.namespace, self.name, exc)
-        shutil.rmtree(self.dir, ignore_errors=True)
-        self.agent.addresses.release(self.uid)
-        self.agent.worker_done(self)
+        shutil.rmtree(self.dir.path, ignore_errors=True)
+        self.node.addresses.release(self.uid)
+        self.node.done(self)
 
     # ---- what containers ask of their pod ----
+
+    async def _prepare(self, container: dict) -> Launch:
+        """Everything one run of `container` needs, read now (ConfigMaps and Secrets may have changed)."""
+        markers = {"ADPFLEET_CLUSTER": str(self.node.state_dir), "ADPFLEET_POD_UID": self.uid,
+                   "ADPFLEET_CONTAINER": container["name"]}
+        env = await podenv.container_env(self.pod, container, self.ip, self.node.context, self.fetch, markers)
+        argv = podenv.command_line(container, env)
+        mounts = self._mounts_for(container)
+        cwd = Path(container.get("workingDir") or self.dir.work)
+        self._ensure_directory(cwd)
+        return Launch(argv=argv, env=env, cwd=cwd, mounts=mounts, hostname=None)
 
     async def fetch(self, kind: str, name: str) -> dict | None:
         plural = {"ConfigMap": "configmaps", "Secret": "secrets"}[kind]
         try:
-            return await self.agent.api.get(f"/api/v1/namespaces/{self.namespace}/{plural}/{name}")
+            return await self.node.api.get(f"/api/v1/namespaces/{self.namespace}/{plural}/{name}")
         except ApiError as exc:
             if exc.status == 404:
                 return None
@@ -216,13 +261,16 @@ class PodWorker:
         except Exception as exc:  # noqa: BLE001 - connection trouble: the container start is retried
             raise ContainerConfigError(f"reading {kind} {name}: {exc!r}") from None
 
-    def ensure_directory(self, path: Path) -> None:
-        if self.dir in path.parents or path == self.dir:
+    def _ensure_directory(self, path: Path) -> None:
+        if self.dir.path in path.parents or path == self.dir.path:
             path.mkdir(parents=True, exist_ok=True)
         else:
-            self.agent.ensure_host_path(path, is_file=False)
+            self._ensure_host_path(path, is_file=False)
 
-    def mounts_for(self, container: dict) -> list[dict]:
+    def _ensure_host_path(self, path: Path, *, is_file: bool) -> None:
+        volumes_mod.ensure_host_path(path, is_file=is_file, ledger=self.node.state_dir / "created-mountpoints")
+
+    def _mounts_for(self, container: dict) -> list[dict]:
         mounts = []
         for vm in container.get("volumeMounts") or []:
             source = self.volumes.paths.get(vm["name"])
@@ -235,15 +283,15 @@ class PodWorker:
             # Like the kubelet: API-fed volumes are always read-only, whatever the mount says.
             read_only = bool(vm.get("readOnly")) or self.volumes.api_fed(vm["name"])
             mounts.append({"source": str(source), "target": vm["mountPath"], "readOnly": read_only})
-        if mounts and not self.private_mounts:
+        if mounts and not self.node.private_mounts:
             if not self._mount_warning_sent:
                 self._mount_warning_sent = True
                 self.events.emit(self.pod, "Warning", "VolumesNotMounted",
-                                 f"private mount namespaces are unavailable ({self.agent.mount_problem}); "
-                                 f"volumes are only in {self.dir / 'volumes'}", container["name"])
+                                 f"private mount namespaces are unavailable ({self.node.mount_problem}); "
+                                 f"volumes are only in {self.dir.path / 'volumes'}", container["name"])
             return []
         for m in mounts:
-            self.agent.ensure_host_path(Path(m["target"]), is_file=Path(m["source"]).is_file())
+            self._ensure_host_path(Path(m["target"]), is_file=Path(m["source"]).is_file())
         return mounts
 
     # ---- status ----
@@ -281,7 +329,7 @@ class PodWorker:
         status = copy.deepcopy(self.status())
         if status == self._last_status:
             return
-        await self.agent.api.request("PATCH", f"/api/v1/namespaces/{self.namespace}/pods/{self.name}/status",
+        await self.node.api.request("PATCH", f"/api/v1/namespaces/{self.namespace}/pods/{self.name}/status",
                                      body={"status": status}, patch="merge")
         self._last_status = status
 

@@ -72,7 +72,7 @@ async def _tcp(spec: dict, target: ProbeTarget):
 
 
 async def _exec(command: list[str], target: ProbeTarget, timeout: float):
-    argv = (["nsenter", f"--target={target.pid}", "--mount", "--"] if target.private_mounts else []) + command
+    argv = (["nsenter", f"--target={target.pid}", "--mount", "--uts", "--"] if target.private_mounts else []) + command
     proc = await asyncio.create_subprocess_exec(*argv, env=target.env, cwd=target.cwd, start_new_session=True,
                                                 stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
                                                 stderr=asyncio.subprocess.STDOUT)

@@ -146,3 +146,19 @@ def _write(directory: Path, files: dict[str, tuple[bytes, int | None]], default_
         tmp.write_bytes(content)
         os.chmod(tmp, mode if mode is not None else default_mode)
         tmp.replace(path)  # atomic: a reader sees the old or the new token, never half of one
+
+
+def ensure_host_path(path: Path, *, is_file: bool, ledger: Path) -> None:
+    """Create a missing mount point (or working directory) on the host and list what was created in
+    `ledger`, so that `cluster down` can remove it again."""
+    if path.exists() or path.is_symlink():
+        return
+    missing = [p for p in [*reversed(path.parents), path] if not p.exists()]
+    for p in missing[:-1]:
+        p.mkdir(exist_ok=True)
+    if is_file:
+        missing[-1].touch()
+    else:
+        missing[-1].mkdir(exist_ok=True)
+    with open(ledger, "a") as out:
+        out.writelines(f"{p}\n" for p in missing)
