@@ -5,8 +5,13 @@ The loop, like the kubelet's for one container:
     ready, or kill → exited → restartPolicy says whether to run again → back-off → start ...
 
 The process is `podinit.py` exec'ing the container's command in a new session, so its process
-group holds everything it forks; stopping sends SIGTERM to the group, waits the grace period,
-then SIGKILLs the group.
+group holds everything it forks; stopping runs the `preStop` hook, sends SIGTERM to the group,
+waits what is left of the grace period, then SIGKILLs the group. When a run ends, the file at its
+`terminationMessagePath` (or, with `FallbackToLogsOnError`, the end of its log) becomes the
+message of its `terminated` state.
+
+A sidecar (an init container with `restartPolicy: Always`) is restarted whatever the pod's policy,
+is probed like a container, and counts as initialized once it has started.
 """
 
 from __future__ import annotations
@@ -26,12 +31,17 @@ import psutil
 
 from adpfleet.cluster.agent import podenv
 from adpfleet.cluster.agent.events import now_iso
-from adpfleet.cluster.agent.probes import Prober, ProbeTarget
+from adpfleet.cluster.agent.probes import Prober, ProbeTarget, run_handler
 from adpfleet.cluster.agent.sandbox import Launch, LogSource, PodSandbox
 
 log = logging.getLogger(__name__)
 PODINIT = str(Path(__file__).with_name("podinit.py"))
 UNKNOWN_EXIT = 255  # the process ended while no agent watched it: its exit code is lost
+# The kubelet's limits: a termination message file is read up to 4096 bytes; the fallback to the
+# log takes its last 80 lines, at most 2048 bytes; after a preStop hook SIGTERM gets at least 2 s.
+MAX_TERMINATION_MESSAGE = 4096
+FALLBACK_LOG_LINES, FALLBACK_LOG_BYTES = 80, 2048
+MIN_GRACE_AFTER_HOOK = 2.0
 
 
 class ContainerProcess:
@@ -72,6 +82,7 @@ class ContainerProcess:
 class ContainerRunner:
     def __init__(self, sandbox: PodSandbox, spec: dict, *, init: bool, previous: dict | None):
         self.sandbox, self.spec, self.name, self.init = sandbox, spec, spec["name"], init
+        self.sidecar = init and spec.get("restartPolicy") == "Always"
         self._emit = sandbox.event(self.name)
         previous = previous or {}
         self.previous = previous
@@ -86,6 +97,7 @@ class ContainerRunner:
         self.ever_started = self.restart_count > 0 or bool(self.last_state) or "terminated" in self.previous_state
         self.pid: int | None = _pid_of(previous.get("containerID", "")) if "running" in self.previous_state else None
         self.finished = asyncio.Event()   # set when it will not run again
+        self.has_started = asyncio.Event()  # set when a run has started (startup probe passed)
         self.exit_code: int | None = None
         self._kill = asyncio.Event()
         self._kill_grace: float = 0.0
@@ -104,6 +116,13 @@ class ContainerRunner:
             status["containerID"] = f"adpfleet://{self.pid}"
         return status
 
+    @property
+    def initialized(self) -> bool:
+        """For an init container: may the next one start (completed, or a sidecar that started)?"""
+        if self.sidecar:
+            return self.has_started.is_set()
+        return self.finished.is_set() and self.exit_code == 0
+
     def log_source(self, previous: bool) -> LogSource | None:
         """The log of the current run (or the previous one), None when there is none."""
         restart = self.restart_count - (1 if previous else 0)
@@ -113,6 +132,8 @@ class ContainerRunner:
         return LogSource(path, lambda: self.restart_count == restart and "running" in self.state)
 
     def _set(self, state: dict) -> None:
+        if "terminated" in self.state and "terminated" not in state:
+            self.last_state = self.state  # like the kubelet: lastState is the previous run's end
         self.state = state
         self.sandbox.changed()
 
@@ -191,6 +212,8 @@ class ContainerRunner:
 
     def _should_restart(self, code: int) -> bool:
         policy = self.sandbox.restart_policy
+        if self.sidecar:
+            return True
         if self.init:  # init containers run until they succeed, unless the pod never restarts
             return code != 0 and policy != "Never"
         return policy == "Always" or (policy == "OnFailure" and code != 0)
@@ -262,7 +285,11 @@ class ContainerRunner:
         probers = self._start_probers(handle, started_monotonic, resumed)
         exited = asyncio.ensure_future(handle.wait())
         killed = asyncio.ensure_future(self._kill.wait())
+        post_start = (asyncio.ensure_future(self._post_start(handle))
+                      if (self.spec.get("lifecycle") or {}).get("postStart") else None)
         await asyncio.wait({exited, killed}, return_when=asyncio.FIRST_COMPLETED)
+        if post_start:
+            post_start.cancel()
         if not exited.done():
             await self._terminate(handle, exited, self._kill_grace)
         killed.cancel()
@@ -275,7 +302,24 @@ class ContainerRunner:
             self._kill.clear()  # a liveness kill is spent; the back-off must not see it
         return code
 
+    async def _post_start(self, handle) -> None:
+        ok, message = await run_handler(self.spec["lifecycle"]["postStart"], self._hook_target(handle),
+                                        self.sandbox.probe_session, self.sandbox.grace_period)
+        if not ok:
+            self._emit("Warning", "FailedPostStartHook", f"PostStartHook failed: {message}")
+            self.request_kill(self.sandbox.grace_period)
+
     async def _terminate(self, handle, exited: asyncio.Future, grace: float) -> None:
+        pre_stop = (self.spec.get("lifecycle") or {}).get("preStop")
+        if pre_stop:
+            began = time.monotonic()
+            hook = asyncio.ensure_future(run_handler(pre_stop, self._hook_target(handle), self.sandbox.probe_session,
+                                                     grace))
+            await asyncio.wait({hook, exited}, timeout=grace, return_when=asyncio.FIRST_COMPLETED)
+            if hook.done() and not hook.result()[0]:
+                self._emit("Warning", "FailedPreStopHook", f"PreStopHook failed: {hook.result()[1]}")
+            hook.cancel()
+            grace = max(grace - (time.monotonic() - began), MIN_GRACE_AFTER_HOOK)
         _kill_group(handle.pid, signal.SIGTERM)
         try:
             await asyncio.wait_for(asyncio.shield(exited), grace)
@@ -288,32 +332,50 @@ class ContainerRunner:
         start_error = self.sandbox.dir.start_error(self.name)
         terminated = {"exitCode": code, "startedAt": running.get("startedAt"), "finishedAt": now_iso(),
                       "reason": "Completed" if code == 0 else "Error", "containerID": f"adpfleet://{self.pid}"}
+        message = self._termination_message(code)
         if start_error.exists():
             failure = json.loads(start_error.read_text())
             terminated.update(reason=failure["reason"], message=failure["message"])
             self._emit("Warning", "Failed", f"Error: {failure['message']}")
         elif adopted:
-            terminated.update(reason="Unknown", message="the process was started by a previous node agent, "
-                                                        "so its exit code is unknown")
+            terminated.update(reason="Unknown", message=message or "the process was started by a previous node "
+                                                                   "agent, so its exit code is unknown")
+        elif message:
+            terminated["message"] = message
         self.exit_code = code
-        self.ready = self.init and code == 0
+        self.ready = self.init and not self.sidecar and code == 0
         self.started = False
-        self.last_state = {"terminated": terminated}
         self._set({"terminated": terminated})
+
+    def _termination_message(self, code: int) -> str:
+        try:
+            with open(self.sandbox.dir.termination_log(self.name), "rb") as f:
+                message = f.read(MAX_TERMINATION_MESSAGE)
+        except OSError:
+            message = b""
+        if not message and code != 0 and self.spec.get("terminationMessagePolicy") == "FallbackToLogsOnError":
+            try:
+                lines = self.sandbox.dir.log(self.name, self.restart_count).read_bytes().splitlines(keepends=True)
+            except OSError:
+                lines = []
+            message = b"".join(lines[-FALLBACK_LOG_LINES:])[-FALLBACK_LOG_BYTES:]
+        return message.decode(errors="replace")
+
+    def _hook_target(self, handle) -> ProbeTarget:
+        named_ports = {p["name"]: p["containerPort"] for p in self.spec.get("ports") or [] if p.get("name")}
+        return ProbeTarget(pod_ip=self.sandbox.ip, ports=named_ports, env=self._env, cwd=self._cwd, pid=handle.pid,
+                           private_mounts=self.sandbox.private_mounts)
 
     # ---- probes ----
 
     def _start_probers(self, handle, started_monotonic: float, resumed: bool) -> list[asyncio.Task]:
-        spec, sandbox = self.spec, self.sandbox
-        if self.init:
+        if self.init and not self.sidecar:
             return []
-        named_ports = {p["name"]: p["containerPort"] for p in spec.get("ports") or [] if p.get("name")}
-        self._target = ProbeTarget(pod_ip=sandbox.ip, ports=named_ports, env=self._env, cwd=self._cwd,
-                                   pid=handle.pid, private_mounts=sandbox.private_mounts)
+        self._target = self._hook_target(handle)
         self._started_monotonic = started_monotonic
         self._probe_tasks: list[asyncio.Task] = []
-        if "startupProbe" in spec and not resumed:
-            self._spawn_prober("startup", spec["startupProbe"])
+        if "startupProbe" in self.spec and not resumed:
+            self._spawn_prober("startup", self.spec["startupProbe"])
         else:
             self._on_started()
         return self._probe_tasks
@@ -324,6 +386,7 @@ class ContainerRunner:
 
     def _on_started(self) -> None:
         self.started = True
+        self.has_started.set()
         if "livenessProbe" in self.spec:
             self._spawn_prober("liveness", self.spec["livenessProbe"])
         if "readinessProbe" in self.spec:

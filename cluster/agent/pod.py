@@ -1,8 +1,11 @@
 """One pod bound to this node, from binding to the removal of its API object.
 
-    address → volumes → init containers, one after another → containers, side by side
-    ... until the pod is deleted: stop every container within the grace period, report the final
-    status, delete the API object (grace 0, uid precondition), remove the pod directory.
+    address, /etc/hosts → volumes → init containers, one after another (a sidecar — an init
+    container with `restartPolicy: Always` — starts, and the next one follows once it has started)
+    → containers, side by side ... once every container has finished for good, the sidecars stop
+    ... until the pod is deleted: stop the containers, then the sidecars in reverse order, within
+    the grace period; report the final status; delete the API object (grace 0, uid precondition);
+    remove the pod directory.
 
 Status is written by one loop: anything that changes marks the pod dirty, the loop rebuilds the
 whole status and patches it only when it differs from the last one written.
@@ -22,11 +25,11 @@ from typing import Callable
 import aiohttp
 import psutil
 
-from adpfleet.cluster.agent import podenv
+from adpfleet.cluster.agent import hosts, podenv
 from adpfleet.cluster.agent import volumes as volumes_mod
 from adpfleet.cluster.agent.addresses import AddressPool
 from adpfleet.cluster.agent.container import ContainerRunner, terminate_group
-from adpfleet.cluster.agent.events import EventRecorder, now_iso
+from adpfleet.cluster.agent.events import NOT_SUPPORTED_LOCALLY, EventRecorder, now_iso
 from adpfleet.cluster.agent.kubeapi import ApiError, KubeApi, retrying
 from adpfleet.cluster.agent.node import HOST_IP
 from adpfleet.cluster.agent.podenv import ContainerConfigError
@@ -34,6 +37,8 @@ from adpfleet.cluster.agent.sandbox import Emit, Launch, LogSource, PodDirectory
 
 log = logging.getLogger(__name__)
 STATUS_ONLY_ANNOTATION = "adpfleet.io/node-agent"  # value "status-only": report Running/Ready, run nothing
+DEFAULT_TERMINATION_MESSAGE_PATH = "/dev/termination-log"
+MIN_SIDECAR_GRACE = 2.0  # the kubelet's minimum grace, for sidecars stopped after a slow container
 
 
 def pod_dir_name(pod: dict) -> str:
@@ -54,6 +59,7 @@ class NodeServices:
     backoff_max: float
     status_only: bool               # the agent's --status-only: every pod is status-only
     mount_problem: str | None       # why private mount namespaces are unavailable (None: they work)
+    names: Callable[[], hosts.Records]  # the cluster names pods resolve (each pod's /etc/hosts)
     done: Callable[["PodWorker"], None]  # the worker has finished: its pod object is gone
 
     @property
@@ -86,6 +92,7 @@ class PodWorker:
                              for c in spec.get("initContainers") or []]
         self.runners = [ContainerRunner(self.sandbox, c, init=False, previous=previous.get(c["name"]))
                         for c in spec["containers"]]
+        self.sidecars = [r for r in self.init_runners if r.sidecar]
         for runner in self.runners if self.init_runners else []:
             if runner.state == {"waiting": {"reason": "ContainerCreating"}}:
                 runner.state = {"waiting": {"reason": "PodInitializing"}}
@@ -97,10 +104,11 @@ class PodWorker:
         self._dirty = asyncio.Event()
         self._deleting = asyncio.Event()
         self._gone = False              # the API object no longer exists
-        self._tasks: list[asyncio.Task] = []   # one per container run
+        self._tasks: list[tuple[asyncio.Task, ContainerRunner]] = []  # one per container started
         self._token_refresher: asyncio.Task | None = None
         self._last_status: dict | None = None
         self._mount_warning_sent = False
+        self._hosts_text: str | None = None  # what /etc/hosts holds now (None: not written yet)
 
     # ---- called by the agent ----
 
@@ -135,6 +143,15 @@ class PodWorker:
     def ip(self) -> str:
         return self.sandbox.ip
 
+    def refresh_hosts(self) -> None:
+        """Rewrite the pod's /etc/hosts if the cluster names it should hold have changed."""
+        if self._hosts_text is None:
+            return  # not set up yet: _bring_up writes it first
+        text = hosts.hosts_file(self.pod, self.ip, self.node.names())
+        if text != self._hosts_text:
+            hosts.rewrite_in_place(self.dir.hosts, text)
+            self._hosts_text = text
+
     def _container_events(self, container: str) -> Emit:
         return lambda type_, reason, message: self.events.emit(self.pod, type_, reason, message, container)
 
@@ -165,6 +182,14 @@ class PodWorker:
             self.ready_to_start = True
             self.changed()
             return
+        self.dir.path.mkdir(parents=True, exist_ok=True)
+        self._hosts_text = ""
+        self.refresh_hosts()
+        runtime_class = self.pod["spec"].get("runtimeClassName")
+        if runtime_class:
+            self.events.emit(self.pod, "Warning", NOT_SUPPORTED_LOCALLY,
+                             f'runtimeClassName "{runtime_class}" is ignored: containers run as plain processes '
+                             "on the local node")
         await self._set_up_volumes()
         self.ready_to_start = True
         self.changed()
@@ -172,16 +197,28 @@ class PodWorker:
             self._token_refresher = asyncio.create_task(self._refresh_tokens())
         for runner in self.init_runners:
             task = self._start_runner(runner)
-            await asyncio.wait([task])  # asyncio.wait: cancelling us must not cancel the runner
-            if runner.exit_code != 0:
+            # asyncio.wait: cancelling us must not cancel the runner
+            await asyncio.wait([task, asyncio.ensure_future(runner.has_started.wait())] if runner.sidecar else [task],
+                               return_when=asyncio.FIRST_COMPLETED)
+            if not runner.sidecar and runner.exit_code != 0:
                 return  # an init container failed for good: the pod has failed
-        for runner in self.runners:
-            self._start_runner(runner)
+            if runner.sidecar and not runner.has_started.is_set():
+                return  # the pod is being deleted
+        main = [self._start_runner(runner) for runner in self.runners]
+        if self.sidecars:
+            await asyncio.wait(main)
+            await self._stop_sidecars(self.sandbox.grace_period)  # the pod is done: so are its sidecars
 
     def _start_runner(self, runner: ContainerRunner) -> asyncio.Task:
         task = asyncio.create_task(runner.run(self.adopted.pop(runner.name, None)))
-        self._tasks.append(task)
+        self._tasks.append((task, runner))
         return task
+
+    async def _stop_sidecars(self, grace: float) -> None:
+        """In reverse order of their start, like the kubelet."""
+        for runner in reversed(self.sidecars):
+            runner.stop(grace)
+            await asyncio.gather(*(t for t, r in self._tasks if r is runner), return_exceptions=True)
 
     async def _set_up_volumes(self) -> None:
         delay = 1.0
@@ -189,6 +226,8 @@ class PodWorker:
             try:
                 self.volumes = await volumes_mod.materialise(self.pod, self.dir.path, self.node.api, self.fetch,
                                                              self.ip, self.node.context)
+                for message in self.volumes.substituted:
+                    self.events.emit(self.pod, "Warning", NOT_SUPPORTED_LOCALLY, message)
                 return
             except Exception as exc:  # noqa: BLE001 - any failure here is retried, like the kubelet does
                 self.events.emit(self.pod, "Warning", "FailedMount", f"MountVolume.SetUp failed: {exc}")
@@ -212,11 +251,15 @@ class PodWorker:
             grace = min(grace, 2.0)  # force-deleted: the kubelet's minimum grace
         if any(r.pid and not r.finished.is_set() for r in self.all_runners()):
             self.events.emit(self.pod, "Normal", "Killing", f"Stopping pod (grace period {grace:g}s)")
+        deadline = time.monotonic() + grace
         for runner in self.all_runners():
-            runner.stop(grace)
+            if not runner.sidecar:
+                runner.stop(grace)
+        await asyncio.gather(*(t for t, r in self._tasks if not r.sidecar), return_exceptions=True)
+        await self._stop_sidecars(max(deadline - time.monotonic(), MIN_SIDECAR_GRACE))
         if self._token_refresher:
             self._token_refresher.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*(t for t, _ in self._tasks), return_exceptions=True)
         # Processes a previous agent started whose container never got to run here.
         await asyncio.gather(*(terminate_group(p.pid, grace) for p in self.adopted.values()))
 
@@ -248,7 +291,27 @@ class PodWorker:
         mounts = self._mounts_for(container)
         cwd = Path(container.get("workingDir") or self.dir.work)
         self._ensure_directory(cwd)
-        return Launch(argv=argv, env=env, cwd=cwd, mounts=mounts, hostname=None)
+        hostname = None
+        if self.node.private_mounts:
+            mounts += self._pod_mounts(container)
+            hostname = hosts.pod_hostname(self.pod)
+            if self.pod["spec"].get("setHostnameAsFQDN") and hosts.pod_fqdn(self.pod):
+                hostname = hosts.pod_fqdn(self.pod)
+        return Launch(argv=argv, env=env, cwd=cwd, mounts=mounts, hostname=hostname)
+
+    def _pod_mounts(self, container: dict) -> list[dict]:
+        """What the kubelet mounts into every container: the pod's /etc/hosts (unless it uses the
+        host's network) and a fresh file at its terminationMessagePath."""
+        mounts = []
+        if not self.pod["spec"].get("hostNetwork"):
+            mounts.append({"source": str(self.dir.hosts), "target": "/etc/hosts", "readOnly": False})
+        message = self.dir.termination_log(container["name"])
+        message.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        message.write_bytes(b"")
+        target = container.get("terminationMessagePath") or DEFAULT_TERMINATION_MESSAGE_PATH
+        self._ensure_host_path(Path(target), is_file=True)
+        mounts.append({"source": str(message), "target": target, "readOnly": False})
+        return mounts
 
     async def fetch(self, kind: str, name: str) -> dict | None:
         plural = {"ConfigMap": "configmaps", "Secret": "secrets"}[kind]
@@ -280,8 +343,7 @@ class PodWorker:
                 source = source / vm["subPath"]
                 if not source.exists():
                     source.mkdir(parents=True)  # like the kubelet: a missing subPath becomes a directory
-            # Like the kubelet: API-fed volumes are always read-only, whatever the mount says.
-            read_only = bool(vm.get("readOnly")) or self.volumes.api_fed(vm["name"])
+            read_only = bool(vm.get("readOnly")) or self.volumes.read_only(vm["name"])
             mounts.append({"source": str(source), "target": vm["mountPath"], "readOnly": read_only})
         if mounts and not self.node.private_mounts:
             if not self._mount_warning_sent:
@@ -334,12 +396,13 @@ class PodWorker:
         self._last_status = status
 
     def status(self) -> dict:
-        containers = [self._container_status(r) for r in self.runners]
+        # Like the kubelet: containers sorted by name, init containers in their order.
+        containers = sorted((self._container_status(r) for r in self.runners), key=lambda c: c["name"])
         init = [self._container_status(r) for r in self.init_runners]
         phase = self._phase()
-        initialized = all(r.finished.is_set() and r.exit_code == 0 for r in self.init_runners)
-        unready = [r.name for r in self.runners if not (self.status_only or r.ready)]
-        not_init = [r.name for r in self.init_runners if not (r.finished.is_set() and r.exit_code == 0)]
+        not_init = [r.name for r in self.init_runners if not r.initialized]
+        initialized = not not_init
+        unready = [r.name for r in self.sidecars + self.runners if not (self.status_only or r.ready)]
         gates = [g["conditionType"] for g in self.pod["spec"].get("readinessGates") or []]
         # Conditions other controllers own (readiness gates, DisruptionTarget) are passed through.
         external = [c for c in (self.pod.get("status") or {}).get("conditions") or []
@@ -376,9 +439,9 @@ class PodWorker:
     def _phase(self) -> str:
         if self.status_only:
             return "Running" if self.ip else "Pending"
-        if any(r.finished.is_set() and r.exit_code not in (0, None) for r in self.init_runners):
+        if any(r.finished.is_set() and r.exit_code not in (0, None) for r in self.init_runners if not r.sidecar):
             return "Failed"
-        if not all(r.finished.is_set() for r in self.init_runners):
+        if not all(r.initialized for r in self.init_runners):
             return "Pending"
         if all(r.finished.is_set() for r in self.runners):
             return "Succeeded" if all(r.exit_code == 0 for r in self.runners) else "Failed"

@@ -1,4 +1,5 @@
-"""Startup, liveness and readiness probes with the kubelet's timing and thresholds.
+"""Startup, liveness and readiness probes with the kubelet's timing and thresholds, and the
+lifecycle hooks (postStart, preStop), which run the same handlers once.
 
 A `Prober` runs one probe of one container: it waits `initialDelaySeconds`, probes every
 `periodSeconds` with `timeoutSeconds`, and reports a change only after `successThreshold`
@@ -85,6 +86,15 @@ async def _exec(command: list[str], target: ProbeTarget, timeout: float):
     if proc.returncode == 0:
         return True, ""
     return False, f"command exited with {proc.returncode}: {out.decode(errors='replace').strip()[:200]}"
+
+
+async def run_handler(handler: dict, target: ProbeTarget, session: aiohttp.ClientSession,
+                      timeout: float) -> tuple[bool, str]:
+    """A lifecycle hook (postStart, preStop): exec, httpGet or sleep, bounded by `timeout`."""
+    if "sleep" in handler:
+        await asyncio.sleep(min(float(handler["sleep"]["seconds"]), timeout))
+        return True, ""
+    return await probe_once({**handler, "timeoutSeconds": timeout}, target, session)
 
 
 class Prober:
