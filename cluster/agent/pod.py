@@ -108,7 +108,8 @@ class PodWorker:
         self._token_refresher: asyncio.Task | None = None
         self._last_status: dict | None = None
         self._mount_warning_sent = False
-        self._hosts_text: str | None = None  # what /etc/hosts holds now (None: not written yet)
+        self._hosts_managed = False     # the pod has its own /etc/hosts, which refresh_hosts keeps current
+        self._hosts_text: str | None = None  # what it holds now
 
     # ---- called by the agent ----
 
@@ -145,8 +146,8 @@ class PodWorker:
 
     def refresh_hosts(self) -> None:
         """Rewrite the pod's /etc/hosts if the cluster names it should hold have changed."""
-        if self._hosts_text is None:
-            return  # not set up yet: _bring_up writes it first
+        if not self._hosts_managed:
+            return  # not set up yet (_bring_up writes it first), or the pod does without
         text = hosts.hosts_file(self.pod, self.ip, self.node.names())
         if text != self._hosts_text:
             hosts.rewrite_in_place(self.dir.hosts, text)
@@ -183,7 +184,7 @@ class PodWorker:
             self.changed()
             return
         self.dir.path.mkdir(parents=True, exist_ok=True)
-        self._hosts_text = ""
+        self._hosts_managed = self.node.private_mounts and not self.pod["spec"].get("hostNetwork")
         self.refresh_hosts()
         runtime_class = self.pod["spec"].get("runtimeClassName")
         if runtime_class:
@@ -196,18 +197,21 @@ class PodWorker:
         if self.volumes.tokens:
             self._token_refresher = asyncio.create_task(self._refresh_tokens())
         for runner in self.init_runners:
-            task = self._start_runner(runner)
-            # asyncio.wait: cancelling us must not cancel the runner
-            await asyncio.wait([task, asyncio.ensure_future(runner.has_started.wait())] if runner.sidecar else [task],
-                               return_when=asyncio.FIRST_COMPLETED)
-            if not runner.sidecar and runner.exit_code != 0:
-                return  # an init container failed for good: the pod has failed
-            if runner.sidecar and not runner.has_started.is_set():
-                return  # the pod is being deleted
+            if not await self._initialize(runner):
+                return  # it failed for good (the pod has failed), or the pod is being deleted
         main = [self._start_runner(runner) for runner in self.runners]
         if self.sidecars:
             await asyncio.wait(main)
             await self._stop_sidecars(self.sandbox.grace_period)  # the pod is done: so are its sidecars
+
+    async def _initialize(self, runner: ContainerRunner) -> bool:
+        """Run one init container until it has completed (a sidecar: until it has started)."""
+        task = self._start_runner(runner)
+        started = asyncio.ensure_future(runner.has_started.wait())
+        # asyncio.wait, not wait_for: cancelling us (deletion) must not cancel the runner.
+        await asyncio.wait([task, started] if runner.sidecar else [task], return_when=asyncio.FIRST_COMPLETED)
+        started.cancel()
+        return runner.initialized
 
     def _start_runner(self, runner: ContainerRunner) -> asyncio.Task:
         task = asyncio.create_task(runner.run(self.adopted.pop(runner.name, None)))

@@ -65,15 +65,30 @@ CLIENT = ("python3 -c \"import os, urllib.request; "
           "print(urllib.request.urlopen('http://' + os.environ['POD_IP'] + ':9000/', timeout=5).status)\"")
 
 
+def condition(pod, type_: str) -> str:
+    return next(c.status for c in pod.status.conditions or [] if c.type == type_)
+
+
 def test_a_sidecar_starts_before_the_containers_and_stops_after_they_finish(k8s_cluster, k8s_namespace):
     ns = k8s_namespace
     pod_ip = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
-    sidecar = container("proxy", SIDECAR, restartPolicy="Always", env=pod_ip,
-                        startupProbe={"tcpSocket": {"port": 9000}, "periodSeconds": 1, "failureThreshold": 30})
+    # Started only once the test says so: until then the pod must not go past it.
+    startup = {"exec": {"command": ["test", "-f", "/flags/go"]}, "periodSeconds": 1, "failureThreshold": 60}
+    sidecar = container("proxy", SIDECAR, restartPolicy="Always", env=pod_ip, startupProbe=startup,
+                        volumeMounts=[{"name": "flags", "mountPath": "/flags"}])
     k8s_cluster.apply(pod_manifest("with-sidecar", ["sh", "-c", CLIENT], restartPolicy="Never",
-                                   initContainers=[sidecar]), ns)
+                                   initContainers=[sidecar], volumes=[{"name": "flags", "emptyDir": {}}]), ns)
+    pod = k8s_cluster.wait_for_pod(ns, "with-sidecar", lambda p: p.status.init_container_statuses
+                                   and p.status.init_container_statuses[0].state.running, what="the sidecar to run")
+    assert not pod.status.init_container_statuses[0].started
+    assert (pod.status.phase, condition(pod, "Initialized")) == ("Pending", "False")
+    assert pod.status.container_statuses[0].state.waiting.reason == "PodInitializing"
+
+    flags = k8s_cluster.plane.agent_dir / "pods" / f"{ns}_with-sidecar_{pod.metadata.uid}" / "volumes" / "flags"
+    (flags / "go").touch()
     pod = k8s_cluster.wait_for_pod(ns, "with-sidecar", finished, timeout=30, what="the pod to finish")
     assert pod.status.phase == "Succeeded"  # the sidecar's own exit does not count
+    assert condition(pod, "Initialized") == "True"
     assert logs(k8s_cluster, ns, "with-sidecar", "main").strip() == "200"  # it was serving first
     proxy = pod.status.init_container_statuses[0]
     assert proxy.state.terminated is not None and proxy.restart_count == 0

@@ -77,3 +77,15 @@ def test_a_claim_already_prebound_waits_for_the_binder_without_an_event():
     prebound["status"]["phase"] = "Available"
     result = check(pod("data"), [claim("data")], [prebound])
     assert result.binding and not result.prebind and result.problem is None
+
+
+def test_a_claim_being_deleted_is_named():
+    going = claim("data", phase="Bound", volumeName="pv-a")
+    going["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    assert check(pod("data"), [going], [volume("pv-a")]).problem == 'persistentvolumeclaim "data" is being deleted'
+
+
+def test_a_volume_must_offer_the_claims_access_modes_and_size():
+    many = claim("data", accessModes=["ReadWriteMany"])
+    assert check(pod("data"), [many], [volume("rwo")]).problem
+    assert check(pod("data"), [claim("data", size="20Gi")], [volume("small", "10Gi")]).problem
