@@ -323,7 +323,7 @@ class ControlPlane:
         return done
 
     def _remove_mountpoints(self) -> list[str]:
-        """Empty directories and files the agent created on the host as pod mount points (see docs)."""
+        """The files and empty directories the agent created on the host as pod mount points (see docs)."""
         listing = self.agent_dir / "created-mountpoints"
         if not listing.exists():
             return []
@@ -332,14 +332,14 @@ class ControlPlane:
         removed = 0
         for path in sorted(set(listing.read_text().split("\n")) - {""}, key=len, reverse=True):
             with contextlib.suppress(OSError):
+                # A file mount point (e.g. /dev/termination-log) is ours whatever a host process wrote
+                # into it; a directory may have received someone's data: only an empty one goes.
                 if os.path.isfile(path) and not os.path.islink(path):
-                    if os.path.getsize(path) == 0:
-                        os.unlink(path)
-                        removed += 1
+                    os.unlink(path)
                 else:
                     os.rmdir(path)
-                    removed += 1
-        return [f"removed {removed} empty mount points"] if removed else []
+                removed += 1
+        return [f"removed {removed} mount points"] if removed else []
 
     # ---- the components ----
 
