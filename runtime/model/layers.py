@@ -10,6 +10,12 @@ from adpfleet.runtime.model.attention import paged_attention
 from adpfleet.runtime.model.parallel import ParallelContext
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension as Hugging Face computes it: normalised in float32, cast
+    back, then scaled by the weight (hidden states, and per-head q/k norms alike)."""
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -17,14 +23,27 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+class Rope:
+    """The cos/sin of one pass's positions, gathered once and applied in every layer."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor):
+        self.cos, self.sin = cos, sin  # [T, 1, head_dim]
+
+    def __call__(self, *xs: torch.Tensor) -> list[torch.Tensor]:
+        out = []
+        for x in xs:
+            half = x.shape[-1] // 2
+            rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+            out.append((x.float() * self.cos + rotated.float() * self.sin).to(x.dtype))
+        return out
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotary position embedding (rotate-half layout, as Hugging Face Llama)."""
+    """Rotary position embedding (rotate-half layout, as Hugging Face Llama): `rotary(positions)`
+    is the Rope of a pass."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float):
         super().__init__()
@@ -35,15 +54,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> list[torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1)
-        out = []
-        for x in xs:
-            half = x.shape[-1] // 2
-            rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-            out.append((x.float() * cos + rotated.float() * sin).to(x.dtype))
-        return out
+    def forward(self, positions: torch.Tensor) -> Rope:
+        return Rope(self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
 
 
 class Attention(nn.Module):
@@ -58,12 +70,12 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, x, positions, meta, kv_cache, rotary):
+    def forward(self, x, meta, kv_cache, rope: Rope):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
+        q, k = rope(q, k)
         k_cache, v_cache = kv_cache[0][self.layer_idx], kv_cache[1][self.layer_idx]
         o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(o.reshape(-1, self.q_size))
@@ -126,6 +138,6 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MoE(cfg, par) if cfg.is_moe else MLP(cfg, par)
 
-    def forward(self, x, positions, meta, kv_cache, rotary):
-        x = x + self.self_attn(self.input_layernorm(x), positions, meta, kv_cache, rotary)
+    def forward(self, x, meta, kv_cache, rope: Rope):
+        x = x + self.self_attn(self.input_layernorm(x), meta, kv_cache, rope)
         return x + self.mlp(self.post_attention_layernorm(x))

@@ -33,8 +33,9 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, kv_cache) -> torch.Tensor:
         """Packed tokens [T] -> final hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)
+        rope = self.rotary(positions)  # once per pass, for every layer
         for layer in self.layers:
-            x = layer(x, positions, meta, kv_cache, self.rotary)
+            x = layer(x, meta, kv_cache, rope)
         return self.norm(x)
 
     @torch.inference_mode()
