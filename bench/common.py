@@ -15,19 +15,44 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def matmul_gflops(m: int = 2048, k: int = 2048, n: int = 1024, repeats: int = 10, trials: int = 5) -> float:
-    """The machine's float32 matmul throughput in GFLOP/s: best of `trials` timings of `repeats`
-    torch.mm calls of [m, k] @ [k, n] (best, so that other load on the machine counts least)."""
-    a, b = torch.randn(m, k), torch.randn(k, n)
-    out = torch.empty(m, n)
+def matmul_gflops(m: int = 2048, k: int = 2048, n: int = 1024, repeats: int = 10, trials: int = 5,
+                  device: str = "cpu", dtype: torch.dtype = torch.float32) -> float:
+    """The device's matmul throughput in GFLOP/s: best of `trials` timings of `repeats` torch.mm
+    calls of [m, k] @ [k, n] (best, so that other load on the machine counts least)."""
+    a, b = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)
+    out = torch.empty(m, n, device=device, dtype=dtype)
     torch.mm(a, b, out=out)  # warm-up: thread pool and kernel selection
     best = float("inf")
     for _ in range(trials):
+        _sync(device)
         start = time.perf_counter()
         for _ in range(repeats):
             torch.mm(a, b, out=out)
+        _sync(device)
         best = min(best, time.perf_counter() - start)
     return 2 * m * k * n * repeats / best / 1e9
+
+
+def memory_gbps(device: str = "cpu", mib: int = 1024, repeats: int = 5, trials: int = 5) -> float:
+    """The device's memory bandwidth in GB/s: bytes read plus written by copying a `mib` MiB
+    buffer, best of `trials` timings of `repeats` copies."""
+    src = torch.ones(mib * 2**20 // 4, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(trials):
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            dst.copy_(src)
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.numel() * 4 * repeats / best / 1e9
+
+
+def _sync(device: str) -> None:
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
 
 
 def machine_info() -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, fields
 
 import torch
@@ -30,9 +31,10 @@ class EngineConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.device not in ("cpu", "cuda"):
+        # a rank process runs on its own GPU: "cuda:<index>" (the CLI takes plain "cuda")
+        if self.device != "cpu" and not re.fullmatch(r"cuda(:\d+)?", self.device):
             raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
-        if self.device == "cuda" and not torch.cuda.is_available():
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("--device cuda: no CUDA device is available on this machine")
 
     @property

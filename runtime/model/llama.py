@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from adpfleet.runtime.model.config import ModelConfig
-from adpfleet.runtime.model.layers import DecoderLayer, RMSNorm, RotaryEmbedding
+from adpfleet.runtime.model.layers import DecoderLayer, Linear, RMSNorm, RotaryEmbedding
 from adpfleet.runtime.model.parallel import SINGLE, ParallelContext
 
 
@@ -18,7 +18,7 @@ class CausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, par) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
