@@ -345,7 +345,7 @@ def main() -> None:
                      "generated_tokens": generated_tokens, "sampling": "greedy, EOS ignored", "seed": args.seed},
         "compute_limit": {"peak_matmul_gflops": round(peak_gflops, 1),
                           "matmul_gflops_before_after": [round(matmul_before, 1), round(matmul_after, 1)],
-                          "matmul_shape": f"[2048, 2048] @ [2048, 1024] {args.dtype}, best of 5 x 10 "
+                          "matmul_shape": f"[2048, 2048] @ [2048, 1024] {args.dtype}, best of 5 x 10, torch.mm and (CPU) oneDNN "
                                           "(peak: the best rate seen before, during or after the run)",
                           "workload_gflop": {k: round(v / 1e9, 2) for k, v in flops.items()},
                           "limit_wall_s": round(limit_s, 3),

@@ -11,7 +11,7 @@ import torch
 from adpfleet.runtime.engine import attention_metadata
 from adpfleet.runtime.engine.attention_metadata import NULL_BLOCK, SeqChunk
 from adpfleet.runtime.model import kernels
-from adpfleet.runtime.model.attention import DECODE_BACKENDS, decode_attention
+from adpfleet.runtime.model.attention import DECODE_BACKENDS, UniformDecodeError, decode_attention
 
 TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 HEAD_DIM, KV_HEADS, NUM_BLOCKS = 32, 2, 96
@@ -99,6 +99,16 @@ def test_padding_dummies_leave_the_real_requests_unchanged(backend, device, dtyp
     alone = decode_attention(q[:4].clone(), k_cache, v_cache, meta, scale=0.2, backend=backend)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out[:4], alone, atol=0, rtol=0)
+
+
+def test_every_backend_refuses_padded_requests_with_unpadded_tokens(backend, device):
+    # The vLLM dummy-run crash: 3 decode requests (2 of them padding) but the unpadded token count.
+    chunks = scattered_batch([4, 0, 0], 1, 4)
+    _, _, meta = attention_metadata.build(chunks, 4, 1, device=device)
+    meta.num_decode_tokens = 1
+    q, k_cache, v_cache = random_inputs(meta, 1, torch.float32, device)
+    with pytest.raises(UniformDecodeError, match="num_decode_tokens=1 for num_decodes=3"):
+        decode_attention(q, k_cache, v_cache, meta, scale=1.0, backend=backend)
 
 
 def test_the_kernel_is_built_where_the_engine_runs_on_the_cpu(device):
