@@ -56,6 +56,8 @@ MODELS = {
                bos_token_id=1, eos_token_id=2),
 }
 FIRST_TOKEN_ID = 3  # prompts avoid pad (0), BOS and EOS
+# matmul probe [m, k] @ [k, n]: a GPU needs a larger product than a CPU to reach its peak
+PROBE_SHAPE = {"cpu": (2048, 2048, 1024), "cuda": (8192, 8192, 8192)}
 
 
 def workloads(quick: bool, device: str) -> dict:
@@ -148,8 +150,10 @@ def prepare_hf(workdir: Path, spec: dict, batch_size: int):
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
+    # transformers < 4.56 names the argument torch_dtype (and would take `dtype` as a config field)
+    dtype_arg = "dtype" if tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (4, 56) else "torch_dtype"
     model = transformers.LlamaForCausalLM.from_pretrained(
-        str(workdir / "model"), dtype=DTYPES[spec["dtype"]]).to(spec["device"]).eval()
+        str(workdir / "model"), **{dtype_arg: DTYPES[spec["dtype"]]}).to(spec["device"]).eval()
     model.generation_config.eos_token_id = None  # every request runs the full new_tokens, as ignore_eos
     prompts, device = spec["prompts"], spec["device"]
 
@@ -183,7 +187,7 @@ def run_side(side: str, workdir: Path, threads: int) -> None:
         start = time.perf_counter()
         run(1)
         result["prefill_wall_s"] = time.perf_counter() - start
-    probe = matmul_gflops(repeats=3, trials=3, device=device, dtype=dtype)  # how much of the machine this side gets now
+    probe = matmul_gflops(*PROBE_SHAPE[device], repeats=3, trials=3, device=device, dtype=dtype)  # this side's share
     load_before = os.getloadavg()[0]
     cpu, start = time.process_time(), time.perf_counter()
     outputs = run(spec["new_tokens"])
@@ -263,7 +267,7 @@ def main() -> None:
     side_names = ["engine"] + [f"hf-{n}" for n in batch_sizes]
 
     print(f"measuring {args.dtype} matmul throughput and memory bandwidth on {args.device} ...", flush=True)
-    matmul_before = matmul_gflops(device=args.device, dtype=dtype)
+    matmul_before = matmul_gflops(*PROBE_SHAPE[args.device], device=args.device, dtype=dtype)
     bandwidth = memory_gbps(args.device)
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="engine-throughput-") as tmp:
@@ -278,7 +282,7 @@ def main() -> None:
             print(f"round {r + 1}/{rounds}", flush=True)
             for name in side_names:
                 runs[name].append(spawn_side(name, workdir, args.threads))
-    matmul_after = matmul_gflops(device=args.device, dtype=dtype)
+    matmul_after = matmul_gflops(*PROBE_SHAPE[args.device], device=args.device, dtype=dtype)
     bandwidth = max(bandwidth, memory_gbps(args.device))
     results = [best_of_rounds(runs[name]) for name in side_names]
     # The machine's peak is the best matmul rate seen at any point of the run.
@@ -345,7 +349,7 @@ def main() -> None:
                      "generated_tokens": generated_tokens, "sampling": "greedy, EOS ignored", "seed": args.seed},
         "compute_limit": {"peak_matmul_gflops": round(peak_gflops, 1),
                           "matmul_gflops_before_after": [round(matmul_before, 1), round(matmul_after, 1)],
-                          "matmul_shape": f"[2048, 2048] @ [2048, 1024] {args.dtype}, best of 5 x 10, torch.mm and (CPU) oneDNN "
+                          "matmul_shape": "[{0}, {1}] @ [{1}, {2}] ".format(*PROBE_SHAPE[args.device]) + f"{args.dtype}, best of 5 x 10, torch.mm and (CPU) oneDNN "
                                           "(peak: the best rate seen before, during or after the run)",
                           "workload_gflop": {k: round(v / 1e9, 2) for k, v in flops.items()},
                           "limit_wall_s": round(limit_s, 3),
