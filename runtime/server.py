@@ -195,12 +195,14 @@ def main(args) -> int:
     import uvicorn
 
     from adpfleet.runtime.config import EngineConfig
+    from adpfleet.runtime.model.sources.fetch import resolve_model
     from adpfleet.runtime.serving.engine_client import EngineClient
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.dp < 1:
         raise ValueError(f"--dp must be a positive integer, got {args.dp}")
-    config = EngineConfig.from_args(args)
+    model = resolve_model(args.model, args.cache_dir)  # hf://, s3://, pvc://: fetched or found first
+    config = EngineConfig.from_args(args).with_model(model.path)
     server: uvicorn.Server | None = None
     failure: list[str] = []
 
@@ -218,8 +220,7 @@ def main(args) -> int:
                           collective_timeout_s=args.collective_timeout,
                           kv_host=args.host, kv_port=args.kv_port if args.kv_port is not None else args.port + 1,
                           kv_lease_s=args.kv_lease, kv_transfer_timeout_s=args.kv_transfer_timeout)
-    name = args.served_model_name or (args.model if args.model in ("tiny", "tiny-dense")
-                                      else args.model.rstrip("/").rsplit("/", 1)[-1])
+    name = args.served_model_name or model.served_name
     # the environment variable lets an InferenceFleet's `env` enable it without a new flag
     fault_injection = args.fault_injection or os.environ.get("ADPFLEET_FAULT_INJECTION") == "1"
     app = build_app(client, name, args.role, fault_injection=fault_injection)
