@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import format_table, machine_info, matmul_gflops, memory_gbps, peak_rss_mb  # noqa: E402
+from common import format_table, machine_info, matmul_gflops, peak_rss_mb  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "engine_throughput.json"
 TARGET_RATIO = 2.0
@@ -179,6 +179,10 @@ def run_side(side: str, workdir: Path, threads: int) -> None:
     """Worker entry point: run one side once, write its result next to the workload."""
     torch.set_num_threads(threads)
     spec = json.loads((workdir / "workload.json").read_text())
+    if side == "save":
+        counts = save_model(workdir / "model", MODELS[spec["model"]], spec["seed"], spec["device"], DTYPES[spec["dtype"]])
+        (workdir / "result-save.json").write_text(json.dumps(counts))
+        return
     device, dtype = spec["device"], DTYPES[spec["dtype"]]
     run, info = prepare_engine(workdir, spec) if side == "engine" else \
         prepare_hf(workdir, spec, int(side.split("-")[1]))
@@ -201,6 +205,17 @@ def run_side(side: str, workdir: Path, threads: int) -> None:
     if device == "cuda":
         result["peak_gpu_memory_mb"] = torch.cuda.max_memory_allocated() / 2**20
     (workdir / f"result-{side}.json").write_text(json.dumps(result))
+
+
+def measure_bandwidth(device: str, threads: int) -> float:
+    """The device's memory bandwidth, measured in a process of its own: the probe's buffers would
+    otherwise raise this process's peak RSS, which every side started from it inherits (Linux
+    keeps the parent's high-water mark across fork and exec in ru_maxrss)."""
+    code = ("import sys, torch; sys.path.insert(0, sys.argv[1]); from common import memory_gbps; "
+            "torch.set_num_threads(int(sys.argv[3])); print(memory_gbps(sys.argv[2]))")
+    out = subprocess.run([sys.executable, "-c", code, str(Path(__file__).resolve().parent), device, str(threads)],
+                         check=True, capture_output=True, text=True).stdout
+    return float(out.split()[-1])
 
 
 def spawn_side(side: str, workdir: Path, threads: int) -> dict:
@@ -242,7 +257,7 @@ def main() -> None:
     ap.add_argument("--max-num-tokens", type=int, default=2048, help="engine: tokens per forward pass")
     ap.add_argument("--tokens-per-block", type=int, default=16, help="engine: KV block size")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--side", help=argparse.SUPPRESS)  # worker mode: engine | hf-N
+    ap.add_argument("--side", help=argparse.SUPPRESS)  # worker mode: save | engine | hf-N
     ap.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.side:
@@ -268,22 +283,25 @@ def main() -> None:
 
     print(f"measuring {args.dtype} matmul throughput and memory bandwidth on {args.device} ...", flush=True)
     matmul_before = matmul_gflops(*PROBE_SHAPE[args.device], device=args.device, dtype=dtype)
-    bandwidth = memory_gbps(args.device)
+    bandwidth = measure_bandwidth(args.device, args.threads)
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="engine-throughput-") as tmp:
         workdir = Path(tmp)
-        num_params = save_model(workdir / "model", model_cfg, args.seed, args.device, dtype)
         (workdir / "workload.json").write_text(json.dumps(
             {"prompts": prompts, "new_tokens": wl["new_tokens"], "max_num_tokens": args.max_num_tokens,
              "tokens_per_block": args.tokens_per_block, "device": args.device, "dtype": args.dtype,
-             "decode_split": decode_split}))
+             "decode_split": decode_split, "model": args.model, "seed": args.seed}))
+        # saved by a worker too: the random model would raise this process's (inherited) peak RSS
+        subprocess.run([sys.executable, str(Path(__file__).resolve()), "--side", "save", "--workdir", str(workdir),
+                        "--threads", str(args.threads)], check=True)
+        num_params = json.loads((workdir / "result-save.json").read_text())
         runs = {name: [] for name in side_names}
         for r in range(rounds):
             print(f"round {r + 1}/{rounds}", flush=True)
             for name in side_names:
                 runs[name].append(spawn_side(name, workdir, args.threads))
     matmul_after = matmul_gflops(*PROBE_SHAPE[args.device], device=args.device, dtype=dtype)
-    bandwidth = max(bandwidth, memory_gbps(args.device))
+    bandwidth = max(bandwidth, measure_bandwidth(args.device, args.threads))
     results = [best_of_rounds(runs[name]) for name in side_names]
     # The machine's peak is the best matmul rate seen at any point of the run.
     peak_gflops = max([matmul_before, matmul_after] + [x["matmul_probe_gflops"] for v in runs.values() for x in v])
@@ -308,16 +326,17 @@ def main() -> None:
             "requests_identical_to_engine": sum(a == b for a, b in zip(r["outputs"], engine_outputs)),
         }
         if "prefill_wall_s" in r:
-            decode_s = max(wall - r["prefill_wall_s"], 1e-9)
+            decode_s = wall - r["prefill_wall_s"]  # <= 0 only when load slowed the prefill-only run: unknown
             side |= {"prefill_wall_s": round(r["prefill_wall_s"], 3), "decode_s": round(decode_s, 3),
-                     "decode_tokens_per_s": round(wl["num_requests"] * (wl["new_tokens"] - 1) / decode_s, 1),
-                     "decode_fraction_of_bandwidth_limit": round(decode_limit_s / decode_s, 4)}
+                     "decode_tokens_per_s": round(wl["num_requests"] * (wl["new_tokens"] - 1) / decode_s, 1)
+                     if decode_s > 0 else None,
+                     "decode_fraction_of_bandwidth_limit": round(decode_limit_s / decode_s, 4) if decode_s > 0 else None}
         side |= {k: r[k] for k in ("engine_config", "attn_implementation", "decode_attention", "peak_gpu_memory_mb")
                  if k in r}
         sides.append(side)
         rows.append([side["side"], side["batch_size"], wall, side["cpu_s"], side["generated_tokens_per_s"],
                      side["total_tokens_per_s"], 100 * side["fraction_of_compute_limit"]]
-                    + ([side["decode_tokens_per_s"], 100 * side["decode_fraction_of_bandwidth_limit"]]
+                    + ([side["decode_tokens_per_s"] or "-", 100 * (side["decode_fraction_of_bandwidth_limit"] or 0)]
                        if decode_split else [])
                     + [side["peak_rss_mb"], f"{side['requests_identical_to_engine']}/{len(prompts)}"])
 

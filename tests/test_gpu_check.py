@@ -28,5 +28,7 @@ def test_gpu_check_runs_its_steps_on_the_cpu(tmp_path):
     assert report["device"] == "cpu" and report["model"]["name"] == "small"
     engine = report["sides"][0]
     assert engine["decode_attention"] == "kernel"
-    assert 0 < engine["decode_fraction_of_bandwidth_limit"] and 0 < engine["fraction_of_compute_limit"]
+    assert engine["fraction_of_compute_limit"] > 0
+    # decode = the whole run minus a prefill-only run; None when load made the prefill-only run slower
+    assert engine["decode_fraction_of_bandwidth_limit"] is None or engine["decode_fraction_of_bandwidth_limit"] > 0
     assert engine["requests_identical_to_engine"] == report["workload"]["requests"]
