@@ -180,7 +180,8 @@ def run_side(side: str, workdir: Path, threads: int) -> None:
     torch.set_num_threads(threads)
     spec = json.loads((workdir / "workload.json").read_text())
     if side == "save":
-        counts = save_model(workdir / "model", MODELS[spec["model"]], spec["seed"], spec["device"], DTYPES[spec["dtype"]])
+        counts = save_model(workdir / "model", MODELS[spec["model"]], spec["seed"], spec["device"],
+                            DTYPES[spec["dtype"]])
         (workdir / "result-save.json").write_text(json.dumps(counts))
         return
     device, dtype = spec["device"], DTYPES[spec["dtype"]]
@@ -330,7 +331,8 @@ def main() -> None:
             side |= {"prefill_wall_s": round(r["prefill_wall_s"], 3), "decode_s": round(decode_s, 3),
                      "decode_tokens_per_s": round(wl["num_requests"] * (wl["new_tokens"] - 1) / decode_s, 1)
                      if decode_s > 0 else None,
-                     "decode_fraction_of_bandwidth_limit": round(decode_limit_s / decode_s, 4) if decode_s > 0 else None}
+                     "decode_fraction_of_bandwidth_limit":
+                         round(decode_limit_s / decode_s, 4) if decode_s > 0 else None}
         side |= {k: r[k] for k in ("engine_config", "attn_implementation", "decode_attention", "peak_gpu_memory_mb")
                  if k in r}
         sides.append(side)
@@ -368,8 +370,9 @@ def main() -> None:
                      "generated_tokens": generated_tokens, "sampling": "greedy, EOS ignored", "seed": args.seed},
         "compute_limit": {"peak_matmul_gflops": round(peak_gflops, 1),
                           "matmul_gflops_before_after": [round(matmul_before, 1), round(matmul_after, 1)],
-                          "matmul_shape": "[{0}, {1}] @ [{1}, {2}] ".format(*PROBE_SHAPE[args.device]) + f"{args.dtype}, best of 5 x 10, torch.mm and (CPU) oneDNN "
-                                          "(peak: the best rate seen before, during or after the run)",
+                          "matmul_shape": "[{0}, {1}] @ [{1}, {2}] {3}, best of 5 x 10, torch.mm and (CPU) oneDNN "
+                                          "(peak: the best rate seen before, during or after the run)"
+                                          .format(*PROBE_SHAPE[args.device], args.dtype),
                           "workload_gflop": {k: round(v / 1e9, 2) for k, v in flops.items()},
                           "limit_wall_s": round(limit_s, 3),
                           "limit_generated_tokens_per_s": round(generated_tokens / limit_s, 1)},

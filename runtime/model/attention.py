@@ -9,7 +9,8 @@ checks it: `paged_attention` on entry, and the C++ kernel again at its own door.
 
 Decodes read each request's K/V where it lives, through its block table:
 - "kernel" (CPU, the default when the C++ kernels are built): `torch.ops.adpfleet.
-  paged_decode_attention`, one task per (request, KV head) on torch's intra-op threads, no copy;
+  paged_decode_attention`, one task per request (or KV-head range) on torch's intra-op threads,
+  no copy;
 - "torch" (any device): the requests' blocks gathered into one padded batch, query heads grouped
   per KV head, and one SDPA call with a causal mask per request.
 A decode query of `decode_query_len` tokens (1 + draft tokens) is causal within itself.
