@@ -2,7 +2,8 @@
 # The CUDA path, checked in one go (under 10 minutes on one H200):
 #   1. what is installed, and the GPU;
 #   2. the kernel, metadata and parity tests on the device, in float32 and in bfloat16
-#      (tolerances: tests/runtime/test_parity.py and test_paged_attention.py say them);
+#      (tolerances: tests/runtime/test_parity.py and test_paged_attention.py say them; the
+#      multi-process ADP parity test is the suite's: gloo ranks on the CPU);
 #   3. `adpfleet serve --device <device>` answering a completion;
 #   4. bench/engine_throughput.py on the device: the engine against transformers `generate`
 #      on the same GPU, tok/s, % of the compute limit and decode's % of the memory-bandwidth limit.
@@ -71,7 +72,7 @@ for test_dtype in float32 bfloat16; do
   step "2/4 kernel, metadata and parity tests on $device in $test_dtype"
   "$py" -m pytest -q -p no:cacheprovider tests/runtime/test_paged_attention.py \
     tests/runtime/test_attention_metadata.py tests/runtime/test_parity.py \
-    --device "$device" --dtype "$test_dtype" 2>&1 | tee "$out/tests-$test_dtype.log" | tail -3
+    --device "$device" --dtype "$test_dtype" -m "not multiproc" 2>&1 | tee "$out/tests-$test_dtype.log" | tail -3
   [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "gpu_check: tests failed in $test_dtype (log: $out/tests-$test_dtype.log)" >&2; exit 1; }
 done
 

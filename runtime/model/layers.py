@@ -16,7 +16,7 @@ from adpfleet.runtime.model.weights import (column_parallel_loader, expert_loade
 
 
 # oneDNN's float32 GEMM (torch's mkldnn linear) uses AVX-512 where MKL's does not (AMD): measured
-# 2.0-2.4x MKL's throughput on this engine's shapes there, and on par elsewhere.
+# 1.7-2.4x MKL's throughput on the benchmark model's shapes there (docs/benchmarks.md).
 _ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
