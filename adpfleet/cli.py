@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     crds = sub.add_parser("crds", help="print the InferenceFleet CRD generated from the operator's models")
     crds.add_argument("--reference", action="store_true",
                       help="print the spec reference (Markdown, docs/configuration.md) instead")
-    crds.set_defaults(run="adpfleet.operator.resource.crd:main")
+    crds.set_defaults(run="adpfleet.cli:print_crds")
 
     demo = sub.add_parser("demo", help="run the whole loop on this machine")
     demo.add_argument("--quick", action="store_true",
@@ -132,6 +132,17 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default="adpfleet-demo", help="directory for the plot and the summary JSON")
     demo.set_defaults(run="adpfleet.demo:main")
     return parser
+
+
+def print_crds(args) -> int:
+    """`adpfleet crds`: the CRD, or with --reference docs/configuration.md, from the operator's models."""
+    if args.reference:
+        from adpfleet.operator.resource.reference import reference_markdown
+        print(reference_markdown(), end="")
+    else:
+        from adpfleet.operator.resource.crd import crd_yaml
+        print(crd_yaml(), end="")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
