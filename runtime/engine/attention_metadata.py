@@ -58,7 +58,8 @@ class AttentionMetadata:
 
 
 def dummy_decode(decode_query_len: int) -> SeqChunk:
-    return SeqChunk([0] * decode_query_len, 0, [NULL_BLOCK], is_decode=True)
+    # one null block per token: enough whatever tokens_per_block (a query may span blocks)
+    return SeqChunk([0] * decode_query_len, 0, [NULL_BLOCK] * decode_query_len, is_decode=True)
 
 
 def build(chunks: list[SeqChunk], tokens_per_block: int, decode_query_len: int = 1,
@@ -78,7 +79,7 @@ def build(chunks: list[SeqChunk], tokens_per_block: int, decode_query_len: int =
         full, rest = divmod(pad_to_tokens - actual, decode_query_len)
         decodes += [dummy_decode(decode_query_len) for _ in range(full)]
         if rest:
-            prefills.append(SeqChunk([0] * rest, 0, [NULL_BLOCK], is_decode=False))
+            prefills.append(SeqChunk([0] * rest, 0, [NULL_BLOCK] * rest, is_decode=False))
 
     bs = tokens_per_block
     ids, pos, slots = [], [], []
