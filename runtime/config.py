@@ -8,6 +8,7 @@ does not import torch (the CLI imports it in the operator's image too).
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, fields
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -55,11 +56,12 @@ class EngineConfig:
                              "a request beside the padding reserve and the draft lookahead")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.device not in DEVICES:
+        # a rank process runs on its own GPU: "cuda:<index>" (the CLI takes the words in DEVICES)
+        if self.device not in DEVICES and not re.fullmatch(r"cuda:\d+", self.device):
             raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
         import torch
 
-        if self.device == "cuda" and not torch.cuda.is_available():
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("--device cuda: no CUDA device is available on this machine")
 
     @property
