@@ -1,6 +1,7 @@
 import os
 import sys
 
+import pytest
 import torch
 
 # Several rank processes share two cores here; one intra-op thread each keeps them from fighting.
@@ -9,3 +10,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "runtime"))
 
 # Kubernetes fixtures (k8s_cluster, k8s_namespace) for tests against the local control plane.
 pytest_plugins = ["adpfleet.cluster.testing"]
+
+
+@pytest.fixture(scope="module")
+def server_trio(tmp_path_factory):
+    """Aggregated, context and generation servers (model tiny, 2 ADP ranks each, 64 KV blocks), shared
+    by a module: the disaggregation tests, the router in front of real servers, the fuzzing."""
+    from servers import trio
+
+    with trio(tmp_path_factory.mktemp("trio"), "--kv-lease", "30") as servers:
+        yield servers

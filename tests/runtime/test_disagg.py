@@ -14,18 +14,8 @@ PROMPTS = ["Disaggregated serving", "x", "The prompt runs on one server and deco
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
-    logs = tmp_path_factory.mktemp("disagg")
-    servers = {role: Server("--model", "tiny", "--dp", "2", "--role", role, "--kv-blocks", "64",
-                            "--kv-lease", "30", log_path=logs / f"{role}.log")
-               for role in ("aggregated", "context", "generation")}
-    try:
-        for s in servers.values():
-            s.wait_healthy()
-        yield servers
-    finally:
-        for s in servers.values():
-            s.stop()
+def fleet(server_trio):
+    return server_trio
 
 
 def post(server, path, body, timeout=60):
