@@ -98,8 +98,14 @@ class LLMEngine:
         while self.pending and len(self.active) < self.config.max_num_active_requests:
             self.active.append(self.pending.popleft())
             self.stats.requests_fetched += 1
-        return [self._place_prefilled(r) for r in list(self.active)
-                if r.kv_payload is not None and r.state is RequestState.WAITING and self.kv.can_reserve(r)]
+        outputs = []
+        for r in list(self.active):
+            if r.kv_payload is not None and r.state is RequestState.WAITING and self.kv.can_reserve(r):
+                try:
+                    outputs.append(self._place_prefilled(r))
+                except (RuntimeError, ValueError) as e:  # this request's pulled KV, not the rank, is broken
+                    outputs.append(self.fail(r, f"placing the pulled KV failed: {e}"))
+        return outputs
 
     def _place_prefilled(self, req: Request) -> RequestOutput:
         """Admit a request whose prompt KV was pulled from a context server: copy the KV into
@@ -165,6 +171,9 @@ class LLMEngine:
             if req.state is RequestState.CONTEXT and req.remaining_prompt_tokens == 0:
                 req.state = RequestState.GENERATION
             token = sampled.get(req)
+            if req.error is not None:  # its sampling failed: it ends here, the batch goes on
+                outputs.append(self.fail(req, req.error))
+                continue
             if token is None:
                 continue
             out = self._append_token(req, token)
