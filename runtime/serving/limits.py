@@ -143,16 +143,52 @@ class Ticket:
     leave = start  # a request that ends without output stops waiting the same way
 
 
+LINGER_S = 2.0  # how long an answer sent before the whole body arrived waits for the client to stop sending
+
+
+class _LingeringTransport:
+    """The connection as uvicorn sees it, with nginx's lingering close: closing while the client
+    is still sending its body (an answer such as 413 that did not read it) would make the kernel
+    reset the connection, and the client would lose the answer. Instead: half-close after the
+    answer, discard what still arrives, close when the client stops or after LINGER_S."""
+
+    def __init__(self, transport, protocol: "ReadTimeoutProtocol"):
+        self._transport, self._protocol = transport, protocol
+        self.lingering = False
+
+    def __getattr__(self, name):
+        return getattr(self._transport, name)
+
+    def is_closing(self) -> bool:
+        return self.lingering or self._transport.is_closing()
+
+    def close(self) -> None:
+        t = self._transport
+        if self.lingering or t.is_closing() or not self._protocol._reading() or not t.can_write_eof():
+            t.close()
+            return
+        self.lingering = True
+        t.write_eof()  # the answer goes out, then FIN
+        t.resume_reading()
+        self._protocol.loop.call_later(LINGER_S, t.close)
+
+
 class ReadTimeoutProtocol(H11Protocol):
     """uvicorn's h11 protocol with a deadline for reading each request: from the moment the
     connection opens, or its previous response completed, the client has `read_timeout` seconds
     to send a whole request, headers and body. Otherwise the connection is closed (slowloris
-    clients hold no socket for longer). Once the request is in, the time is the application's."""
+    clients hold no socket for longer). Once the request is in, the time is the application's.
+    An answer sent before the body was read closes the connection gently (`_LingeringTransport`)."""
 
     def __init__(self, *args, read_timeout: float = DEFAULT_READ_TIMEOUT_S, **kwargs):
         super().__init__(*args, **kwargs)
         self.read_timeout = read_timeout
         self._read_timer = None
+
+    def data_received(self, data: bytes) -> None:
+        if isinstance(self.transport, _LingeringTransport) and self.transport.lingering:
+            return  # the rest of a body nobody will read
+        super().data_received(data)
 
     def _arm(self) -> None:
         self._disarm()
@@ -167,7 +203,7 @@ class ReadTimeoutProtocol(H11Protocol):
         return self.conn.their_state in (h11.IDLE, h11.SEND_BODY)
 
     def connection_made(self, transport) -> None:
-        super().connection_made(transport)
+        super().connection_made(_LingeringTransport(transport, self))
         self._arm()
 
     def handle_events(self) -> None:
@@ -188,7 +224,7 @@ class ReadTimeoutProtocol(H11Protocol):
         self._read_timer = None
         if self._reading() and not self.transport.is_closing():
             self.logger.info("closing a connection that did not send its request within %g s", self.read_timeout)
-            self.transport.close()
+            self.transport.abort()  # nothing to say to it, and no reason to linger
 
 
 def uvicorn_config(app, host: str, port: int, read_timeout: float):

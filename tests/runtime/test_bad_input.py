@@ -166,3 +166,18 @@ def test_a_chat_template_that_refuses_the_messages_is_a_bad_request_naming_messa
     assert err.value.param == "messages"
     ok = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}]).prompt_input(tokenizer)
     assert ok == "user: hi\nassistant:"
+
+
+def test_pulled_kv_that_cannot_be_placed_fails_its_request_alone(engine):
+    from adpfleet.runtime.executor.kv_transfer import KVPayload
+
+    prompt = engine.tokenizer.encode("pulled")
+    req = Request("misfit", prompt, SamplingParams(max_tokens=4))
+    req.remote_kv, req.first_token_id = ("127.0.0.1:1", "h"), 65
+    req.kv_payload = KVPayload(torch.zeros(2, 3, 1, 1), torch.zeros(2, 3, 1, 1))  # not this model's shape
+    engine.pending.append(req)
+    [out] = engine.fetch()
+    assert out.request_id == "misfit" and out.finish_reason == "error" and "placing the pulled KV" in out.error
+    assert engine.kv.num_used_blocks == 0 and req not in engine.active
+    [ok] = engine.generate(["still serving"], SamplingParams(max_tokens=3))
+    assert ok.output_token_ids
