@@ -33,7 +33,8 @@ def _add_http_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None,
                    help="clients must send 'Authorization: Bearer KEY' on every path but /health and /metrics "
                         "(or --api-key-file, or $ADPFLEET_API_KEY)")
-    p.add_argument("--api-key-file", default=None, metavar="PATH", help="read the API key from a file (a mounted Secret)")
+    p.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="read the API key from a file (a mounted Secret)")
     p.add_argument("--internal-token-file", default=None, metavar="PATH",
                    help="the fleet's own secret between router and servers and on the KV port "
                         "(or $ADPFLEET_INTERNAL_TOKEN)")
