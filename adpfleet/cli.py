@@ -11,19 +11,32 @@ import importlib
 import os
 import sys
 
+from adpfleet.model_uri import CACHE_ENV, ModelSourceError, write_termination_message
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cache-dir", default=None, metavar="DIR",
+                   help=f"where hf:// and s3:// models are downloaded (default: ${CACHE_ENV} or "
+                        "~/.cache/adpfleet/models)")
+
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny",
-                   help="'tiny' (built-in MoE), 'tiny-dense' (built-in Llama) or a Hugging Face model directory")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
-    p.add_argument("--kv-blocks", type=int, default=512, help="KV cache blocks per rank")
-    p.add_argument("--tokens-per-block", type=int, default=16)
-    p.add_argument("--max-num-tokens", type=int, default=2048, help="token budget of one batch")
-    p.add_argument("--max-batch-size", type=int, default=64, help="requests in one batch")
-    p.add_argument("--max-num-active-requests", type=int, default=256,
+    from adpfleet.runtime.config import DEVICES, DTYPES, EngineConfig
+
+    default = EngineConfig()
+    p.add_argument("--model", default=default.model, metavar="URI",
+                   help="'tiny' (built-in MoE), 'tiny-dense' (built-in Llama), a model directory, "
+                        "hf://ORG/REPO[@REVISION], s3://BUCKET/PREFIX or pvc://CLAIM/PATH")
+    _add_model_args(p)
+    p.add_argument("--device", choices=DEVICES, default=default.device)
+    p.add_argument("--dtype", choices=DTYPES, default=default.dtype)
+    p.add_argument("--kv-blocks", type=int, default=default.kv_blocks, help="KV cache blocks per rank")
+    p.add_argument("--tokens-per-block", type=int, default=default.tokens_per_block)
+    p.add_argument("--max-num-tokens", type=int, default=default.max_num_tokens, help="token budget of one batch")
+    p.add_argument("--max-batch-size", type=int, default=default.max_batch_size, help="requests in one batch")
+    p.add_argument("--max-num-active-requests", type=int, default=default.max_num_active_requests,
                    help="requests a rank holds at once (running + waiting for KV)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the built-in tiny models")
+    p.add_argument("--seed", type=int, default=default.seed, help="seed of the built-in tiny models")
 
 
 def _add_http_args(p: argparse.ArgumentParser) -> None:
@@ -115,6 +128,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(gen)
     gen.set_defaults(run="adpfleet.runtime.generate:main")
 
+    fetch = sub.add_parser("fetch-model", help="download a model (hf://, s3://) into the cache, or check that a "
+                                              "directory or pvc:// model is there; print its directory")
+    fetch.add_argument("model", metavar="URI", help="hf://ORG/REPO[@REVISION], s3://BUCKET/PREFIX, pvc://CLAIM/PATH, "
+                                                   "a directory, or a built-in name")
+    fetch.add_argument("--dest", default=None, metavar="DIR",
+                       help="download into exactly this directory (default: a directory per source under the cache)")
+    _add_model_args(fetch)
+    fetch.set_defaults(run="adpfleet.runtime.model.sources.fetch:main")
+
     cluster = sub.add_parser("cluster", help="the local Kubernetes control plane and node agent (no Docker)")
     cluster.add_argument("action", choices=["up", "down", "status"])
     cluster.add_argument("--state-dir", default=None,
@@ -133,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     crds = sub.add_parser("crds", help="print the InferenceFleet CRD generated from the operator's models")
     crds.add_argument("--reference", action="store_true",
                       help="print the spec reference (Markdown, docs/configuration.md) instead")
-    crds.set_defaults(run="adpfleet.operator.resource.crd:main")
+    crds.set_defaults(run="adpfleet.cli:print_crds")
 
     demo = sub.add_parser("demo", help="run the whole loop on this machine")
     demo.add_argument("--quick", action="store_true",
@@ -144,12 +166,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def print_crds(args) -> int:
+    """`adpfleet crds`: the CRD, or with --reference docs/configuration.md, from the operator's models."""
+    if args.reference:
+        from adpfleet.operator.resource.reference import reference_markdown
+        print(reference_markdown(), end="")
+    else:
+        from adpfleet.operator.resource.crd import crd_yaml
+        print(crd_yaml(), end="")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     module_name, func_name = args.run.split(":")
     func = getattr(importlib.import_module(module_name), func_name)
     try:
         return int(func(args) or 0)
+    except ModelSourceError as e:  # the model cannot be had: a stable reason for the operator
+        if os.environ.get("ADPFLEET_DEBUG"):
+            raise
+        write_termination_message(e)
+        print(f"adpfleet {args.command}: error: {e.reason}: {e}", file=sys.stderr)
+        return e.exit_code
     except ValueError as e:  # bad flags, a broken model directory, ...: the message says which
         if os.environ.get("ADPFLEET_DEBUG"):
             raise

@@ -120,7 +120,7 @@ def run(args) -> dict:
     from kubernetes import client, config
 
     from adpfleet.cluster.controlplane import ControlPlane
-    from adpfleet.operator.remediation import parse_rfc3339
+    from adpfleet.operator.decisions.history import parse_rfc3339
     from adpfleet.operator.resource import crd, names
 
     state = Path(tempfile.mkdtemp(prefix="adpfleet-bench-remediation-"))

@@ -15,9 +15,9 @@ in constant time) and a JSON body as Alertmanager sends it. Answers:
 
 Actionable alerts are the firing stall alerts (`AdpfleetServerStalled`, `AdpfleetRankStarving`)
 with `namespace`, `fleet` and `pod` labels; everything else (resolved alerts, the operator's own
-alerts) is acknowledged and ignored. Queuing is all the receiver does: the fleet's timer takes
-the alert, re-checks the pod with fresh scrapes and goes through the same policy as its own
-detection (mode, cooldown, budget).
+alerts) is acknowledged and ignored. Queuing (`inbox.py`) is all the receiver does: the fleet's
+stall loop takes the alert, re-checks the pod with fresh scrapes and goes through the same policy
+as its own detection (mode, cooldown, budget).
 """
 
 from __future__ import annotations
@@ -26,11 +26,14 @@ import hmac
 import json
 import logging
 import time
-from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Callable, Mapping, Protocol
 
 from aiohttp import web
+
+from adpfleet.operator.adapters.kube import KubeApi
+from adpfleet.operator.inbox import AlertInbox, StallAlert
 
 log = logging.getLogger("adpfleet.operator.alerts")
 
@@ -39,29 +42,10 @@ ACTIONABLE = ("AdpfleetServerStalled", "AdpfleetRankStarving")
 MAX_BODY_BYTES = 1024 * 1024
 SEEN_LIMIT = 10_000          # remembered (fingerprint, startsAt) pairs
 SEEN_TTL_SECONDS = 24 * 3600.0
-INBOX_LIMIT = 1_000          # queued alerts over all fleets
-
-
-@dataclass(frozen=True)
-class StallAlert:
-    """A firing stall alert naming one server pod."""
-    alertname: str
-    namespace: str
-    fleet: str
-    pod: str
-    fingerprint: str
-    starts_at: str
-    received_at: float
-    labels: Mapping[str, str] = field(default_factory=dict)
-    summary: str = ""
-
-    @property
-    def key(self) -> tuple[str, str]:
-        return (self.fingerprint, self.starts_at)
-
-    @property
-    def source(self) -> str:
-        return f"alert {self.alertname} (fingerprint {self.fingerprint}, since {self.starts_at})"
+TOKEN_TTL_SECONDS = 10.0     # the token Secret is re-read this often
+SUMMARY_LIMIT = 512          # characters of an alert's summary annotation kept
+RETRY_AFTER_NO_TOKEN = "10"  # seconds Alertmanager is told to wait: the token Secret is being created
+RETRY_AFTER_FULL = "5"       # ... the inbox is being drained by the fleets' loops
 
 
 class PayloadError(ValueError):
@@ -115,7 +99,7 @@ def parse_payload(body: object, now: float) -> ParsedPayload:
         actionable.append(StallAlert(alertname=alertname, namespace=labels["namespace"], fleet=labels["fleet"],
                                      pod=labels["pod"], fingerprint=alert["fingerprint"],
                                      starts_at=alert["startsAt"], received_at=now, labels=dict(labels),
-                                     summary=str(annotations.get("summary", ""))[:512]))
+                                     summary=str(annotations.get("summary", ""))[:SUMMARY_LIMIT]))
     return ParsedPayload(actionable, ignored)
 
 
@@ -139,36 +123,6 @@ class SeenAlerts:
         return len(self._seen)
 
 
-class AlertInbox:
-    """Queued alerts per fleet, taken by that fleet's timer. Bounded: a full inbox refuses (503)."""
-
-    def __init__(self, limit: int = INBOX_LIMIT):
-        self.limit = limit
-        self._queues: dict[tuple[str, str], deque[StallAlert]] = {}
-        self._size = 0
-        self.on_put: Callable[[tuple[str, str]], None] | None = None  # wakes the fleet's timer
-
-    def room(self) -> int:
-        return self.limit - self._size
-
-    def put(self, alert: StallAlert) -> None:
-        key = (alert.namespace, alert.fleet)
-        self._queues.setdefault(key, deque()).append(alert)
-        self._size += 1
-        if self.on_put:
-            self.on_put(key)
-
-    def take(self, namespace: str, fleet: str) -> list[StallAlert]:
-        queue = self._queues.pop((namespace, fleet), None)
-        if not queue:
-            return []
-        self._size -= len(queue)
-        return list(queue)
-
-    def __len__(self) -> int:
-        return self._size
-
-
 class TokenSource(Protocol):
     async def get(self) -> str | None:
         """The expected bearer token, or None when it cannot be read now."""
@@ -180,6 +134,36 @@ class StaticToken:
 
     async def get(self) -> str | None:
         return self.value
+
+
+@dataclass
+class SecretToken:
+    """The bearer token from a Secret, re-read every `ttl` seconds (a rotated token needs no restart)."""
+    api: KubeApi
+    namespace: str
+    name: str
+    key: str = "token"
+    ttl: float = TOKEN_TTL_SECONDS
+    _value: str | None = None
+    _read_at: float | None = None
+
+    async def get(self) -> str | None:
+        now = time.monotonic()
+        if self._value is None or self._read_at is None or now - self._read_at > self.ttl:
+            self._value = await self.api.secret_value(self.namespace, self.name, self.key)
+            self._read_at = now
+        return self._value
+
+
+def token_source(api: KubeApi, reference: str) -> TokenSource:
+    """The webhook's token from `NAMESPACE/NAME[:KEY]` ('' = not configured: every request 503)."""
+    if not reference:
+        return StaticToken(None)
+    where, _, key = reference.partition(":")
+    namespace, _, name = where.partition("/")
+    if not namespace or not name:
+        raise ValueError(f"--alerts-token-secret must be NAMESPACE/NAME[:KEY], got {reference!r}")
+    return SecretToken(api, namespace, name, key or "token")
 
 
 class AlertReceiver:
@@ -204,21 +188,17 @@ class AlertReceiver:
         if request.content_type != "application/json":
             self.count("malformed", 1)
             return _error(415, f"Content-Type must be application/json, got {request.content_type or 'none'}")
-        if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
-            self.count("malformed", 1)
-            return _error(413, f"the body is {request.content_length} bytes, at most {MAX_BODY_BYTES}")
         try:
-            raw = await request.content.read(MAX_BODY_BYTES + 1)
-        except Exception as e:  # noqa: BLE001 - the client went away mid-body
-            return _error(400, f"could not read the body: {e}")
-        if len(raw) > MAX_BODY_BYTES:
+            body = json.loads(await _read_body(request))
+        except _Refused as e:
             self.count("malformed", 1)
-            return _error(413, f"the body is more than {MAX_BODY_BYTES} bytes")
-        try:
-            body = json.loads(raw)
+            return _error(e.status, e.message)
         except (UnicodeDecodeError, ValueError) as e:
             self.count("malformed", 1)
             return _error(400, f"the body is not valid JSON: {e}")
+        except RecursionError:
+            self.count("malformed", 1)
+            return _error(400, "the body is not an Alertmanager payload: JSON nested too deeply")
         now = self.clock()
         try:
             parsed = parse_payload(body, now)
@@ -236,7 +216,7 @@ class AlertReceiver:
         if not expected:
             self.count("unauthorized", 1)
             return _error(503, "the webhook token is not available (the operator has no --alerts-token-secret, or the Secret cannot be read yet); retry later",
-                          headers={"Retry-After": "10"})
+                          headers={"Retry-After": RETRY_AFTER_NO_TOKEN})
         scheme, _, given = header.partition(" ")
         if scheme.lower() != "bearer" or not given.strip():
             self.count("unauthorized", 1)
@@ -260,7 +240,7 @@ class AlertReceiver:
         if len(fresh) > self.inbox.room():
             self.count("refused", len(fresh))
             return _error(503, f"the alert inbox is full ({len(self.inbox)} queued); retry later",
-                          headers={"Retry-After": "5"})
+                          headers={"Retry-After": RETRY_AFTER_FULL})
         for alert in fresh:
             self.inbox.put(alert)
             self.seen.add(alert.key, now)
@@ -274,18 +254,30 @@ class AlertReceiver:
         return web.json_response(body, status=202)
 
 
+class _Refused(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+async def _read_body(request: web.Request) -> bytes:
+    """The whole body, however it arrives (`content.read(n)` alone returns only what is buffered
+    now); `_Refused` 413 once it passes MAX_BODY_BYTES, chunked or not."""
+    if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
+        raise _Refused(413, f"the body is {request.content_length} bytes, at most {MAX_BODY_BYTES}")
+    chunks, size = [], 0
+    try:
+        async for chunk in request.content.iter_any():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise _Refused(413, f"the body is more than {MAX_BODY_BYTES} bytes")
+            chunks.append(chunk)
+    except _Refused:
+        raise
+    except Exception as e:  # noqa: BLE001 - the client went away mid-body
+        raise _Refused(400, f"could not read the body: {e}") from None
+    return b"".join(chunks)
+
+
 def _error(status: int, message: str, headers: Mapping[str, str] | None = None) -> web.Response:
     return web.json_response({"error": {"message": message, "code": status}}, status=status, headers=headers)
-
-
-async def start_alert_server(receiver: AlertReceiver, host: str, port: int) -> web.AppRunner:
-    """The receiver on its own listener (the operator may also mount `receiver.routes()` on its
-    HTTP server)."""
-    app = web.Application(client_max_size=MAX_BODY_BYTES + 1)
-    app.add_routes(receiver.routes())
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, host, port).start()
-    return runner
-
-

@@ -16,9 +16,9 @@ import logging
 import kopf
 
 from adpfleet.operator.decisions import observed
-from adpfleet.operator.decisions.desired import FleetRef
 from adpfleet.operator.decisions.observed import FleetObservation
 from adpfleet.operator.resource import names
+from adpfleet.operator.resource.names import FleetRef
 
 FLEETS = (names.GROUP, names.VERSION, names.PLURAL)
 # The router's objects, each with its own watch: (kind, group, version, plural)

@@ -5,8 +5,9 @@ of different fleets run concurrently. Watch events (the fleet itself, its pods, 
 call `wake`; a pass also runs when its requested requeue time or the resync period is up. A burst of
 events is absorbed by a short settle delay, so one pass sees all of them.
 
-The remediation controller's per-fleet timer (`@kopf.timer`, its own issue) plugs in beside this:
-it reads the same indexes, decides from its own samples, and calls `wake` after it acts.
+The stall controller runs beside this as a second kopf daemon per fleet (`stall.py`): it reads the
+same indexes, decides from its own scrapes, and calls `wake` when its part of the status changed
+(this loop's pass is the status's one writer).
 """
 
 from __future__ import annotations
@@ -50,9 +51,9 @@ class FleetLoops:
             while not stopped:
                 wake.clear()
                 requeue = await self._one_pass(key, observe, memory, logger)
-                await _sleep(wake, stopped, requeue if requeue is not None else self.resync_seconds)
+                await sleep_until(wake, stopped, requeue if requeue is not None else self.resync_seconds)
                 if wake.is_set() and not stopped:
-                    await _sleep(asyncio.Event(), stopped, self.settle_seconds)
+                    await sleep_until(asyncio.Event(), stopped, self.settle_seconds)
         finally:
             self._wakeups.pop(key, None)
             self.heartbeats.forget(key)
@@ -80,7 +81,7 @@ class FleetLoops:
             self.heartbeats.finished(key)
 
 
-async def _sleep(wake: asyncio.Event, stopped: Any, timeout: float) -> None:
+async def sleep_until(wake: asyncio.Event, stopped: Any, timeout: float) -> None:
     """Until `wake` is set, kopf stops the daemon, or `timeout` passes."""
     waiters = [asyncio.ensure_future(wake.wait()), asyncio.ensure_future(stopped.wait(timeout))]
     try:

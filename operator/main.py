@@ -1,8 +1,9 @@
 """`adpfleet operator`: the operator process.
 
-It runs kopf (watches, indexes, one loop per fleet) and, beside it on the same event loop, a small
-HTTP server: `/healthz` (liveness, from the reconcile loops' heartbeats), `/readyz` (kopf has
-started) and `/metrics`. Logs are JSON lines by default. SIGTERM or SIGINT stop it gracefully: kopf
+It runs kopf (watches, indexes, two daemons per fleet: the reconcile loop and the stall loop) and,
+beside it on the same event loop, a small HTTP server: `/healthz` (liveness, from the reconcile
+loops' heartbeats), `/readyz` (kopf has started), `/metrics`, and Alertmanager's webhook
+`POST /alerts` (on its own TLS listener when given a certificate). Logs are JSON lines by default. SIGTERM or SIGINT stop it gracefully: kopf
 stops the fleet loops (a pass in progress finishes), then the HTTP server closes and the process
 exits 0.
 """
@@ -35,6 +36,11 @@ def add_arguments(p) -> None:
                    default=os.environ.get("ADPFLEET_ALERTS_TOKEN_SECRET", ""),
                    help="Secret (key default 'token') holding the bearer token of POST /alerts, Alertmanager's "
                         "webhook (default: $ADPFLEET_ALERTS_TOKEN_SECRET; without it /alerts answers 503)")
+    p.add_argument("--alerts-tls-cert", metavar="FILE", default="",
+                   help="PEM certificate (chain) of the webhook: with it, POST /alerts is served over TLS on "
+                        "--alerts-port and no longer on the plain HTTP port; re-read when the file changes")
+    p.add_argument("--alerts-tls-key", metavar="FILE", default="", help="the certificate's private key (PEM)")
+    p.add_argument("--alerts-port", type=int, default=8443, help="port of the TLS webhook listener")
     p.add_argument("--log-format", choices=["json", "plain"], default="json")
     p.add_argument("--verbose", "-v", action="store_true", help="debug logs")
 
@@ -47,6 +53,7 @@ def main(args) -> int:
     if not namespaces and not args.all_namespaces:
         raise ValueError("say which namespaces to watch: --namespace NS (repeatable), $WATCH_NAMESPACE, "
                          "or --all-namespaces")
+    webhook_tls(args)  # a certificate that cannot be used fails here, before anything starts
     kopf.configure(verbose=args.verbose, log_format=kopf.LogFormat.JSON if args.log_format == "json"
                    else kopf.LogFormat.FULL, log_refkey="object", log_prefix=args.log_format == "plain")
     logging.getLogger("adpfleet").setLevel(logging.DEBUG if args.verbose else logging.INFO)
@@ -54,6 +61,19 @@ def main(args) -> int:
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     asyncio.run(run(args, namespaces))
     return 0
+
+
+def webhook_tls(args):
+    """The webhook's certificate files (checked), or None: the webhook then stays on the HTTP port."""
+    from adpfleet.operator.httpserver import TlsFiles
+
+    if bool(args.alerts_tls_cert) != bool(args.alerts_tls_key):
+        raise ValueError("give both --alerts-tls-cert and --alerts-tls-key, or neither")
+    if not args.alerts_tls_cert:
+        return None
+    tls = TlsFiles(args.alerts_tls_cert, args.alerts_tls_key)
+    tls.context()
+    return tls
 
 
 def operator_settings(settings) -> None:
@@ -79,34 +99,37 @@ def operator_settings(settings) -> None:
 async def run(args, namespaces: list[str]) -> None:
     import kopf
 
-    from adpfleet.operator.adapters.kube import load_api_client, require_crd
-    from adpfleet.operator.alerts import AlertInbox, AlertReceiver
+    from adpfleet.operator.adapters.kube import CONNECTION_POOL, KubeApi, load_api_client, require_crd
+    from adpfleet.operator.alerts import AlertReceiver, token_source
     from adpfleet.operator.handlers import build_registry
-    from adpfleet.operator.httpserver import start_http_server
+    from adpfleet.operator.httpserver import start_http_server, start_webhook_server
+    from adpfleet.operator.inbox import AlertInbox
     from adpfleet.operator.loops import FleetLoops
-    from adpfleet.operator.stall import (RemediatingReconciler, RemediationApi, StallController, StallMetrics,
-                                         alerts_token)
-    from adpfleet.operator.telemetry import Heartbeats, OperatorMetrics
+    from adpfleet.operator.reconciler import Reconciler
+    from adpfleet.operator.stall import StallController
+    from adpfleet.operator.telemetry import Heartbeats, OperatorMetrics, StallMetrics
 
     # The API client is synchronous and runs in worker threads: enough of them that fifty fleets
     # converging at once are not queued behind six (the default on a two-core machine).
-    asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=16,
+    asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=CONNECTION_POOL,
                                                                        thread_name_prefix="kube-api"))
     metrics = OperatorMetrics()
     heartbeats = Heartbeats(resync_seconds=args.resync_seconds, stuck_after=args.stuck_seconds)
     api_client = load_api_client()
     require_crd(api_client)
-    api = RemediationApi(api_client, metrics)
+    api = KubeApi(api_client, metrics)
     inbox = AlertInbox()
     stall = StallController(api, StallMetrics(metrics.registry), inbox, lambda key: loops.wake(key),
                             detection=args.stall_detection == "on")
-    loops = FleetLoops(RemediatingReconciler(api, metrics, stall=stall), metrics, heartbeats,
+    loops = FleetLoops(Reconciler(api, metrics, status_part=stall), metrics, heartbeats,
                        resync_seconds=args.resync_seconds)
-    receiver = AlertReceiver(alerts_token(api, args.alerts_token_secret), inbox, stall.fleet_known,
+    receiver = AlertReceiver(token_source(api, args.alerts_token_secret), inbox, stall.fleet_known,
                              count=lambda result, n: stall.metrics.alerts.labels(result).inc(n))
     ready = asyncio.Event()
+    tls = webhook_tls(args)
     http = await start_http_server(args.http_host, args.http_port, metrics, heartbeats, ready,
-                                   routes=receiver.routes()) if args.http_port else None
+                                   routes=() if tls else receiver.routes()) if args.http_port else None
+    webhook = await start_webhook_server(args.http_host, args.alerts_port, receiver.routes(), tls) if tls else None
     settings = kopf.OperatorSettings()
     operator_settings(settings)
     log.info("starting: watching %s", "all namespaces" if args.all_namespaces else ", ".join(namespaces))
@@ -115,8 +138,9 @@ async def run(args, namespaces: list[str]) -> None:
                             clusterwide=bool(args.all_namespaces), namespaces=namespaces,
                             standalone=True, ready_flag=ready)
     finally:
-        if http is not None:
-            await http.cleanup()
+        for server in (http, webhook):
+            if server is not None:
+                await server.cleanup()
         await stall.close()
         api_client.close()
         log.info("stopped")

@@ -4,31 +4,59 @@ Reads come from the kopf indexes (memory), so a pass that finds nothing to chang
 request at all: it computes the same status as the one stored and leaves it alone. The only
 request a pass may make without changing anything is reading a referenced Secret, and only when it
 is about to create server pods.
+
+The pass is the status's one writer. Another controller that owns part of the status (the stall
+controller: Stalled, Remediating, recentRemediations) is composed in as a `StatusPart`: its
+`overlay` is laid over what the pass computed, and it hears through `stored` which status the API
+server now holds.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from pydantic import ValidationError
 
-from adpfleet.operator.adapters.kube import KubeApi, Outcome, now_rfc3339
+from adpfleet.operator.adapters.kube import ApiResult, KubeApi, now_rfc3339
 from adpfleet.operator.decisions import conditions
 from adpfleet.operator.decisions.conditions import Problem
-from adpfleet.operator.decisions.desired import DesiredFleet, FleetRef, desired_fleet
+from adpfleet.operator.decisions.desired import DesiredFleet, desired_fleet
 from adpfleet.operator.decisions.observed import FleetObservation, ServerPod
-from adpfleet.operator.decisions.rollout import (ApplyObject, CreateServer, DeleteObject, DeleteServer, RolePlan,
-                                                 plan_objects, plan_role)
+from adpfleet.operator.decisions.rollout import (Action, ApplyObject, CreateServer, DeleteObject, DeleteServer,
+                                                 RolePlan, Wording, plan_objects, plan_role)
 from adpfleet.operator.resource import names
 from adpfleet.operator.resource.models import FleetSpec, fleet_name_problem
+from adpfleet.operator.resource.names import FleetRef
 from adpfleet.operator.telemetry import OperatorMetrics
 
 EXPECTATION_SECONDS = 60.0   # how long an action's effect may take to show up in the watch cache
 SECRET_RECHECK_SECONDS = 30.0
 MAX_BACKOFF_SECONDS = 300.0
+
+Key = tuple[str, str]  # (namespace, fleet name)
+
+
+class StatusPart(Protocol):
+    """A share of the fleet's status that another controller owns; the pass writes it."""
+
+    def overlay(self, key: Key, obs: FleetObservation, status: dict) -> dict:
+        """`status` with this part laid over it."""
+
+    def stored(self, key: Key, status: dict) -> None:
+        """The API server now holds `status` (the pass wrote it, or found it already there)."""
+
+
+class StatusWrite(enum.Enum):
+    """What became of the status a pass computed."""
+    UNCHANGED = "unchanged"  # the stored status already said it: no request
+    WRITTEN = "written"
+    GONE = "gone"            # 404: the fleet is being deleted
+    REFUSED = "refused"      # the API server refused the patch: an Event, and the pass failed
 
 
 @dataclass
@@ -41,6 +69,7 @@ class FleetMemory:
     # The status this loop last wrote, and the resourceVersion it was written over: while the
     # cached fleet is still at that version, it has not caught up with the write.
     written_status: tuple[str, dict] | None = None
+    status_refused: str | None = None  # the last refusal reported (one Event per distinct refusal)
     failures: int = 0
 
 
@@ -80,10 +109,12 @@ def with_expectations(pods: list[ServerPod], memory: FleetMemory, now: float, te
 
 
 class Reconciler:
-    def __init__(self, api: KubeApi, metrics: OperatorMetrics, clock=time.monotonic):
+    def __init__(self, api: KubeApi, metrics: OperatorMetrics, clock=time.monotonic,
+                 status_part: StatusPart | None = None):
         self.api = api
         self.metrics = metrics
         self.clock = clock
+        self.status_part = status_part
 
     async def reconcile(self, obs: FleetObservation, memory: FleetMemory, logger: logging.Logger) -> PassResult:
         fleet = FleetRef(obs.name, obs.namespace, obs.uid)
@@ -93,16 +124,12 @@ class Reconciler:
         spec, invalid = _read_spec(obs)
         if spec is None:
             status = conditions.fleet_status(obs, {}, None, [], None, [invalid], now_rfc3339())
-            await self._write_status(fleet, obs, status, memory, logger)
-            return PassResult(None, 0, False)
+            written = await self._store_status(fleet, obs, status, memory, logger)
+            return PassResult(None, 0, written is StatusWrite.REFUSED)
 
         desired = desired_fleet(fleet, spec)
-        now = self.clock()
-        foreign = [dataclasses.replace(p, terminating=True) for p in obs.foreign_pods()]  # they hold their names
-        role_pods = {role: with_expectations(obs.role_pods(role), memory, now, desired, obs.uid, role) +
-                     [p for p in foreign if p.role == role] for role in names.ROLES}
-        plans = [plan_role(role, desired.replicas[role], desired.servers[role].template_hash, role_pods[role])
-                 for role in names.ROLES]
+        hold = f"Secret {spec.model.token_secret_ref.name}" if spec.model.token_secret_ref else None
+        role_pods, plans = self._roles(obs, memory, desired)
         objects_plan = plan_objects(desired.objects, list(obs.objects), obs.uid)
 
         problems: list[Problem] = []
@@ -110,63 +137,71 @@ class Reconciler:
         secret_problem = await self._check_secret(spec, obs.namespace, plans)
         if secret_problem:
             problems.append(secret_problem)
-            plans = _hold_creations(plans, f"Secret {spec.model.token_secret_ref.name}")
+            plans = _hold_creations(plans, hold)
             requeue = SECRET_RECHECK_SECONDS
 
         # Router objects first (the ServiceAccount and Role before the Deployment that uses them),
         # then deletions (they free names and capacity), then creations.
-        actions = list(objects_plan.actions)
+        actions: list[Action] = list(objects_plan.actions)
         actions += [a for p in plans for a in p.actions if isinstance(a, DeleteServer)]
         actions += [a for p in plans for a in p.actions if isinstance(a, CreateServer)]
         failures = []
-        done: dict[tuple[str, str], list[str]] = {}  # (event reason, why) -> what was done
+        done: dict[tuple[Wording, str], list[str]] = {}  # (how the action is said, why) -> what was done
         for action in actions:
             outcome = await self._act(fleet, desired, action, memory)
             self.metrics.actions.labels(type(action).__name__).inc()
+            what = action.describe(fleet.name)
             if outcome.ok:
-                logger.info("%s %s (%s)", _PAST[type(action)], _describe(fleet, action), action.why)
-                done.setdefault((_success_reason(action), action.why), []).append(_describe(fleet, action))
+                logger.info("%s %s (%s)", action.wording.past, what, action.why)
+                done.setdefault((action.wording, action.why), []).append(what)
             else:
-                message = f"could not {_VERB[type(action)]} {_describe(fleet, action)}: {outcome.message}"
+                message = f"could not {action.wording.verb} {what}: {outcome.message}"
                 logger.warning(message)
-                await self.api.record_event(fleet, "Warning", _failure_reason(action), message)
-                failures.append(Problem(_failure_reason(action), message))
+                await self.api.record_event(fleet, "Warning", action.wording.failure, message)
+                failures.append(Problem(action.wording.failure, message))
         # One Event per kind of change and reason, naming every object, rather than one per object:
         # a new fleet of six servers and a router is three Events, not eleven.
-        for (reason, why), what in done.items():
-            verb = _PAST[{"CreatedServer": CreateServer, "DeletedServer": DeleteServer, "Applied": ApplyObject,
-                          "Deleted": DeleteObject}[reason]]
-            await self.api.record_event(fleet, "Normal", reason, f"{verb} {', '.join(what)} ({why})")
+        for (wording, why), what in done.items():
+            await self.api.record_event(fleet, "Normal", wording.reason, f"{wording.past} {', '.join(what)} ({why})")
         problems += failures
 
         # The status describes the fleet as these actions left it (a deleted pod is terminating, a
         # created one pending), so it does not announce a state that is already gone.
         if actions:
-            role_pods = {role: with_expectations(obs.role_pods(role), memory, self.clock(), desired, obs.uid, role) +
-                         [p for p in foreign if p.role == role] for role in names.ROLES}
-            plans = [plan_role(role, desired.replicas[role], desired.servers[role].template_hash, role_pods[role])
-                     for role in names.ROLES]
+            role_pods, plans = self._roles(obs, memory, desired)
             if secret_problem:
-                plans = _hold_creations(plans, f"Secret {spec.model.token_secret_ref.name}")
+                plans = _hold_creations(plans, hold)
             plans = [dataclasses.replace(p, actions=()) for p in plans]  # the next pass's business
-        own_pods = [p for role in names.ROLES for p in role_pods[role] if p.owner_uid == obs.uid]
-        problems += conditions.pod_problems(own_pods)
+        own_pods = {role: [p for p in role_pods[role] if p.owner_uid == obs.uid] for role in names.ROLES}
+        problems += conditions.pod_problems([p for role in names.ROLES for p in own_pods[role]])
         counts = {role: conditions.role_counts(desired.replicas[role], desired.servers[role].template_hash,
-                                               [p for p in role_pods[role] if p.owner_uid == obs.uid])
-                  for role in names.ROLES}
+                                               own_pods[role]) for role in names.ROLES}
         router = conditions.router_counts(spec.router.enabled, spec.router.replicas, list(obs.objects))
         status = conditions.fleet_status(obs, counts, router, plans, objects_plan.waiting_for, problems,
                                          now_rfc3339())
-        await self._write_status(fleet, obs, status, memory, logger)
+        written = await self._store_status(fleet, obs, status, memory, logger)
 
-        if failures:
+        failed = bool(failures) or written is StatusWrite.REFUSED
+        if failed:
             memory.failures += 1
             requeue = min(MAX_BACKOFF_SECONDS, 2.0 ** memory.failures)
         else:
             memory.failures = 0
         if requeue is None and (memory.created or memory.deleted):
             requeue = EXPECTATION_SECONDS / 4  # look again even if the watch stays silent
-        return PassResult(requeue, len(actions), bool(failures))
+        return PassResult(requeue, len(actions), failed)
+
+    def _roles(self, obs: FleetObservation, memory: FleetMemory,
+               desired: DesiredFleet) -> tuple[dict[str, list[ServerPod]], list[RolePlan]]:
+        """Each role's pods as the watch and this loop's own recent actions show them (pods of an
+        earlier fleet of the same name count as terminating: they hold their names), and its plan."""
+        now = self.clock()
+        foreign = [dataclasses.replace(p, terminating=True) for p in obs.foreign_pods()]
+        role_pods = {role: with_expectations(obs.role_pods(role), memory, now, desired, obs.uid, role) +
+                     [p for p in foreign if p.role == role] for role in names.ROLES}
+        plans = [plan_role(role, desired.replicas[role], desired.servers[role].template_hash, role_pods[role])
+                 for role in names.ROLES]
+        return role_pods, plans
 
     # ---- pieces ----
 
@@ -185,7 +220,7 @@ class Reconciler:
                                                 f"(spec.model.tokenSecretRef.key); it has {sorted(keys)}")
         return None
 
-    async def _act(self, fleet: FleetRef, desired: DesiredFleet, action, memory: FleetMemory) -> Outcome:
+    async def _act(self, fleet: FleetRef, desired: DesiredFleet, action: Action, memory: FleetMemory) -> ApiResult:
         if isinstance(action, CreateServer):
             manifest = desired.servers[action.role].pod(action.index)
             outcome = await self.api.create_pod(manifest)
@@ -203,21 +238,39 @@ class Reconciler:
             return await self.api.delete_object(action.kind, fleet.namespace, action.name, action.uid)
         raise TypeError(f"unknown action {action!r}")
 
+    async def _store_status(self, fleet: FleetRef, obs: FleetObservation, status: dict, memory: FleetMemory,
+                            logger: logging.Logger) -> StatusWrite:
+        key = (fleet.namespace, fleet.name)
+        if self.status_part is not None:
+            status = self.status_part.overlay(key, obs, status)
+        written = await self._write_status(fleet, obs, status, memory, logger)
+        if self.status_part is not None and written in (StatusWrite.UNCHANGED, StatusWrite.WRITTEN):
+            self.status_part.stored(key, status)
+        return written
+
     async def _write_status(self, fleet: FleetRef, obs: FleetObservation, status: dict, memory: FleetMemory,
-                            logger: logging.Logger) -> None:
+                            logger: logging.Logger) -> StatusWrite:
         before = obs.status or {}
         removed = {k: None for k in before if k not in status}
         if not removed and all(before.get(k) == v for k, v in status.items()):
-            return
+            return StatusWrite.UNCHANGED
         outcome = await self.api.patch_fleet_status(fleet.namespace, fleet.name, {**status, **removed})
+        if outcome.code == 404:
+            return StatusWrite.GONE
         if not outcome.ok:
-            # 404: the fleet is being deleted; anything else is retried by the next pass
-            if outcome.code != 404:
-                logger.warning("writing status failed: %s", outcome.message)
-            return
+            # Retried by the next pass (with back-off); said once as an Event, since the status
+            # that would have said it is what was refused.
+            message = f"the API server refused the fleet's status: {outcome.message}"
+            logger.warning(message)
+            if memory.status_refused != message:
+                memory.status_refused = message
+                await self.api.record_event(fleet, "Warning", "StatusUpdateFailed", message)
+            return StatusWrite.REFUSED
+        memory.status_refused = None
         memory.written_status = (obs.resource_version, status)
         for type_, cond in conditions.transitions(before, status):
             await self._condition_event(fleet, type_, cond, before)
+        return StatusWrite.WRITTEN
 
     async def _condition_event(self, fleet: FleetRef, type_: str, cond: dict, before: dict) -> None:
         had = {c.get("type"): c for c in before.get("conditions") or []}.get(type_)
@@ -251,25 +304,3 @@ def _read_spec(obs: FleetObservation) -> tuple[FleetSpec | None, Problem | None]
         where = ".".join(str(x) for x in first["loc"])
         return None, Problem("InvalidSpec", f"spec.{where}: {first['msg']}" + (
             f" (+{exc.error_count() - 1} more)" if exc.error_count() > 1 else ""))
-
-
-def _describe(fleet: FleetRef, action) -> str:
-    if isinstance(action, CreateServer):
-        return f"{action.role} server {names.server_name(fleet.name, action.role, action.index)}"
-    if isinstance(action, DeleteServer):
-        return f"{action.role} server {action.name}"
-    return f"{action.kind} {action.name}"
-
-
-_PAST = {CreateServer: "created", DeleteServer: "deleted", ApplyObject: "applied", DeleteObject: "deleted"}
-_VERB = {CreateServer: "create", DeleteServer: "delete", ApplyObject: "apply", DeleteObject: "delete"}
-
-
-def _success_reason(action) -> str:
-    return {CreateServer: "CreatedServer", DeleteServer: "DeletedServer", ApplyObject: "Applied",
-            DeleteObject: "Deleted"}[type(action)]
-
-
-def _failure_reason(action) -> str:
-    return {CreateServer: "CreateServerFailed", DeleteServer: "DeleteServerFailed", ApplyObject: "ApplyFailed",
-            DeleteObject: "DeleteFailed"}[type(action)]

@@ -1,17 +1,18 @@
-"""The stall controller: one loop per fleet that scrapes, judges, decides, acts and reports.
+"""The stall controller: one loop per fleet (a kopf daemon beside the reconcile loop) that judges,
+decides, acts and reports.
 
     every scrape interval (or at once when an alert for the fleet arrives):
       scrape every Ready server's /metrics  ─► detection.judge ─► verdicts      (own detection)
       take the fleet's queued alerts        ─► fresh scrapes  ─► verdicts       (Alertmanager)
-      remediation.decide(verdicts, history, spec, pods, now) ─► decisions       (one path, two inputs)
-      decisions ─► records in status.recentRemediations, Events, metrics, and for each action a
-                   task: record Pending ─► drain ─► delete the pod(s) ─► record the result
+      remediation.decide(verdicts, history, spec, pods, now) ─► plan            (one path, two inputs)
+      plan ─► Events, metrics, records in status.recentRemediations, and for each action a task:
+              record Pending ─► drain ─► delete the pod(s) ─► record the result
 
 Status has one writer, the fleet's reconcile pass: this controller keeps what it owns (the Stalled
 and Remediating conditions, recentRemediations, a Degraded reason of its own) in memory, wakes the
-reconcile loop, and `RemediatingReconciler` lays it over the status the pass writes. An action
-starts only once its Pending record is in the API server, so an operator restarted mid-action finds
-it there and finishes it (deleting only pods older than the decision) instead of acting twice.
+reconcile loop, and is the pass's `StatusPart` (`overlay`, `stored`). An action starts only once
+its Pending record is in the API server, so an operator restarted mid-action finds it there and
+finishes it (deleting only pods older than the decision) instead of acting twice.
 """
 
 from __future__ import annotations
@@ -20,119 +21,43 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import Awaitable, Callable
 
 import httpx
-from kubernetes import client
-from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from adpfleet.operator.adapters.kube import KubeApi, Outcome, now_rfc3339
-from adpfleet.operator.alerts import AlertInbox, StallAlert
-from adpfleet.operator.decisions import conditions as fleet_conditions
-from adpfleet.operator.decisions.desired import FleetRef
+from adpfleet.operator.adapters.kube import KubeApi, now_rfc3339
+from adpfleet.operator.adapters.scrape import Scrape, metrics_url, scrape, timeout_for
+from adpfleet.operator.decisions import stall_status
+from adpfleet.operator.decisions.detection import SampleWindows, StallVerdict, evidence_text, judge, keep_seconds
+from adpfleet.operator.decisions.history import (Remediation, budget_used, history_from_status, left_drained,
+                                                 pending, resolved, restarts_in_progress, rfc3339, still_to_delete,
+                                                 with_records)
 from adpfleet.operator.decisions.observed import FleetObservation, ServerPod
-from adpfleet.operator.detection import (SampleWindows, Scrape, State, StallVerdict, evidence_text, judge,
-                                         keep_seconds)
-from adpfleet.operator.reconciler import Reconciler
-from adpfleet.operator.remediation import (Action, Decision, Outcome as RecordOutcome, Plan, Remediation,
-                                           ServerView, Verdict, budget_used, decide, degraded_problem,
-                                           history_from_status, resolved, restarts_in_progress, rfc3339,
-                                           stall_conditions,
-                                           still_to_delete, with_records)
+from adpfleet.operator.decisions.remediation import Decision, Plan, decide
+from adpfleet.operator.inbox import AlertInbox, StallAlert
+from adpfleet.operator.loops import sleep_until
 from adpfleet.operator.resource import names
 from adpfleet.operator.resource.models import FleetSpec
-from adpfleet.operator.scrape import metrics_url, scrape
+from adpfleet.operator.resource.names import FleetRef
+from adpfleet.operator.resource.vocabulary import Action, Choice, Outcome, RemediationMode, ServerState
+from adpfleet.operator.telemetry import StallMetrics
 
 log = logging.getLogger("adpfleet.operator.stall")
 
 Key = tuple[str, str]
-CONFIRMATIONS = 2              # consecutive scrapes that must agree before a stall is acted on
+CONFIRMATIONS = 2               # consecutive scrapes that must agree before a stall is acted on
+INVALID_SPEC_RETRY_SECONDS = 5.0  # a spec that cannot be read (the reconciler reports it) is looked at again
 PERSIST_TIMEOUT_SECONDS = 15.0  # how long an action waits for its Pending record to reach the API
+PERSIST_WAKE_SECONDS = 2.0      # ... waking the reconcile loop again this often meanwhile
 STALLED_DRAIN_GRACE_SECONDS = 2.0  # a stalled server finishes nothing: drained this long, then restarted
 STALLED_DELETE_GRACE_SECONDS = 5   # its pod's termination grace (a working peer keeps its own)
-EVENT_REPEAT_SECONDS = 60.0    # the same skip of the same server is reported at most this often
-ALERT_VERDICT_TTL_FACTOR = 1.0  # an alert's re-check stands for one stall window
+EVENT_REPEAT_SECONDS = 60.0     # the same skip of the same server is reported at most this often
+RECHECK_SCRAPES = 3             # fresh scrapes of a server an alert names ...
+RECHECK_GAP = (0.5, 2.5)        # ... half a scrape interval apart, within these bounds (seconds)
+WATCH_SCRAPE_TIMEOUT = 2.0      # a scrape while draining (progress made? requests finished?)
+WATCH_POLL_SECONDS = 0.5        # how often a drain or a rolling restart looks again
 
-
-class StallMetrics:
-    """The remediation controller's part of the operator's /metrics."""
-
-    def __init__(self, registry: CollectorRegistry):
-        r = registry
-        self.stalls = Counter("adpfleet_operator_stalls_detected_total", "Stalls confirmed (once per stalled "
-                              "server incarnation), by signature.", ["fleet_namespace", "fleet", "signature"],
-                              registry=r)
-        self.remediations = Counter("adpfleet_operator_remediations_total", "Remediation decisions by action and "
-                                    "result (Succeeded, Failed, Recovered, DryRun, Halted, or why it was skipped).",
-                                    ["action", "result"], registry=r)
-        self.scrapes = Counter("adpfleet_operator_scrapes_total", "Scrapes of servers' /metrics, by result.",
-                               ["result"], registry=r)
-        self.alerts = Counter("adpfleet_operator_alerts_received_total", "Alerts received on the webhook, by "
-                              "result.", ["result"], registry=r)
-        self.servers = Gauge("adpfleet_operator_servers", "Servers by their latest verdict.",
-                             ["fleet_namespace", "fleet", "state"], registry=r)
-        self.budget_exhausted = Gauge("adpfleet_operator_remediation_budget_exhausted", "1 while the fleet's "
-                                      "remediation budget for the hour is used up.", ["fleet_namespace", "fleet"],
-                                      registry=r)
-        self.halted = Gauge("adpfleet_operator_remediation_halted", "1 while escalation has halted the fleet's "
-                            "remediation.", ["fleet_namespace", "fleet"], registry=r)
-
-    def forget(self, key: Key) -> None:
-        for gauge in (self.budget_exhausted, self.halted):
-            try:
-                gauge.remove(*key)
-            except KeyError:
-                pass
-        for state in State:
-            try:
-                self.servers.remove(*key, state.value)
-            except KeyError:
-                pass
-
-
-class RemediationApi(KubeApi):
-    """The few requests remediation makes beyond the reconciler's."""
-
-    async def set_drain(self, namespace: str, name: str, uid: str, drain: bool) -> Outcome:
-        # metadata.uid in a patch is a precondition: a replacement with the same name is left alone
-        body = {"metadata": {"uid": uid, "annotations": {names.ANNOTATION_DRAIN: "true" if drain else None}}}
-        return await self._call("patch", "pods", self.core.patch_namespaced_pod, name, namespace, body,
-                                ok_codes=(404,))
-
-    async def delete_pod_within(self, namespace: str, name: str, uid: str, grace_seconds: int | None) -> Outcome:
-        body = client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid),
-                                      grace_period_seconds=grace_seconds)
-        return await self._call("delete", "pods", self.core.delete_namespaced_pod, name, namespace, body=body,
-                                ok_codes=(404, 409))
-
-    async def secret_value(self, namespace: str, name: str, key: str) -> str | None:
-        import base64
-        out = await self._call("get", "secrets", self.core.read_namespaced_secret, name, namespace, ok_codes=(404,))
-        if not out.ok or out.body is None:
-            return None
-        data = out.body.data or {}
-        if key in data:
-            return base64.b64decode(data[key]).decode().strip()
-        return ((out.body.string_data or {}).get(key) or "").strip() or None
-
-
-@dataclass
-class SecretToken:
-    """The webhook's bearer token from a Secret, re-read every `ttl` seconds (rotation)."""
-    api: RemediationApi
-    namespace: str
-    name: str
-    key: str = "token"
-    ttl: float = 10.0
-    _value: str | None = None
-    _read_at: float = -1e9
-
-    async def get(self) -> str | None:
-        now = time.monotonic()
-        if now - self._read_at > self.ttl or self._value is None:
-            self._value = await self.api.secret_value(self.namespace, self.name, self.key)
-            self._read_at = now
-        return self._value
+Scraper = Callable[[str, float], Awaitable[Scrape]]  # (url, timeout) -> Scrape
 
 
 @dataclass
@@ -142,11 +67,10 @@ class FleetStall:
     observe: Callable[[], FleetObservation]
     logger: logging.Logger
     windows: SampleWindows = field(default_factory=SampleWindows)
-    verdicts: dict[str, StallVerdict] = field(default_factory=dict)
+    verdicts: dict[str, StallVerdict] = field(default_factory=dict)  # own detection, this tick
     alert_verdicts: dict[str, tuple[StallVerdict, float]] = field(default_factory=dict)  # server -> (v, until)
     local: dict[tuple, Remediation] = field(default_factory=dict)  # records not yet seen in the cached status
     plan: Plan = field(default_factory=Plan)
-    mode: str = "Auto"
     counted: set[tuple[str, str]] = field(default_factory=set)  # (server, pod uid) stalls already counted
     last_event: dict[tuple[str, str], float] = field(default_factory=dict)
     tasks: set[asyncio.Task] = field(default_factory=set)
@@ -158,11 +82,32 @@ class FleetStall:
     unreachable_since: dict[str, float] = field(default_factory=dict)
     unreachable_reported: set[str] = field(default_factory=set)
 
+    def all_verdicts(self) -> list[StallVerdict]:
+        """Own detection's and the standing alert re-checks'."""
+        return list(self.verdicts.values()) + [v for v, _ in self.alert_verdicts.values()]
+
+
+@dataclass(frozen=True)
+class Look:
+    """What one tick reads of the fleet."""
+    obs: FleetObservation
+    spec: FleetSpec
+    pods: list[ServerPod]    # every server pod of the fleet
+    judged: list[ServerPod]  # the Running, Ready ones with an address: the ones whose scrapes count
+
+    @property
+    def interval(self) -> float:
+        return float(self.spec.monitoring.scrape_interval_seconds)
+
+    @property
+    def window(self) -> float:
+        return float(self.spec.remediation.stall_window_seconds)
+
 
 class StallController:
-    def __init__(self, api: RemediationApi, metrics: StallMetrics, inbox: AlertInbox,
-                 wake_reconcile: Callable[[Key], None], *, detection: bool = True, clock: Callable[[], float] = time.time,
-                 scraper=None):
+    def __init__(self, api: KubeApi, metrics: StallMetrics, inbox: AlertInbox,
+                 wake_reconcile: Callable[[Key], None], *, detection: bool = True,
+                 clock: Callable[[], float] = time.time, scraper: Scraper | None = None):
         self.api = api
         self.metrics = metrics
         self.inbox = inbox
@@ -173,12 +118,7 @@ class StallController:
         self.http = httpx.AsyncClient(limits=httpx.Limits(max_connections=64), follow_redirects=False)
         logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per scrape otherwise
         inbox.on_put = self._alert_arrived
-        self._scraper = scraper  # (url, timeout) -> Scrape; tests script it
-
-    async def _scrape(self, pod: ServerPod, timeout: float) -> Scrape:
-        if self._scraper is not None:
-            return await self._scraper(metrics_url(pod.ip), timeout)
-        return await scrape(self.http, metrics_url(pod.ip), timeout, self.clock)
+        self._scraper = scraper  # tests script the servers' /metrics
 
     def fleet_known(self, namespace: str, name: str) -> bool:
         return (namespace, name) in self.fleets
@@ -197,20 +137,14 @@ class StallController:
             while not stopped:
                 fleet.wake.clear()
                 started = time.monotonic()
-                interval = 5.0
+                interval = INVALID_SPEC_RETRY_SECONDS
                 try:
                     interval = await self.tick(key, fleet)
                 except asyncio.CancelledError:
                     raise
                 except Exception:  # noqa: BLE001 - a bug or an API surprise: logged, never fatal
                     logger.exception("stall check failed; retrying")
-                delay = max(0.0, interval - (time.monotonic() - started))
-                waiters = [asyncio.ensure_future(fleet.wake.wait()), asyncio.ensure_future(stopped.wait(delay))]
-                try:
-                    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    for w in waiters:
-                        w.cancel()
+                await sleep_until(fleet.wake, stopped, max(0.0, interval - (time.monotonic() - started)))
         finally:
             for task in list(fleet.tasks):  # an action in flight is finished by the next operator
                 task.cancel()
@@ -218,109 +152,71 @@ class StallController:
             self.metrics.forget(key)
 
     async def tick(self, key: Key, fleet: FleetStall) -> float:
-        """One pass; the seconds until the next."""
-        obs = fleet.observe()
-        try:
-            spec = FleetSpec.model_validate(obs.spec or {})
-        except Exception:  # noqa: BLE001 - the reconciler reports an invalid spec
-            return 5.0
-        interval = float(spec.monitoring.scrape_interval_seconds)
-        window = float(spec.remediation.stall_window_seconds)
-        fleet.mode = spec.remediation.mode
-        now = self.clock()
-        pods = [p for role in names.ROLES for p in obs.role_pods(role)]
-        servers = [ServerView(p.name, p.role, p.ready, p.terminating, p.created) for p in pods]
-        history = self._history(fleet, obs)
+        """One pass of the diagram above; the seconds until the next."""
+        look = _look(fleet.observe())
+        if look is None:
+            return INVALID_SPEC_RETRY_SECONDS
         alerts = self.inbox.take(*key)
+        if look.spec.remediation.mode is RemediationMode.DISABLED:
+            await self._stand_down(key, fleet, look, alerts)
+            return look.interval
+        await self._finish_left_over(key, fleet, look)
 
-        if spec.remediation.mode == "Disabled":
-            fleet.windows.retain(())
-            fleet.verdicts, fleet.alert_verdicts = {}, {}
-            for alert in alerts:
-                await self._event(fleet, "Normal", "AlertIgnored", f"{alert.source} for {alert.pod}: "
-                                  f"remediation.mode is Disabled", alert.pod)
-            fleet.plan = Plan(mode="Disabled")
-            self._publish(key, fleet, obs)
-            return interval
-
-        if not fleet.resumed:
-            fleet.resumed = True
-            self._resume(key, fleet, history, pods, spec)
-        await self._finish_recoveries(fleet, history, pods)
-
-        judged = [p for p in pods if p.phase == "Running" and p.ready and not p.terminating and p.ip]
-        fleet.windows.retain(p.name for p in judged)
-        if self.detection:
-            scrapes = await asyncio.gather(*(self._scrape(p, min(max(1.0, interval * 0.8), 5.0)) for p in judged))
-            keep = keep_seconds(window, interval, CONFIRMATIONS)
-            verdicts = {}
-            for pod, sample in zip(judged, scrapes):
-                self.metrics.scrapes.labels("ok" if sample.ok else "failed").inc()
-                fleet.windows.add(pod.name, pod.uid, sample, keep_seconds=keep)
-                verdicts[pod.name] = judge(pod.name, pod.role, fleet.windows.samples(pod.name),
-                                           window_seconds=window, interval_seconds=interval,
-                                           confirmations=CONFIRMATIONS)
-            fleet.verdicts = verdicts
-            await self._report_unreachable(fleet, verdicts, window)
-        else:
-            fleet.verdicts = {}
-
-        sources = {}
-        for alert in alerts:
-            verdict = await self._recheck(fleet, alert, judged, interval)
-            if verdict is not None:
-                fleet.alert_verdicts[alert.pod] = (verdict, self.clock() + window * ALERT_VERDICT_TTL_FACTOR)
-                sources[alert.pod] = alert.source
-        now = self.clock()
-        fleet.alert_verdicts = {s: (v, until) for s, (v, until) in fleet.alert_verdicts.items()
-                                if until > now and any(p.name == s for p in judged)}
-        pods_by_name = {p.name: p for p in pods}
-        fleet.counted &= {(p.name, p.uid) for p in pods}  # stall episodes of pods that still exist
-        for verdict in list(fleet.verdicts.values()) + [v for v, _ in fleet.alert_verdicts.values()]:
-            await self._count_stall(key, fleet, verdict, pods_by_name)
-
-        done = resolved(history, list(fleet.verdicts.values()), servers)
-        for record in done:
-            fleet.local[record.key()] = record
-        if done:
-            history = self._history(fleet, obs)
-
-        # own verdicts, and the verdicts of this tick's alerts (a re-check stands for one decision)
-        for_decision = dict(fleet.verdicts)
-        for server in sources:
-            if server not in for_decision or not for_decision[server].stalled:
-                for_decision[server] = fleet.alert_verdicts[server][0]
-        plan = decide(list(for_decision.values()), history, spec, servers, now, source=sources)
-        fleet.plan = plan
-        for decision in plan.decisions:
-            await self._carry_out(key, fleet, decision, spec, pods, now)
-        if plan.actions:  # what was just started is now in progress (the Remediating condition)
-            after = self._history(fleet, obs)
-            fleet.plan = replace(plan, in_progress=restarts_in_progress(after, servers, spec, now),
-                                 budget_used=budget_used(after, now))
-        self._set_gauges(key, fleet, {**for_decision, **{s: v for s, (v, _) in fleet.alert_verdicts.items()}},
-                         fleet.plan)
-        self._publish(key, fleet, obs)
-        return interval
+        fleet.verdicts = await self._judge(fleet, look) if self.detection else {}
+        sources = await self._recheck_alerts(fleet, look, alerts)
+        await self._count_stalls(key, fleet, look)
+        plan = self._decide(fleet, look, sources)
+        await self._carry_out(key, fleet, look, plan)
+        self._report(key, fleet, look, sources)
+        return look.interval
 
     # ---- verdicts --------------------------------------------------------------------------------
 
-    async def _recheck(self, fleet: FleetStall, alert: StallAlert, judged: list[ServerPod],
-                       interval: float) -> StallVerdict | None:
+    async def _judge(self, fleet: FleetStall, look: Look) -> dict[str, StallVerdict]:
+        """Scrape every judged server and judge its window of scrapes."""
+        fleet.windows.retain(p.name for p in look.judged)
+        scrapes = await asyncio.gather(*(self._scrape(p, timeout_for(look.interval)) for p in look.judged))
+        keep = keep_seconds(look.window, look.interval, CONFIRMATIONS)
+        verdicts = {}
+        for pod, sample in zip(look.judged, scrapes):
+            self.metrics.scrapes.labels("ok" if sample.ok else "failed").inc()
+            fleet.windows.add(pod.name, pod.uid, sample, keep_seconds=keep)
+            verdicts[pod.name] = judge(pod.name, pod.role, fleet.windows.samples(pod.name),
+                                       window_seconds=look.window, interval_seconds=look.interval,
+                                       confirmations=CONFIRMATIONS)
+        await self._report_unreachable(fleet, verdicts, look.window)
+        return verdicts
+
+    async def _recheck_alerts(self, fleet: FleetStall, look: Look, alerts: list[StallAlert]) -> dict[str, str]:
+        """Verdicts for the servers this tick's alerts name, from fresh scrapes; each stands for
+        one stall window. Server -> the alert, for the servers whose stall an alert confirmed."""
+        sources = {}
+        for alert in alerts:
+            verdict = await self._recheck(fleet, alert, look)
+            if verdict is not None:
+                fleet.alert_verdicts[alert.pod] = (verdict, self.clock() + look.window)
+                sources[alert.pod] = alert.source
+        now = self.clock()
+        judged = {p.name for p in look.judged}
+        fleet.alert_verdicts = {s: (v, until) for s, (v, until) in fleet.alert_verdicts.items()
+                                if until > now and s in judged}
+        return sources
+
+    async def _recheck(self, fleet: FleetStall, alert: StallAlert, look: Look) -> StallVerdict | None:
         """The alert's pod, scraped afresh: still no tokens with work pending? (the alert stands for
         the window; these scrapes confirm it still holds now)."""
-        pod = next((p for p in judged if p.name == alert.pod), None)
+        pod = next((p for p in look.judged if p.name == alert.pod), None)
         if pod is None:
             await self._event(fleet, "Normal", "AlertIgnored", f"{alert.source}: pod {alert.pod} is not a Ready "
                               f"server of this fleet (starting, being replaced, or gone)", alert.pod)
             self.metrics.alerts.labels("stale").inc()
             return None
-        gap = min(max(interval / 2, 0.5), 2.5)
+        gap = min(max(look.interval / 2, RECHECK_GAP[0]), RECHECK_GAP[1])
         fresh: list[Scrape] = []
-        for i in range(3):
+        for i in range(RECHECK_SCRAPES):
             if i:
                 await asyncio.sleep(gap)
-            fresh.append(await self._scrape(pod, min(max(1.0, interval * 0.8), 5.0)))
+            fresh.append(await self._scrape(pod, timeout_for(look.interval)))
         verdict = judge(pod.name, pod.role, fresh, window_seconds=fresh[-1].at - fresh[0].at, interval_seconds=0.0,
                         confirmations=1)
         if not verdict.stalled:
@@ -336,7 +232,7 @@ class StallController:
         for it: a scrape failure is not a stall)."""
         now = self.clock()
         for server, v in verdicts.items():
-            if v.state is not State.UNREACHABLE:
+            if v.state is not ServerState.UNREACHABLE:
                 fleet.unreachable_since.pop(server, None)
                 fleet.unreachable_reported.discard(server)
                 continue
@@ -350,28 +246,52 @@ class StallController:
                 fleet.unreachable_since.pop(server, None)
                 fleet.unreachable_reported.discard(server)
 
-    async def _count_stall(self, key: Key, fleet: FleetStall, verdict: StallVerdict,
-                           pods: dict[str, ServerPod]) -> None:
-        pod = pods.get(verdict.server)
-        episode = (verdict.server, pod.uid if pod else "")
-        if not verdict.stalled:
-            if verdict.state in (State.PROGRESSING, State.IDLE):
-                fleet.counted.discard(episode)
-            return
-        if episode in fleet.counted:
-            return
-        fleet.counted.add(episode)
-        signature = verdict.signature.value if verdict.signature else "unknown"
-        self.metrics.stalls.labels(*key, signature).inc()
-        fleet.logger.warning("stall detected: %s", verdict.summary())
-        await self._event(fleet, "Warning", "StallDetected", f"{verdict.summary()}; evidence: "
-                          f"{evidence_text(verdict.evidence)}", verdict.server, force=True)
+    async def _count_stalls(self, key: Key, fleet: FleetStall, look: Look) -> None:
+        """A metric, a log line and an Event once per stalled server incarnation."""
+        uids = {p.name: p.uid for p in look.pods}
+        fleet.counted &= set(uids.items())  # stall episodes of pods that still exist
+        for verdict in fleet.all_verdicts():
+            episode = (verdict.server, uids.get(verdict.server, ""))
+            if not verdict.stalled:
+                if verdict.state in (ServerState.PROGRESSING, ServerState.IDLE):
+                    fleet.counted.discard(episode)
+                continue
+            if episode in fleet.counted:
+                continue
+            fleet.counted.add(episode)
+            self.metrics.stalls.labels(*key, verdict.signature.value).inc()
+            fleet.logger.warning("stall detected: %s", verdict.summary())
+            await self._event(fleet, "Warning", "StallDetected", f"{verdict.summary()}; evidence: "
+                              f"{evidence_text(verdict.evidence)}", verdict.server, force=True)
 
     # ---- decisions into actions ------------------------------------------------------------------
 
-    async def _carry_out(self, key: Key, fleet: FleetStall, d: Decision, spec: FleetSpec, pods: list[ServerPod],
-                         now: float) -> None:
-        if d.outcome is Verdict.SKIP:
+    def _decide(self, fleet: FleetStall, look: Look, sources: dict[str, str]) -> Plan:
+        """The policy over own verdicts and this tick's confirmed alerts (a re-check stands for one
+        decision), after marking the restarts the servers have since recovered from as Resolved."""
+        servers = [p.view for p in look.pods]
+        for record in resolved(self._history(fleet, look.obs), list(fleet.verdicts.values()), servers):
+            fleet.local[record.key()] = record
+        verdicts = dict(fleet.verdicts)
+        for server in sources:
+            if server not in verdicts or not verdicts[server].stalled:
+                verdicts[server] = fleet.alert_verdicts[server][0]
+        fleet.plan = decide(list(verdicts.values()), self._history(fleet, look.obs), look.spec, servers,
+                            self.clock(), source=sources)
+        return fleet.plan
+
+    async def _carry_out(self, key: Key, fleet: FleetStall, look: Look, plan: Plan) -> None:
+        now = self.clock()
+        for d in plan.decisions:
+            await self._carry_out_one(key, fleet, d, look.spec, now)
+        if plan.actions:  # what was just started is now in progress (the Remediating condition)
+            after = self._history(fleet, look.obs)
+            fleet.plan = replace(plan, in_progress=restarts_in_progress(after, [p.view for p in look.pods],
+                                                                        look.spec, now),
+                                 budget_used=budget_used(after, now))
+
+    async def _carry_out_one(self, key: Key, fleet: FleetStall, d: Decision, spec: FleetSpec, now: float) -> None:
+        if d.choice is Choice.SKIP:
             if not d.quiet:
                 self.metrics.remediations.labels(d.action.value, d.reason).inc()
                 await self._event(fleet, "Warning", d.event_reason, f"not remediated ({d.reason}): {d.message}",
@@ -379,16 +299,47 @@ class StallController:
             return
         record = d.record(now)
         fleet.local[record.key()] = record
-        if d.outcome is Verdict.DRY_RUN or d.action is Action.HALT:
-            result = record.outcome
-            self.metrics.remediations.labels(d.action.value, result).inc()
-            await self._event(fleet, "Warning", d.event_reason, d.message, d.verdict.server, force=True)
-            return
         await self._event(fleet, "Warning", d.event_reason, d.message, d.verdict.server, force=True)
-        self._spawn(key, fleet, self._execute(key, fleet, record, spec, d.batch, persisted=False,
-                                              stalled_sample=self._latest(fleet, d.verdict.server)))
+        if d.choice is Choice.DRY_RUN or d.action is Action.HALT:
+            self.metrics.remediations.labels(d.action.value, record.outcome.value).inc()
+            return
+        self._spawn(fleet, self._execute(key, fleet, record, spec, d.batch, persisted=False,
+                                         stalled_sample=self._latest(fleet, d.verdict.server)))
 
-    def _spawn(self, key: Key, fleet: FleetStall, coro) -> None:
+    async def _stand_down(self, key: Key, fleet: FleetStall, look: Look, alerts: list[StallAlert]) -> None:
+        """mode Disabled: nothing is judged, alerts are acknowledged with an Event."""
+        fleet.windows.retain(())
+        fleet.verdicts, fleet.alert_verdicts = {}, {}
+        for alert in alerts:
+            await self._event(fleet, "Normal", "AlertIgnored", f"{alert.source} for {alert.pod}: "
+                              f"remediation.mode is Disabled", alert.pod)
+        fleet.plan = Plan(mode=RemediationMode.DISABLED)
+        self._publish(key, fleet, look.obs)
+
+    async def _finish_left_over(self, key: Key, fleet: FleetStall, look: Look) -> None:
+        """What an operator that died midway left: once per operator, finish the actions recorded as
+        Pending (only pods older than the decision are deleted, so nothing is done twice) and fail
+        the ones too old to finish; every tick, undrain servers an action left drained although it
+        ended Recovered."""
+        history = self._history(fleet, look.obs)
+        now = self.clock()
+        if not fleet.resumed:
+            fleet.resumed = True
+            to_finish, too_old = pending(history, look.spec, now)
+            for record in too_old:
+                fleet.local[record.key()] = record.ended(
+                    Outcome.FAILED, "abandoned: the operator restarted and the action is too old to finish")
+            for record in to_finish:
+                fleet.logger.info("resuming %s of %s recorded at %s", record.action.value, ", ".join(record.targets),
+                                  rfc3339(record.time))
+                batch = max(1, look.spec.remediation.max_concurrent_per_role)
+                self._spawn(fleet, self._execute(key, fleet, record, look.spec, batch, persisted=True,
+                                                 stalled_sample=None))
+        by_name = {p.name: p for p in look.pods}
+        for name in left_drained(history, [p.view for p in look.pods], now):
+            await self.api.set_drain(fleet.ref.namespace, name, by_name[name].uid, False)
+
+    def _spawn(self, fleet: FleetStall, coro) -> None:
         task = asyncio.ensure_future(coro)
         fleet.tasks.add(task)
         task.add_done_callback(fleet.tasks.discard)
@@ -397,52 +348,28 @@ class StallController:
         samples = [s for s in fleet.windows.samples(server) if s.ok]
         return samples[-1] if samples else None
 
-    def _resume(self, key: Key, fleet: FleetStall, history: list[Remediation], pods: list[ServerPod],
-                spec: FleetSpec) -> None:
-        """Finish actions a previous operator recorded as Pending (only pods older than the decision
-        are deleted, so nothing is done twice)."""
-        now = self.clock()
-        for record in history:
-            if record.outcome != RecordOutcome.PENDING.value:
-                continue
-            startup = max(spec.context.probes.startup_timeout_seconds, spec.generation.probes.startup_timeout_seconds)
-            if now - record.time > spec.remediation.drain_timeout_seconds + startup + 60:
-                fleet.local[record.key()] = _replaced(record, RecordOutcome.FAILED, "abandoned: the operator "
-                                                      "restarted and the action is too old to finish")
-                continue
-            fleet.logger.info("resuming %s of %s recorded at %s", record.action, ", ".join(record.targets),
-                              rfc3339(record.time))
-            batch = max(1, spec.remediation.max_concurrent_per_role)
-            self._spawn(key, fleet, self._execute(key, fleet, record, spec, batch, persisted=True, stalled_sample=None))
-
-    async def _finish_recoveries(self, fleet: FleetStall, history: list[Remediation], pods: list[ServerPod]) -> None:
-        """A server left drained by an action that ended Recovered (the operator died in between)."""
-        recent = [r for r in history if r.outcome == RecordOutcome.RECOVERED.value and self.clock() - r.time < 3600]
-        for pod in pods:
-            if pod.draining and not pod.terminating and any(
-                    pod.name in r.targets and still_to_delete(r, pod.created) for r in recent):
-                await self.api.set_drain(fleet.ref.namespace, pod.name, pod.uid, False)
+    # ---- one action: Pending → drain → delete → Succeeded/Failed/Recovered ------------------------
 
     async def _execute(self, key: Key, fleet: FleetStall, record: Remediation, spec: FleetSpec, batch: int, *,
                        persisted: bool, stalled_sample: Scrape | None) -> None:
-        """Pending → drain → delete → Succeeded/Failed/Recovered, each step idempotent."""
+        """Carry `record` out, each step idempotent; rolling actions a batch at a time."""
         try:
             if not persisted and not await self._persist(key, fleet, record):
                 fleet.local.pop(record.key(), None)
                 self._publish(key, fleet, fleet.observe())
                 fleet.logger.warning("not acting on %s: its record did not reach the API server within %.0f s",
                                      record.server, PERSIST_TIMEOUT_SECONDS)
-                self.metrics.remediations.labels(record.action, "NotPersisted").inc()
+                self.metrics.remediations.labels(record.action.value, "NotPersisted").inc()
                 return
-            rolling = record.action in (Action.RESTART_PEERS.value, Action.RESTART_ROLE.value)
+            rolling = record.action.rolling
             targets = list(record.targets)
             batches = [targets[i:i + batch] for i in range(0, len(targets), batch)] if rolling else [targets]
             problems: list[str] = []
             for number, group in enumerate(batches):
                 outcome = await self._restart(fleet, record, group, spec, stalled=not rolling,
                                               stalled_sample=stalled_sample)
-                if outcome is RecordOutcome.RECOVERED:
-                    await self._finish(key, fleet, record, RecordOutcome.RECOVERED,
+                if outcome is Outcome.RECOVERED:
+                    await self._finish(key, fleet, record, Outcome.RECOVERED,
                                        f"progress resumed while draining; nothing restarted. {record.message}")
                     return
                 if isinstance(outcome, str):
@@ -450,17 +377,17 @@ class StallController:
                 if rolling and number + 1 < len(batches):
                     await self._wait_replaced(fleet, record, group, spec)
             if problems:
-                await self._finish(key, fleet, record, RecordOutcome.FAILED, "; ".join(problems) + f". {record.message}")
+                await self._finish(key, fleet, record, Outcome.FAILED, "; ".join(problems) + f". {record.message}")
             else:
-                await self._finish(key, fleet, record, RecordOutcome.SUCCEEDED, record.message)
+                await self._finish(key, fleet, record, Outcome.SUCCEEDED, record.message)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001
             fleet.logger.exception("remediation of %s failed", record.server)
-            await self._finish(key, fleet, record, RecordOutcome.FAILED, f"{type(e).__name__}: {e}. {record.message}")
+            await self._finish(key, fleet, record, Outcome.FAILED, f"{type(e).__name__}: {e}. {record.message}")
 
     async def _restart(self, fleet: FleetStall, record: Remediation, group: list[str], spec: FleetSpec, *,
-                       stalled: bool, stalled_sample: Scrape | None):
+                       stalled: bool, stalled_sample: Scrape | None) -> Outcome | str | None:
         """Drain and delete the pods of `group` that the record means. RECOVERED, an error text, or None."""
         ns = fleet.ref.namespace
         current = {p.name: p for p in fleet.observe().pods if p.owner_uid == fleet.ref.uid}
@@ -477,18 +404,18 @@ class StallController:
             if victims and stalled_sample is not None and await self._progressed(victims[0], stalled_sample, wait):
                 for pod in victims:
                     await self.api.set_drain(ns, pod.name, pod.uid, False)
-                return RecordOutcome.RECOVERED
+                return Outcome.RECOVERED
         else:
             await self._drained(victims, drain_timeout)
         errors = []
         for pod in victims:
             grace = STALLED_DELETE_GRACE_SECONDS if stalled else None
-            out = await self.api.delete_pod_within(ns, pod.name, pod.uid, grace)
+            out = await self.api.delete_pod(ns, pod.name, pod.uid, grace)
             if not out.ok:
                 errors.append(f"could not delete {pod.name}: {out.message}")
             else:
                 fleet.windows.reset(pod.name)
-                fleet.logger.info("deleted %s (%s)", pod.name, record.action)
+                fleet.logger.info("deleted %s (%s)", pod.name, record.action.value)
         self.wake_reconcile((ns, fleet.ref.name))
         return "; ".join(errors) or None
 
@@ -496,33 +423,35 @@ class StallController:
         """Whether the stalled server produced real tokens since `before`, watched for `wait` s."""
         deadline = time.monotonic() + wait
         while True:
-            now = await self._scrape(pod, 2.0)
+            now = await self._scrape(pod, WATCH_SCRAPE_TIMEOUT)
             if now.ok and set(now.ranks) == set(before.ranks) and now.tokens > before.tokens:
                 return True
             if time.monotonic() >= deadline:
                 return False
-            await asyncio.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+            await asyncio.sleep(min(WATCH_POLL_SECONDS, max(0.0, deadline - time.monotonic())))
 
     async def _drained(self, pods: list[ServerPod], timeout: float) -> None:
         """Until the (working) servers have finished their requests, or `timeout`."""
         deadline = time.monotonic() + timeout
         while pods and time.monotonic() < deadline:
-            samples = await asyncio.gather(*(self._scrape(p, 2.0) for p in pods))
+            samples = await asyncio.gather(*(self._scrape(p, WATCH_SCRAPE_TIMEOUT) for p in pods))
             if all(s.ok and s.total("requests_running") + s.total("requests_waiting") == 0 for s in samples):
                 return
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(WATCH_POLL_SECONDS)
 
     async def _wait_replaced(self, fleet: FleetStall, record: Remediation, group: list[str], spec: FleetSpec) -> None:
-        timeout = max(spec.context.probes.startup_timeout_seconds, spec.generation.probes.startup_timeout_seconds)
+        """Until the batch's replacements are Ready (or their startup and drain timeouts pass)."""
+        timeout = max(spec.role(role).probes.startup_timeout_seconds for role in names.ROLES)
         deadline = time.monotonic() + timeout + spec.remediation.drain_timeout_seconds
         while time.monotonic() < deadline:
             current = {p.name: p for p in fleet.observe().pods if p.owner_uid == fleet.ref.uid}
             if all(n in current and current[n].ready and not current[n].terminating and
                    not still_to_delete(record, current[n].created) for n in group):
                 return
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(WATCH_POLL_SECONDS)
 
     async def _persist(self, key: Key, fleet: FleetStall, record: Remediation) -> bool:
+        """Until the record is in the API server (the reconcile pass writes it), or the timeout."""
         want = (record.key(), record.outcome)
         deadline = time.monotonic() + PERSIST_TIMEOUT_SECONDS
         self._publish(key, fleet, fleet.observe())
@@ -533,26 +462,32 @@ class StallController:
             fleet.persisted_changed.clear()
             self.wake_reconcile(key)
             try:
-                await asyncio.wait_for(fleet.persisted_changed.wait(), timeout=min(left, 2.0))
+                await asyncio.wait_for(fleet.persisted_changed.wait(), timeout=min(left, PERSIST_WAKE_SECONDS))
             except asyncio.TimeoutError:
                 pass
         return True
 
-    async def _finish(self, key: Key, fleet: FleetStall, record: Remediation, outcome: RecordOutcome,
+    async def _finish(self, key: Key, fleet: FleetStall, record: Remediation, outcome: Outcome,
                       message: str) -> None:
-        done = _replaced(record, outcome, message)
+        done = record.ended(outcome, message)
         fleet.local[done.key()] = done
-        self.metrics.remediations.labels(record.action, outcome.value).inc()
-        kind = "Normal" if outcome in (RecordOutcome.SUCCEEDED, RecordOutcome.RECOVERED) else "Warning"
-        reason = {RecordOutcome.SUCCEEDED: "Remediated", RecordOutcome.RECOVERED: "RemediationCancelled",
-                  RecordOutcome.FAILED: "RemediationFailed"}.get(outcome, "Remediation")
-        await self._event(fleet, kind, reason, f"{record.action} {', '.join(record.targets)}: {outcome.value}. "
-                          f"{message}", record.server, force=True)
+        self.metrics.remediations.labels(record.action.value, outcome.value).inc()
+        kind, reason = outcome.event
+        await self._event(fleet, kind, reason, f"{record.action.value} {', '.join(record.targets)}: "
+                          f"{outcome.value}. {message}", record.server, force=True)
         self._publish(key, fleet, fleet.observe())
 
     # ---- reporting -------------------------------------------------------------------------------
 
+    def _report(self, key: Key, fleet: FleetStall, look: Look, sources: dict[str, str]) -> None:
+        """The fleet's gauges, and a wake-up of the reconcile loop when the status should change."""
+        states = {s: v.state for s, v in fleet.verdicts.items()}
+        states.update({s: v.state for s, (v, _) in fleet.alert_verdicts.items()})
+        self.metrics.set_fleet(key, states.values(), fleet.plan.budget_exhausted, fleet.plan.halted)
+        self._publish(key, fleet, look.obs)
+
     def _history(self, fleet: FleetStall, obs: FleetObservation) -> list[Remediation]:
+        """The stored history with this operator's records the cache has not shown yet."""
         stored = history_from_status(obs.status)
         stored_keys = {(r.key(), r.outcome) for r in stored}
         for k, r in list(fleet.local.items()):  # the cache has caught up: no need to remember it
@@ -561,26 +496,14 @@ class StallController:
                 del fleet.local[k]
         return with_records(stored, fleet.local.values())
 
-    def _set_gauges(self, key: Key, fleet: FleetStall, verdicts: dict[str, StallVerdict], plan: Plan) -> None:
-        counts = {state: 0 for state in State}
-        for v in verdicts.values():
-            counts[v.state] += 1
-        for state, n in counts.items():
-            self.metrics.servers.labels(*key, state.value).set(n)
-        self.metrics.budget_exhausted.labels(*key).set(1 if plan.budget_exhausted else 0)
-        self.metrics.halted.labels(*key).set(1 if plan.halted else 0)
-
     def _publish(self, key: Key, fleet: FleetStall, obs: FleetObservation) -> None:
         """Wake the reconcile pass when what this controller owns in the status changed."""
-        view = self._owned_view(fleet, obs)
+        out = self.overlay(key, obs, {"conditions": []})
+        view = (tuple((c["type"], c["status"], c["reason"], c["message"]) for c in out["conditions"]),
+                repr(out.get("recentRemediations")), stall_status.degraded_problem(fleet.plan))
         if view != fleet.published:
             fleet.published = view
             self.wake_reconcile(key)
-
-    def _owned_view(self, fleet: FleetStall, obs: FleetObservation):
-        out = self.overlay((fleet.ref.namespace, fleet.ref.name), obs, {"conditions": []})
-        return (tuple((c["type"], c["status"], c["reason"], c["message"]) for c in out["conditions"]),
-                repr(out.get("recentRemediations")), degraded_problem(fleet.plan))
 
     async def _event(self, fleet: FleetStall, type_: str, reason: str, message: str, server: str,
                      force: bool = False) -> None:
@@ -592,32 +515,22 @@ class StallController:
         fleet.logger.info("%s: %s", reason, message)
         await self.api.record_event(fleet.ref, type_, reason, message)
 
+    async def _scrape(self, pod: ServerPod, timeout: float) -> Scrape:
+        if self._scraper is not None:
+            return await self._scraper(metrics_url(pod.ip), timeout)
+        return await scrape(self.http, metrics_url(pod.ip), timeout, self.clock)
+
+    # ---- the reconcile pass's StatusPart -----------------------------------------------------------
+
     def overlay(self, key: Key, obs: FleetObservation, status: dict) -> dict:
         """`status` (computed by the reconcile pass) with what this controller owns laid over it."""
         fleet = self.fleets.get(key)
         if fleet is None:
             return status
-        previous = {c.get("type"): c for c in (obs.status or {}).get("conditions") or []}
-        verdicts = list(fleet.verdicts.values()) + [v for v, _ in fleet.alert_verdicts.values()]
-        generation = status.get("observedGeneration", obs.generation) or 0
-        now = now_rfc3339()
-        mine = stall_conditions(verdicts, fleet.plan, previous, generation, now)
-        conditions = [c for c in status.get("conditions") or [] if c.get("type") not in ("Stalled", "Remediating")]
-        problem = degraded_problem(fleet.plan)
-        if problem:
-            for i, c in enumerate(conditions):
-                if c.get("type") == "Degraded" and c.get("status") != "True":
-                    conditions[i] = fleet_conditions.condition("Degraded", True, problem[0], problem[1], generation,
-                                                               previous, now)
-        out = {**status, "conditions": conditions + mine}
-        history = [r.to_status() for r in self._history(fleet, obs)]
-        if history:
-            out["recentRemediations"] = history
-        else:
-            out.pop("recentRemediations", None)
-        return out
+        return stall_status.overlay(status, obs.status, fleet.all_verdicts(), fleet.plan,
+                                    self._history(fleet, obs), now_rfc3339(), generation=obs.generation)
 
-    def persisted(self, key: Key, status: dict) -> None:
+    def stored(self, key: Key, status: dict) -> None:
         """The reconcile pass wrote `status` (or found it already stored)."""
         fleet = self.fleets.get(key)
         if fleet is None:
@@ -632,37 +545,12 @@ class StallController:
         await self.http.aclose()
 
 
-def _replaced(record: Remediation, outcome: RecordOutcome, message: str) -> Remediation:
-    return replace(record, outcome=outcome.value, message=message[:1024])
-
-
-class RemediatingReconciler(Reconciler):
-    """The reconciler, writing the stall controller's part of the status with its own (one writer)."""
-
-    def __init__(self, *args, stall: StallController, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.stall = stall
-
-    async def _write_status(self, fleet: FleetRef, obs: FleetObservation, status: dict, memory, logger) -> None:
-        key = (fleet.namespace, fleet.name)
-        status = self.stall.overlay(key, obs, status)
-        before = obs.status or {}
-        unchanged = all(before.get(k) == v for k, v in status.items()) and all(k in status for k in before)
-        written = memory.written_status
-        await super()._write_status(fleet, obs, status, memory, logger)
-        if unchanged or (memory.written_status is not written and memory.written_status is not None
-                         and memory.written_status[1] is status):
-            self.stall.persisted(key, status)
-
-
-def alerts_token(api: RemediationApi, reference: str):
-    """The webhook's token source from `NAMESPACE/NAME[:KEY]` ('' = not configured: every request 503)."""
-    from adpfleet.operator.alerts import StaticToken
-
-    if not reference:
-        return StaticToken(None)
-    where, _, key = reference.partition(":")
-    namespace, _, name = where.partition("/")
-    if not namespace or not name:
-        raise ValueError(f"--alerts-token-secret must be NAMESPACE/NAME[:KEY], got {reference!r}")
-    return SecretToken(api, namespace, name, key or "token")
+def _look(obs: FleetObservation) -> Look | None:
+    """The tick's view of the fleet; None while the spec cannot be read (the reconciler reports it)."""
+    try:
+        spec = FleetSpec.model_validate(obs.spec or {})
+    except Exception:  # noqa: BLE001 - the reconciler reports an invalid spec
+        return None
+    pods = [p for role in names.ROLES for p in obs.role_pods(role)]
+    judged = [p for p in pods if p.phase == "Running" and p.ready and not p.terminating and p.ip]
+    return Look(obs, spec, pods, judged)

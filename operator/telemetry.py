@@ -1,5 +1,6 @@
 """The operator's own health and metrics: a heartbeat of the reconcile loops behind /healthz, and
-Prometheus counters for reconciles, errors, durations and every API request it makes.
+Prometheus metrics for reconciles, errors, durations, every API request it makes (`OperatorMetrics`)
+and stall detection and remediation (`StallMetrics`).
 
 Liveness is "the handlers are alive", not "the process is": each fleet's loop beats when a pass
 starts and ends and at least once per resync period. The endpoint fails when a pass has been
@@ -13,7 +14,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from typing import Iterable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from adpfleet.operator.resource.vocabulary import ServerState
 
 
 @dataclass
@@ -32,9 +37,6 @@ class Heartbeats:
     def finished(self, key) -> None:
         self._last_beat[key] = self.clock()
         self._busy_since.pop(key, None)
-
-    def beat(self, key) -> None:
-        self._last_beat[key] = self.clock()
 
     def forget(self, key) -> None:
         self._last_beat.pop(key, None)
@@ -96,3 +98,51 @@ class OperatorMetrics:
                                                                                         "update"):
                     total += sample.value
         return total
+
+
+class StallMetrics:
+    """The stall controller's part of the operator's /metrics (docs/remediation.md lists them)."""
+
+    def __init__(self, registry: CollectorRegistry):
+        r = registry
+        self.stalls = Counter("adpfleet_operator_stalls_detected_total", "Stalls confirmed (once per stalled "
+                              "server incarnation), by signature.", ["fleet_namespace", "fleet", "signature"],
+                              registry=r)
+        self.remediations = Counter("adpfleet_operator_remediations_total", "Remediation decisions by action and "
+                                    "result (Succeeded, Failed, Recovered, DryRun, Halted, or why it was skipped).",
+                                    ["action", "result"], registry=r)
+        self.scrapes = Counter("adpfleet_operator_scrapes_total", "Scrapes of servers' /metrics, by result.",
+                               ["result"], registry=r)
+        self.alerts = Counter("adpfleet_operator_alerts_received_total", "Alerts received on the webhook, by "
+                              "result.", ["result"], registry=r)
+        self.servers = Gauge("adpfleet_operator_servers", "Servers by their latest verdict.",
+                             ["fleet_namespace", "fleet", "state"], registry=r)
+        self.budget_exhausted = Gauge("adpfleet_operator_remediation_budget_exhausted", "1 while the fleet's "
+                                      "remediation budget for the hour is used up.", ["fleet_namespace", "fleet"],
+                                      registry=r)
+        self.halted = Gauge("adpfleet_operator_remediation_halted", "1 while escalation has halted the fleet's "
+                            "remediation.", ["fleet_namespace", "fleet"], registry=r)
+
+    def set_fleet(self, key: tuple[str, str], states: Iterable[ServerState], budget_exhausted: bool,
+                  halted: bool) -> None:
+        """The fleet's gauges: servers per state (every state, zeros included), budget, halt."""
+        counts = {state: 0 for state in ServerState}
+        for state in states:
+            counts[state] += 1
+        for state, n in counts.items():
+            self.servers.labels(*key, state.value).set(n)
+        self.budget_exhausted.labels(*key).set(1 if budget_exhausted else 0)
+        self.halted.labels(*key).set(1 if halted else 0)
+
+    def forget(self, key: tuple[str, str]) -> None:
+        """Drop a fleet's gauges (it is gone, or no longer ours)."""
+        for gauge in (self.budget_exhausted, self.halted):
+            try:
+                gauge.remove(*key)
+            except KeyError:
+                pass
+        for state in ServerState:
+            try:
+                self.servers.remove(*key, state.value)
+            except KeyError:
+                pass

@@ -1,12 +1,17 @@
-"""Engine configuration: one plain dataclass, filled from the command line or by tests."""
+"""Engine configuration: one plain dataclass, filled from the command line or by tests.
+
+Its defaults are the engine's: the command line reads them from here, and a test keeps the
+InferenceFleet CRD's engine defaults (the public contract) equal to them. Importing this module
+does not import torch (the CLI imports it in the operator's image too).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, fields
 
-import torch
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")
+DEVICES = ("cpu", "cuda")
 
 
 @dataclass
@@ -30,8 +35,10 @@ class EngineConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.device not in ("cpu", "cuda"):
+        if self.device not in DEVICES:
             raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
+        import torch
+
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda: no CUDA device is available on this machine")
 
@@ -40,8 +47,14 @@ class EngineConfig:
         return 1 + self.draft_tokens
 
     @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, self.dtype)
+
+    def with_model(self, model: str) -> "EngineConfig":
+        """The same settings for a resolved model (a URI's local directory)."""
+        return dataclasses.replace(self, model=model)
 
     @classmethod
     def from_args(cls, args) -> "EngineConfig":

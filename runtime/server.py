@@ -335,13 +335,15 @@ def main(args) -> int:
     import uvicorn
 
     from adpfleet.runtime.config import EngineConfig
+    from adpfleet.runtime.model.sources.fetch import resolve_model
     from adpfleet.runtime.serving.engine_client import EngineClient
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.dp < 1:
         raise ValueError(f"--dp must be a positive integer, got {args.dp}")
-    config = EngineConfig.from_args(args)
-    options = ServerOptions.from_args(args)  # before the ranks start: a bad flag costs no model load
+    options = ServerOptions.from_args(args)  # first: a bad flag costs no model fetch and no model load
+    model = resolve_model(args.model, args.cache_dir)  # hf://, s3://, pvc://: fetched or found first
+    config = EngineConfig.from_args(args).with_model(model.path)
     server: uvicorn.Server | None = None
     failure: list[str] = []
 
@@ -354,14 +356,13 @@ def main(args) -> int:
         # the grace lets in-flight requests get their explicit error and probes see the 503
         threading.Timer(EXIT_GRACE_S, stop).start()
 
-    name = args.served_model_name or (args.model if args.model in ("tiny", "tiny-dense")
-                                      else args.model.rstrip("/").rsplit("/", 1)[-1])
     client = EngineClient(config, args.dp, args.role, on_dead=on_dead,
                           pad_empty_batch=not args.no_pad_empty_batch,
                           collective_timeout_s=args.collective_timeout,
                           kv_host=args.host, kv_port=args.kv_port if args.kv_port is not None else args.port + 1,
                           kv_lease_s=args.kv_lease, kv_transfer_timeout_s=args.kv_transfer_timeout,
                           kv_token=options.credentials.internal_token)
+    name = args.served_model_name or model.served_name
     app = build_app(client, name, args.role, options)
     server = uvicorn.Server(uvicorn_config(app, args.host, args.port, options.read_timeout))
     if options.fault_injection and not options.credentials.required:

@@ -41,7 +41,9 @@ class HFTokenizer:
             raise ModelLoadError(f"{path / 'tokenizer.json'}: cannot be loaded ({e})") from None
         tcfg = _read_json(path / "tokenizer_config.json")
         gcfg = _read_json(path / "generation_config.json")
-        self.chat_template = tcfg.get("chat_template")
+        # newer checkpoints keep the template in its own file, which then takes precedence
+        jinja = path / "chat_template.jinja"
+        self.chat_template = jinja.read_text() if jinja.is_file() else tcfg.get("chat_template")
         eos = gcfg.get("eos_token_id", list(eos_from_config))
         eos = [eos] if isinstance(eos, int) else list(eos or [])
         if not eos and isinstance(tcfg.get("eos_token"), str):

@@ -1,14 +1,18 @@
-"""Every request the reconciler makes to the Kubernetes API, in one place, counted and timed.
+"""Every request the operator makes to the Kubernetes API (kopf's own watches aside), in one
+place, counted and timed: the reconciler's, remediation's (drain, delete with a grace period) and
+the webhook's (its token Secret).
 
 The official client is synchronous; each call runs in a worker thread so the event loop (kopf's
-watches, the other fleets, the probes) never waits on the network. Outcomes the reconciler can
-treat as done are folded in here: creating what already exists (the watch had not delivered it
-yet) and deleting what is already gone or was replaced (uid precondition) are not errors.
+watches, the other fleets, the probes) never waits on the network. Results the callers can treat
+as done are folded in here: creating what already exists (the watch had not delivered it yet) and
+deleting what is already gone or was replaced (uid precondition) are not errors.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
 import logging
 import secrets
 import time
@@ -18,17 +22,20 @@ from datetime import datetime, timezone
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
-from adpfleet.operator.decisions.desired import FleetRef
 from adpfleet.operator.resource import names
+from adpfleet.operator.resource.names import FleetRef
 from adpfleet.operator.telemetry import OperatorMetrics
 
 log = logging.getLogger("adpfleet.operator.kube")
 
 REQUEST_TIMEOUT = (5, 30)  # connect, read: a hung request must not hang a fleet's loop forever
+EVENT_MESSAGE_LIMIT = 1024  # characters of an Event's message (events.k8s.io refuses longer ones)
+CONNECTION_POOL = 16        # concurrent requests to the API server (the worker threads of main.py)
 
 
 @dataclass(frozen=True)
-class Outcome:
+class ApiResult:
+    """What one request came to: `ok` also for the codes the caller treats as done."""
     ok: bool
     code: int = 200
     message: str = ""
@@ -43,7 +50,7 @@ def load_api_client() -> client.ApiClient:
     except config.ConfigException:
         configuration = client.Configuration()
         config.load_kube_config(client_configuration=configuration)
-    configuration.connection_pool_maxsize = 16
+    configuration.connection_pool_maxsize = CONNECTION_POOL
     return client.ApiClient(configuration)
 
 
@@ -63,6 +70,8 @@ def now_rfc3339() -> str:
 
 
 class KubeApi:
+    """The operator's requests; each returns an `ApiResult` and never raises."""
+
     def __init__(self, api_client: client.ApiClient, metrics: OperatorMetrics):
         self.api_client = api_client
         self.core = client.CoreV1Api(api_client)
@@ -71,32 +80,42 @@ class KubeApi:
         self.custom = client.CustomObjectsApi(api_client)
         self.metrics = metrics
 
-    async def _call(self, verb: str, resource: str, fn, *args, ok_codes: tuple[int, ...] = (), **kwargs) -> Outcome:
+    async def _call(self, verb: str, resource: str, fn, *args, ok_codes: tuple[int, ...] = (), **kwargs) -> ApiResult:
         start = time.monotonic()
         try:
             result = await asyncio.to_thread(fn, *args, _request_timeout=REQUEST_TIMEOUT, **kwargs)
-            code, outcome = 200, Outcome(True, 200, body=result)
+            code, outcome = 200, ApiResult(True, 200, body=result)
         except ApiException as exc:
             code = exc.status or 0
-            outcome = Outcome(code in ok_codes, code, _api_message(exc))
+            outcome = ApiResult(code in ok_codes, code, _api_message(exc))
         except Exception as exc:  # noqa: BLE001 - connection errors, timeouts: reported, retried later
             code = 0
-            outcome = Outcome(False, 0, f"{type(exc).__name__}: {exc}")
+            outcome = ApiResult(False, 0, f"{type(exc).__name__}: {exc}")
         self.metrics.api_requests.labels(verb, resource, str(code)).inc()
         self.metrics.api_seconds.labels(verb).observe(time.monotonic() - start)
         return outcome
 
     # ---- server pods ----
 
-    async def create_pod(self, manifest: dict) -> Outcome:
+    async def create_pod(self, manifest: dict) -> ApiResult:
         ns = manifest["metadata"]["namespace"]
         return await self._call("create", "pods", self.core.create_namespaced_pod, ns, manifest,
                                 field_manager=names.MANAGER, ok_codes=(409,))
 
-    async def delete_pod(self, namespace: str, name: str, uid: str) -> Outcome:
-        body = client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid))
+    async def delete_pod(self, namespace: str, name: str, uid: str, grace_seconds: int | None = None) -> ApiResult:
+        """Delete that pod (uid precondition: a replacement of the same name is left alone), with its
+        own termination grace period unless `grace_seconds` says otherwise."""
+        body = client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid),
+                                      grace_period_seconds=grace_seconds)
         return await self._call("delete", "pods", self.core.delete_namespaced_pod, name, namespace, body=body,
                                 ok_codes=(404, 409))
+
+    async def set_drain(self, namespace: str, name: str, uid: str, drain: bool) -> ApiResult:
+        """Set (or remove) the drain annotation the router reads; metadata.uid in the patch is a
+        precondition, so a replacement with the same name is left alone."""
+        body = {"metadata": {"uid": uid, "annotations": {names.ANNOTATION_DRAIN: "true" if drain else None}}}
+        return await self._call("patch", "pods", self.core.patch_namespaced_pod, name, namespace, body,
+                                ok_codes=(404,))
 
     # ---- the router's objects: server-side apply, so fields we stop setting are removed ----
 
@@ -109,14 +128,14 @@ class KubeApi:
         "RoleBinding": ("rolebindings", "rbac", "patch_namespaced_role_binding", "delete_namespaced_role_binding"),
     }
 
-    async def apply(self, manifest: dict) -> Outcome:
+    async def apply(self, manifest: dict) -> ApiResult:
         resource, api, patch, _ = self._APPLY[manifest["kind"]]
         meta = manifest["metadata"]
         return await self._call("patch", resource, getattr(getattr(self, api), patch), meta["name"],
                                 meta["namespace"], manifest, field_manager=names.MANAGER, force=True,
                                 _content_type="application/apply-patch+yaml")
 
-    async def delete_object(self, kind: str, namespace: str, name: str, uid: str) -> Outcome:
+    async def delete_object(self, kind: str, namespace: str, name: str, uid: str) -> ApiResult:
         resource, api, _, delete = self._APPLY[kind]
         body = client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid),
                                       propagation_policy="Background")
@@ -125,35 +144,44 @@ class KubeApi:
 
     # ---- the fleet ----
 
-    async def patch_fleet_status(self, namespace: str, name: str, status: dict) -> Outcome:
+    async def patch_fleet_status(self, namespace: str, name: str, status: dict) -> ApiResult:
         return await self._call("patch", f"{names.PLURAL}/status", self.custom.patch_namespaced_custom_object_status,
                                 names.GROUP, names.VERSION, namespace, names.PLURAL, name, {"status": status},
                                 field_manager=names.MANAGER, _content_type="application/merge-patch+json")
 
-    async def record_event(self, fleet: FleetRef, type_: str, reason: str, message: str) -> Outcome:
+    async def record_event(self, fleet: FleetRef, type_: str, reason: str, message: str) -> ApiResult:
         """A core/v1 Event on the fleet (what `kubectl describe ifleet` shows)."""
         now = now_rfc3339()
         event = {
             "metadata": {"name": f"{fleet.name}.{secrets.token_hex(8)}", "namespace": fleet.namespace},
             "involvedObject": {"apiVersion": names.API_VERSION, "kind": names.KIND, "name": fleet.name,
                                "namespace": fleet.namespace, "uid": fleet.uid},
-            "type": type_, "reason": reason, "message": message[:1024],
+            "type": type_, "reason": reason, "message": message[:EVENT_MESSAGE_LIMIT],
             "source": {"component": names.MANAGER}, "reportingComponent": names.MANAGER,
             "reportingInstance": names.MANAGER,
             "firstTimestamp": now, "lastTimestamp": now, "count": 1,
         }
         return await self._call("create", "events", self.core.create_namespaced_event, fleet.namespace, event)
 
-    async def secret_keys(self, namespace: str, name: str) -> tuple[Outcome, set[str] | None]:
+    async def secret_keys(self, namespace: str, name: str) -> tuple[ApiResult, set[str] | None]:
         """The keys of a Secret (None when it does not exist). Only keys: values are not kept."""
         out = await self._call("get", "secrets", self.core.read_namespaced_secret, name, namespace, ok_codes=(404,))
         if out.code == 404 or not out.ok:
             return out, None
         return out, set((out.body.data or {}).keys()) | set((out.body.string_data or {}).keys())
 
+    async def secret_value(self, namespace: str, name: str, key: str) -> str | None:
+        """One value of a Secret, stripped; None when the Secret or the key is missing or unreadable."""
+        out = await self._call("get", "secrets", self.core.read_namespaced_secret, name, namespace, ok_codes=(404,))
+        if not out.ok or out.body is None:
+            return None
+        data = out.body.data or {}
+        if key in data:
+            return base64.b64decode(data[key]).decode().strip()
+        return ((out.body.string_data or {}).get(key) or "").strip() or None
+
 
 def _api_message(exc: ApiException) -> str:
-    import json
     try:
         return json.loads(exc.body).get("message") or exc.reason
     except Exception:  # noqa: BLE001 - not a Status object

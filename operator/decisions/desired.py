@@ -18,18 +18,8 @@ import math
 from dataclasses import dataclass
 
 from adpfleet.operator.resource import names
+from adpfleet.operator.resource.names import FleetRef
 from adpfleet.operator.resource.models import FleetSpec, Resources, ServerRole
-
-
-@dataclass(frozen=True)
-class FleetRef:
-    name: str
-    namespace: str
-    uid: str
-
-    def owner_reference(self) -> dict:
-        return {"apiVersion": names.API_VERSION, "kind": names.KIND, "name": self.name, "uid": self.uid,
-                "controller": True, "blockOwnerDeletion": True}
 
 
 def digest(obj) -> str:

@@ -36,9 +36,24 @@ class ServerPod:
     draining: bool = False  # adpfleet.io/drain: the router sends it no new requests
 
     @property
+    def view(self) -> "ServerView":
+        return ServerView(self.name, self.role, self.ready, self.terminating, self.created, self.draining)
+
+    @property
     def finished(self) -> bool:
         """A pod that will never run again (restartPolicy Always makes this rare: eviction, node loss)."""
         return self.phase in ("Succeeded", "Failed")
+
+
+@dataclass(frozen=True)
+class ServerView:
+    """What the remediation policy reads of a server pod."""
+    name: str
+    role: str
+    ready: bool
+    terminating: bool = False
+    created: float | None = None  # pod creationTimestamp (epoch); tells a replaced pod from the old one
+    draining: bool = False
 
 
 @dataclass(frozen=True)

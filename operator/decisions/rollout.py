@@ -14,14 +14,27 @@ Per role the rules, in order (the first that applies decides this pass):
 
 Everything else (the router's objects) is applied when missing or when its template hash changed,
 and deleted when no longer wanted.
+
+Each action says how it is reported (`wording`: verb and past tense for messages, the Event reasons
+for done and refused) and what it acts on (`describe`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from adpfleet.operator.decisions.observed import OwnedObject, ServerPod
 from adpfleet.operator.resource import names
+
+
+@dataclass(frozen=True)
+class Wording:
+    """How an action is reported: in log lines and messages, and as Event (and Degraded) reasons."""
+    verb: str      # "could not create ..."
+    past: str      # "created ..."
+    reason: str    # the Event when it was done
+    failure: str   # the Event and Degraded reason when the API refused it
 
 
 @dataclass(frozen=True)
@@ -29,6 +42,10 @@ class CreateServer:
     role: str
     index: int
     why: str
+    wording: ClassVar[Wording] = Wording("create", "created", "CreatedServer", "CreateServerFailed")
+
+    def describe(self, fleet: str) -> str:
+        return f"{self.role} server {names.server_name(fleet, self.role, self.index)}"
 
 
 @dataclass(frozen=True)
@@ -37,6 +54,10 @@ class DeleteServer:
     name: str
     uid: str
     why: str
+    wording: ClassVar[Wording] = Wording("delete", "deleted", "DeletedServer", "DeleteServerFailed")
+
+    def describe(self, fleet: str) -> str:
+        return f"{self.role} server {self.name}"
 
 
 @dataclass(frozen=True)
@@ -45,6 +66,10 @@ class ApplyObject:
     name: str
     manifest: dict = field(compare=False, hash=False, repr=False)
     why: str = ""
+    wording: ClassVar[Wording] = Wording("apply", "applied", "Applied", "ApplyFailed")
+
+    def describe(self, fleet: str) -> str:
+        return f"{self.kind} {self.name}"
 
 
 @dataclass(frozen=True)
@@ -53,6 +78,10 @@ class DeleteObject:
     name: str
     uid: str
     why: str
+    wording: ClassVar[Wording] = Wording("delete", "deleted", "Deleted", "DeleteFailed")
+
+    def describe(self, fleet: str) -> str:
+        return f"{self.kind} {self.name}"
 
 
 Action = CreateServer | DeleteServer | ApplyObject | DeleteObject

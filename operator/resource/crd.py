@@ -1,4 +1,4 @@
-"""The InferenceFleet CRD, generated from the pydantic models, and `adpfleet crds`.
+"""The InferenceFleet CRD, generated from the pydantic models (`adpfleet crds` prints it).
 
 Pydantic writes JSON Schema (2020-12); Kubernetes wants a *structural* OpenAPI v3 schema: every
 node typed, no `$ref`, no `anyOf` around null, no `additionalProperties: false` next to
@@ -165,12 +165,3 @@ def crd_yaml() -> str:
 
 
 FILE_NAME = f"{names.CRD_NAME}.yaml"  # inferencefleets.adpfleet.io.yaml, in crds/ and charts/adpfleet/crds/
-
-
-def main(args) -> int:
-    if getattr(args, "reference", False):
-        from adpfleet.operator.resource.reference import reference_markdown
-        print(reference_markdown(), end="")
-    else:
-        print(crd_yaml(), end="")
-    return 0

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
 from adpfleet.operator.resource import names, quantity
+from adpfleet.operator.resource.vocabulary import Action, Outcome, RemediationMode, Signature
 
 
 @dataclass(frozen=True)
@@ -227,16 +228,16 @@ class EscalationSpec(KubeModel):
     after_remediations: int = Field(3, ge=1, le=100, description="Remediations of the same server within "
                                                                  "windowSeconds after which the operator escalates.")
     window_seconds: int = Field(3600, ge=60, le=86_400, description="The window of afterRemediations.")
-    action: Literal["RestartRole", "Halt"] = Field("Halt", description="RestartRole: restart every server of the "
-                                                                        "role, one at a time. Halt: stop remediating "
-                                                                        "the fleet and report Degraded.")
+    action: Literal[Action.RESTART_ROLE, Action.HALT] = Field(
+        Action.HALT, description="RestartRole: restart every server of the role, one at a time. Halt: stop "
+                                 "remediating the fleet and report Degraded.")
 
 
 class RemediationSpec(KubeModel):
-    """What the operator does about a stalled server (DESIGN §3.5)."""
-    mode: Literal["Auto", "DryRun", "Disabled"] = Field("Auto", description="Auto: drain and restart stalled "
-                                                                            "servers. DryRun: detect and report only. "
-                                                                            "Disabled: do not watch for stalls.")
+    """What the operator does about a stalled server (docs/remediation.md)."""
+    mode: RemediationMode = Field(RemediationMode.AUTO, description="Auto: drain and restart stalled servers. "
+                                                                    "DryRun: detect and report only. Disabled: "
+                                                                    "do not watch for stalls.")
     stall_window_seconds: int = Field(60, ge=2, le=3600, description="No real tokens while having work for this "
                                                                      "long means stalled; at least two scrape "
                                                                      "intervals.")
@@ -329,16 +330,21 @@ class RouterStatus(KubeModel):
     ready: int = Field(0, ge=0)
 
 
+RECORD_MESSAGE_LIMIT = 1024  # characters of a remediation record's message (the verdict and its evidence)
+HISTORY_LIMIT = 20           # records in status.recentRemediations (newest first)
+
+
 class RemediationRecord(KubeModel):
     """One remediation, newest first in recentRemediations."""
     time: Timestamp
     role: Literal["context", "generation"]
     server: str = Field(max_length=253, description="Pod name.")
-    signature: Literal["vetoed", "hung", "transfer"] = Field(description="DESIGN §3.5.")
-    action: str = Field(max_length=64, description="What was done: RestartServer, RestartPeers, RestartRole, Halt.")
-    outcome: str = Field(max_length=64, description="Pending, Succeeded (pods deleted), Resolved (and progress "
-                                                     "resumed), Failed, Recovered, DryRun or Halted.")
-    message: str = Field("", max_length=1024, description="The verdict and its evidence (metric values).")
+    signature: Signature = Field(description="How the server made no progress (docs/remediation.md).")
+    action: Action = Field(description="What was done.")
+    outcome: Outcome = Field(description="Pending, Succeeded (pods deleted), Resolved (and progress resumed), "
+                                         "Failed, Recovered, DryRun or Halted.")
+    message: str = Field("", max_length=RECORD_MESSAGE_LIMIT,
+                         description="The verdict and its evidence (metric values).")
     targets: list[str] = Field(default_factory=list, max_length=256,
                                description="The server pods the action restarts (the stalled server, its peers, "
                                            "or its role).")
@@ -355,7 +361,7 @@ class FleetStatus(KubeModel):
     router: RouterStatus | None = Field(None, description="Router pod counts.")
     ready_roles: str | None = Field(None, max_length=16, description="'<roles with every server ready>/<roles>', "
                                                                      "the router counting as a role.")
-    recent_remediations: list[RemediationRecord] = Field(default_factory=list, max_length=20,
+    recent_remediations: list[RemediationRecord] = Field(default_factory=list, max_length=HISTORY_LIMIT,
                                                          description="The last remediations, newest first.")
 
 

@@ -5,6 +5,8 @@ Changing one of these is a contract change: the router's discovery and `kubectl`
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 GROUP = "adpfleet.io"
 VERSION = "v1alpha1"
 KIND = "InferenceFleet"
@@ -38,6 +40,18 @@ SERVER_KV_PORT = 8001    # KV-cache transfers (context servers; the runtime's de
 ROUTER_HTTP_PORT = 8000
 
 MAX_FLEET_NAME = 40  # "<fleet>-generation-<index>" and "<fleet>-router" must stay valid DNS labels
+
+
+@dataclass(frozen=True)
+class FleetRef:
+    """One InferenceFleet, as its children and Events point at it."""
+    name: str
+    namespace: str
+    uid: str
+
+    def owner_reference(self) -> dict:
+        return {"apiVersion": API_VERSION, "kind": KIND, "name": self.name, "uid": self.uid,
+                "controller": True, "blockOwnerDeletion": True}
 
 
 def server_name(fleet: str, role: str, index: int) -> str:

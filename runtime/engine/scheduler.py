@@ -12,14 +12,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from adpfleet.runtime.config import EngineConfig
 from adpfleet.runtime.engine.kv_cache import KVCacheManager
 from adpfleet.runtime.engine.request import Request, RequestState
 
 
 @dataclass
 class SchedulerConfig:
-    max_num_tokens: int = 2048
-    max_batch_size: int = 64
+    max_num_tokens: int = EngineConfig.max_num_tokens  # the engine's defaults, written once
+    max_batch_size: int = EngineConfig.max_batch_size
     decode_query_len: int = 1  # 1 + draft tokens
 
 

@@ -1,4 +1,8 @@
-"""Model configuration read from a Hugging Face `config.json` (llama and mixtral)."""
+"""Model configuration read from a Hugging Face `config.json`, for every registered architecture.
+
+The fields every decoder here shares are read below; each architecture's module (see
+`registry.py`) maps the rest.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +10,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-SUPPORTED_MODEL_TYPES = ("llama", "mixtral")
+from adpfleet.runtime.model.errors import ModelLoadError
+from adpfleet.runtime.model.registry import ConfigReader, architecture
 
-
-class ModelLoadError(ValueError):
-    """A model directory, config or checkpoint that cannot be loaded; the message names the culprit."""
+__all__ = ["ModelConfig", "ModelLoadError"]
 
 
 @dataclass(frozen=True)
@@ -27,7 +30,10 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     tie_word_embeddings: bool = False
-    num_local_experts: int = 0  # 0: dense (Llama) MLP
+    qkv_bias: bool = False  # a bias on the q, k and v projections
+    o_bias: bool = False  # a bias on the output projection
+    qk_norm: bool = False  # an RMSNorm over each head of q and k before RoPE
+    num_local_experts: int = 0  # 0: dense MLP
     num_experts_per_tok: int = 0
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
@@ -38,48 +44,37 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config.json") -> "ModelConfig":
-        model_type = raw.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ModelLoadError(
-                f"{source}: unsupported model_type {model_type!r}; adpfleet runs {', '.join(SUPPORTED_MODEL_TYPES)}")
-
-        def need(key: str) -> int:
-            if not isinstance(raw.get(key), int) or raw[key] <= 0:
-                raise ModelLoadError(f"{source}: '{key}' must be a positive integer, got {raw.get(key)!r}")
-            return raw[key]
-
-        heads = need("num_attention_heads")
-        hidden = need("hidden_size")
+        arch = architecture(raw.get("model_type"), source)
+        c = ConfigReader(raw, source)
+        heads = c.positive_int("num_attention_heads")
+        hidden = c.positive_int("hidden_size")
         kv_heads = raw.get("num_key_value_heads") or heads
         if heads % kv_heads:
             raise ModelLoadError(f"{source}: num_attention_heads ({heads}) is not a multiple of "
                                  f"num_key_value_heads ({kv_heads})")
-        head_dim = raw.get("head_dim") or hidden // heads
+        if raw.get("hidden_act", "silu") != "silu":
+            c.refuse("hidden_act", "the MLP is SwiGLU (silu)")
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
             raise ModelLoadError(f"{source}: rope_type {rope_type!r} is not supported (only 'default')")
-        rope_theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
         eos = raw.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
-        moe = model_type == "mixtral"
         return cls(
-            model_type=model_type,
-            vocab_size=need("vocab_size"),
+            model_type=arch.model_type,
+            vocab_size=c.positive_int("vocab_size"),
             hidden_size=hidden,
-            intermediate_size=need("intermediate_size"),
-            num_hidden_layers=need("num_hidden_layers"),
+            intermediate_size=c.positive_int("intermediate_size"),
+            num_hidden_layers=c.positive_int("num_hidden_layers"),
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
-            head_dim=head_dim,
-            max_position_embeddings=need("max_position_embeddings"),
+            head_dim=raw.get("head_dim") or hidden // heads,
+            max_position_embeddings=c.positive_int("max_position_embeddings"),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            num_local_experts=need("num_local_experts") if moe else 0,
-            num_experts_per_tok=need("num_experts_per_tok") if moe else 0,
+            rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
+            tie_word_embeddings=c.flag("tie_word_embeddings"),
             bos_token_id=raw.get("bos_token_id"),
-            eos_token_id=eos_ids,
+            eos_token_id=tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ()),
+            **arch.config(c),
         )
 
     @classmethod
@@ -101,13 +96,13 @@ class ModelConfig:
         """The config.json a Hugging Face loader accepts for the same model."""
         raw = {
             "model_type": self.model_type,
-            "architectures": ["MixtralForCausalLM" if self.is_moe else "LlamaForCausalLM"],
+            "architectures": [architecture(self.model_type).hf_class],
             "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_hidden_layers,
             "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
             "head_dim": self.head_dim, "max_position_embeddings": self.max_position_embeddings,
             "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta, "hidden_act": "silu",
-            "tie_word_embeddings": self.tie_word_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings, "attention_bias": self.o_bias,
             "bos_token_id": self.bos_token_id,
             "eos_token_id": list(self.eos_token_id) if len(self.eos_token_id) != 1 else self.eos_token_id[0],
         }

@@ -1,4 +1,7 @@
-"""The building blocks of Llama and Mixtral decoders, written for packed (unpadded) token batches."""
+"""The building blocks of the decoders, written for packed (unpadded) token batches.
+
+Each parameter that a checkpoint fills in pieces (packed, tensor- or expert-parallel) carries
+its weight loader (`weights.py`)."""
 
 from __future__ import annotations
 
@@ -8,6 +11,8 @@ from torch import nn
 
 from adpfleet.runtime.model.attention import paged_attention
 from adpfleet.runtime.model.parallel import ParallelContext
+from adpfleet.runtime.model.weights import (column_parallel_loader, expert_loader, packed_loader,
+                                            row_parallel_loader, set_loader)
 
 
 class RMSNorm(nn.Module):
@@ -54,8 +59,14 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         # q, k and v projections stacked into one matmul (the loader fills the three row ranges).
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        for p in self.qkv_proj.parameters():
+            set_loader(p, packed_loader({"q": self.q_size, "k": self.kv_size, "v": self.kv_size}))
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:  # Qwen3: each head of q and k normalised before RoPE
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.scale = self.head_dim ** -0.5
 
     def forward(self, x, positions, meta, kv_cache, rotary):
@@ -63,6 +74,8 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
         k_cache, v_cache = kv_cache[0][self.layer_idx], kv_cache[1][self.layer_idx]
         o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
@@ -79,6 +92,8 @@ class MLP(nn.Module):
         self.local = hi - lo
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.local, bias=False)
         self.down_proj = nn.Linear(self.local, cfg.hidden_size, bias=False)
+        set_loader(self.gate_up_proj.weight, column_parallel_loader(cfg.intermediate_size, lo, hi, ("gate", "up")))
+        set_loader(self.down_proj.weight, row_parallel_loader(cfg.intermediate_size, lo, hi))
 
     def forward(self, x):
         x = self.par.gather_tokens(x)
@@ -100,6 +115,8 @@ class MoE(nn.Module):
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_local_experts, bias=False)
         self.gate_up = nn.Parameter(torch.empty(n_local, 2 * inter, cfg.hidden_size))
         self.down = nn.Parameter(torch.empty(n_local, cfg.hidden_size, inter))
+        set_loader(self.gate_up, expert_loader(self.num_experts, self.first_expert, last, ("gate", "up")))
+        set_loader(self.down, expert_loader(self.num_experts, self.first_expert, last))
         self.inter = inter
 
     def forward(self, x):

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import torch
 
+from adpfleet.model_uri import BUILTIN_MODELS
 from adpfleet.runtime.model.config import ModelConfig
 
 BYTE_VOCAB = 256
 BOS, EOS = 256, 257
-TINY_MODELS = ("tiny", "tiny-dense")
+TINY_MODELS = BUILTIN_MODELS
 
 
 def tiny_config(name: str) -> ModelConfig:

@@ -31,6 +31,7 @@ VALUE_SETS = {
     "two-namespaces": {"watch.namespaces": ["team-a", "team-b"], "monitoring.serviceMonitor.enabled": "true"},
     "existing-secret": {"webhook.existingSecret": "my-token", "webhook.secretKey": "bearer",
                         "monitoring.alertmanagerConfig.enabled": "true"},
+    "webhook-tls": {"webhook.tls.secretName": "adp-webhook-tls", "webhook.tls.port": "9443", **ALL_MONITORING_ON},
     "no-webhook-no-rbac": {"webhook.enabled": "false", "rbac.create": "false", "serviceAccount.create": "false",
                            "serviceAccount.name": "mine"},
     "everything-set": {"image.digest": "sha256:" + "a" * 64, "imagePullSecrets": [{"name": "regcred"}],
@@ -290,10 +291,39 @@ def test_the_webhook_token_secret_is_generated_or_taken_from_an_existing_one():
     assert "ADPFLEET_ALERTS_TOKEN_SECRET" not in {e["name"] for e in operator_container(off)["env"]}
 
 
+def test_given_a_certificate_the_webhook_is_served_over_tls_on_its_own_port():
+    import argparse
+
+    rendered = render(VALUE_SETS["webhook-tls"], api_versions=MONITORING_APIS)
+    container = operator_container(rendered)
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_arguments(parser)
+    args = parser.parse_args(container["args"])  # the operator accepts the flags the chart passes
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "webhook-tls")
+    assert mount["readOnly"] is True
+    assert (args.alerts_tls_cert, args.alerts_tls_key, args.alerts_port) == (
+        f"{mount['mountPath']}/tls.crt", f"{mount['mountPath']}/tls.key", 9443)
+    volume = next(v for v in rendered.one("Deployment")["spec"]["template"]["spec"]["volumes"]
+                  if v["name"] == "webhook-tls")
+    assert volume["secret"]["secretName"] == "adp-webhook-tls"
+    assert {i["key"] for i in volume["secret"]["items"]} == {"tls.crt", "tls.key"}
+    assert {"name": "webhook", "containerPort": 9443, "protocol": "TCP"} in container["ports"]
+    assert {"name": "webhook", "port": 9443, "targetPort": "webhook", "protocol": "TCP"} in \
+        rendered.one("Service")["spec"]["ports"]
+    (hook,) = rendered.one("AlertmanagerConfig")["spec"]["receivers"][0]["webhookConfigs"]
+    assert hook["url"] == "https://adp-adpfleet.adpfleet-system.svc:9443/alerts"
+    assert hook["httpConfig"]["tlsConfig"] == {"ca": {"secret": {"name": "adp-webhook-tls", "key": "ca.crt"}}}
+    # without a certificate: plain HTTP on the operator's port, no TLS flags, no mount
+    plain = render(ALL_MONITORING_ON, api_versions=MONITORING_APIS)
+    assert not parser.parse_args(operator_container(plain)["args"]).alerts_tls_cert
+    (hook,) = plain.one("AlertmanagerConfig")["spec"]["receivers"][0]["webhookConfigs"]
+    assert hook["url"] == "http://adp-adpfleet.adpfleet-system.svc:8080/alerts" and "tlsConfig" not in hook["httpConfig"]
+
+
 # ---- RBAC ---------------------------------------------------------------------------------------
 
-# Exactly what the operator's code asks of the API (operator/handlers.py, adapters/kube.py,
-# stall.py): a new verb here must come with the code that uses it.
+# Exactly what the operator's code asks of the API (kopf's watches from operator/handlers.py, every
+# other request in operator/adapters/kube.py): a new verb here must come with the code that uses it.
 FLEET_RULES = {
     ("adpfleet.io", "inferencefleets"): {"list", "watch", "patch"},
     ("adpfleet.io", "inferencefleets/status"): {"patch"},

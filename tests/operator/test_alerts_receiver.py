@@ -12,7 +12,8 @@ from aiohttp.test_utils import TestClient, TestServer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from adpfleet.operator.alerts import (ALERTS_PATH, AlertInbox, AlertReceiver, SeenAlerts, StaticToken,
+from adpfleet.operator.inbox import AlertInbox
+from adpfleet.operator.alerts import (ALERTS_PATH, AlertReceiver, SeenAlerts, StaticToken,
                                       parse_payload, PayloadError)
 
 TOKEN = "s3cret-token"
@@ -76,6 +77,8 @@ def test_a_firing_stall_alert_is_queued_for_its_fleet():
     ({"Authorization": f"Basic {TOKEN}"}, 401),
     ({"Authorization": "Bearer "}, 401),
     ({"Authorization": f"Bearer {TOKEN}x"}, 401),
+    ({"Authorization": f"Bearer {TOKEN[:-1]}"}, 401),
+    ({"Authorization": f"Bearer {TOKEN[:1]}"}, 401),
     ({"Authorization": f"bearer {TOKEN}"}, 202),
 ])
 def test_the_bearer_token_is_required(headers, status):
@@ -126,6 +129,69 @@ def test_an_oversized_body_is_refused():
     async def scenario(h, client):
         got, body = await h.post(client, None, raw=b'{"version": "4", "alerts": [' + b" " * (2 * 1024 * 1024) + b"]}")
         assert got == 413
+    run(scenario)
+
+
+def _chunked(data: bytes, piece: int = 64 * 1024):
+    """The body as a chunked upload (no Content-Length), arriving piece by piece."""
+    async def pieces():
+        for i in range(0, len(data), piece):
+            yield data[i:i + piece]
+            await asyncio.sleep(0)
+    return pieces()
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_large_valid_batch_is_read_whole_and_accepted(chunked):
+    # 3,000 alerts in one notification (~0.9 MiB): most are resolved or not stall alerts, 50 are
+    # actionable; the body arrives in many reads and must not be parsed from the first buffer only
+    alerts = [alert(pod=f"llama-context-{i}", fingerprint=f"fp{i:05d}",
+                    status="firing" if i < 50 else "resolved") for i in range(2500)]
+    alerts += [alert(alertname="AdpfleetScrapeTargetDown", fingerprint=f"td{i:05d}") for i in range(500)]
+    for a in alerts:
+        del a["generatorURL"]
+    raw = json.dumps(payload(*alerts), separators=(",", ":")).encode()  # compact, as Alertmanager sends
+    assert 900_000 < len(raw) <= 1024 * 1024
+
+    async def scenario(h, client):
+        resp = await client.post(ALERTS_PATH, data=_chunked(raw) if chunked else raw,
+                                 headers={**AUTH, "Content-Type": "application/json"})
+        body = await resp.json()
+        assert (resp.status, body["queued"], len(body["ignored"])) == (202, 50, 2950)
+        assert len(h.inbox.take("prod", "llama")) == 50
+    run(scenario)
+
+
+def test_a_batch_of_600_stall_alerts_is_queued_whole():
+    raw = json.dumps(payload(*[alert(pod=f"llama-context-{i}", fingerprint=f"fp{i:05d}")
+                               for i in range(600)])).encode()
+    assert len(raw) > 200_000
+
+    async def scenario(h, client):
+        resp = await client.post(ALERTS_PATH, data=_chunked(raw, piece=8 * 1024),
+                                 headers={**AUTH, "Content-Type": "application/json"})
+        assert resp.status == 202 and (await resp.json())["queued"] == 600
+    run(scenario, inbox_limit=1000)
+
+
+def test_a_chunked_body_over_the_limit_is_413():
+    raw = b'{"version": "4", "alerts": [' + b" " * (5 * 512 * 1024) + b"]}"  # 2.5 MiB, no Content-Length
+
+    async def scenario(h, client):
+        resp = await client.post(ALERTS_PATH, data=_chunked(raw), headers={**AUTH, "Content-Type": "application/json"})
+        body = await resp.json()
+        assert resp.status == 413 and "more than 1048576 bytes" in body["error"]["message"]
+        assert h.counts["malformed"] == 1 and len(h.inbox) == 0
+    run(scenario)
+
+
+def test_json_nested_too_deeply_is_a_400():
+    async def scenario(h, client):
+        got, body = await h.post(client, None, raw="[" * 1500 + "]" * 1500)
+        assert got == 400 and "nested too deeply" in body["error"]["message"]
+        got, body = await h.post(client, None, raw='{"version": "4", "alerts": ' + "[" * 1500 + "]" * 1500 + "}")
+        assert got == 400
+        assert (await h.post(client, payload(alert())))[0] == 202  # and it still serves
     run(scenario)
 
 

@@ -8,6 +8,7 @@ import yaml
 
 from adpfleet.operator.resource import crd, names
 from adpfleet.operator.resource.reference import reference_markdown
+from adpfleet.operator.resource.vocabulary import Action, Outcome, RemediationMode, Signature
 
 ROOT = Path(__file__).resolve().parents[2]
 COPIES = [ROOT / "crds" / crd.FILE_NAME, ROOT / "charts" / "adpfleet" / "crds" / crd.FILE_NAME]
@@ -75,6 +76,17 @@ def test_crd_has_status_subresource_printer_columns_short_name_and_rules():
     assert status["conditions"]["x-kubernetes-list-map-keys"] == ["type"]
     assert set(status["conditions"]["items"]["properties"]["type"]["enum"]) >= {"Stalled", "Remediating"}
     assert status["recentRemediations"]["maxItems"] == 20
+
+
+def test_the_crd_speaks_the_one_vocabulary_of_stalls_and_remediation():
+    # vocabulary.py defines each word once; the CRD's enums are generated from it
+    spec = crd.openapi_schema()["properties"]["spec"]["properties"]["remediation"]["properties"]
+    record = crd.openapi_schema()["properties"]["status"]["properties"]["recentRemediations"]["items"]["properties"]
+    assert record["signature"]["enum"] == [s.value for s in Signature]
+    assert record["action"]["enum"] == [a.value for a in Action]
+    assert record["outcome"]["enum"] == [o.value for o in Outcome]
+    assert spec["mode"]["enum"] == [m.value for m in RemediationMode]
+    assert set(spec["escalation"]["properties"]["action"]["enum"]) <= set(record["action"]["enum"])
 
 
 def test_every_field_has_a_description_or_is_self_evident():

@@ -1,7 +1,10 @@
 """Desired objects are a pure function of the spec."""
 
-from adpfleet.operator.decisions.desired import FleetRef, desired_fleet, router_objects, server_template
+from adpfleet.operator.decisions.desired import desired_fleet, router_objects, server_template
+from adpfleet.operator.decisions.observed import ServerPod
+from adpfleet.operator.decisions.rollout import plan_role
 from adpfleet.operator.resource import names
+from adpfleet.operator.resource.names import FleetRef
 from adpfleet.operator.resource.models import FleetSpec
 
 from specs import fleet_manifest
@@ -49,7 +52,9 @@ def test_probes_use_the_runtime_endpoints():
 def test_pods_run_unprivileged_with_a_read_only_root():
     pod = server_template(FLEET, spec(), "context").pod(0)["spec"]
     container = pod["containers"][0]
-    assert pod["securityContext"]["runAsNonRoot"] is True
+    # the images' `adpfleet` user (docker/*.Dockerfile); the "restricted" Pod Security Standard
+    assert pod["securityContext"] == {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001,
+                                      "fsGroup": 10001, "seccompProfile": {"type": "RuntimeDefault"}}
     assert container["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                                             "capabilities": {"drop": ["ALL"]}}
     assert {m["mountPath"] for m in container["volumeMounts"]} == {"/var/tmp", "/dev/shm"}
@@ -70,6 +75,14 @@ def test_gpus_resources_and_scheduling_are_passed_through():
     assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     args = pod["containers"][0]["args"]
     assert args[args.index("--device") + 1] == "cuda"
+
+
+def test_the_specs_env_reaches_the_server_container():
+    s = spec(generation={"servers": 1, "env": [{"name": "NCCL_DEBUG", "value": "INFO"}, {"name": "EMPTY"}]})
+    env = server_template(FLEET, s, "generation").pod(0)["spec"]["containers"][0]["env"]
+    assert env[-2:] == [{"name": "NCCL_DEBUG", "value": "INFO"}, {"name": "EMPTY", "value": ""}]
+    other = server_template(FLEET, s, "context").pod(0)["spec"]["containers"][0]["env"]
+    assert not any(e["name"] == "NCCL_DEBUG" for e in other)
 
 
 def test_token_secret_becomes_hf_token_env():
@@ -98,6 +111,17 @@ def test_pod_metadata_is_added_but_cannot_override_the_operators_labels():
     assert meta["labels"]["team"] == "a" and meta["labels"]["adpfleet.io/role"] == "context"
     assert meta["annotations"]["prometheus.io/scrape"] == "true"
     assert names.ANNOTATION_TEMPLATE_HASH in meta["annotations"]
+
+
+def test_a_pod_metadata_change_changes_the_template_hash_so_the_servers_roll():
+    base = server_template(FLEET, spec(), "context").template_hash
+    labelled = server_template(FLEET, spec(podMetadata={"labels": {"team": "a"}}), "context").template_hash
+    annotated = server_template(FLEET, spec(podMetadata={"annotations": {"a": "b"}}), "context").template_hash
+    assert len({base, labelled, annotated}) == 3
+    running = ServerPod(name="demo-context-0", uid="u", role="context", index=0, template_hash=base,
+                        owner_uid="uid-1", phase="Running", ready=True, terminating=False, unschedulable=False,
+                        problem=None)
+    assert plan_role("context", 1, labelled, [running]).phase == "RollingUpdate"
 
 
 def test_router_runs_kubernetes_discovery_with_read_only_pod_access_in_its_namespace():

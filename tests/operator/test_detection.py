@@ -10,8 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from adpfleet.operator.detection import (RankSample, SampleWindows, Scrape, ScrapeError, Signature, State, judge,
-                                         keep_seconds, parse_metrics)
+from adpfleet.operator.adapters.scrape import RankSample, Scrape, ScrapeError, parse_metrics
+from adpfleet.operator.decisions.detection import SampleWindows, judge, keep_seconds
+from adpfleet.operator.resource.vocabulary import ServerState, Signature
 from adpfleet.runtime.metrics import RankStats, render
 
 W, I = 10.0, 1.0  # stall window, scrape interval
@@ -74,13 +75,13 @@ def test_an_oversized_exposition_is_refused_before_parsing():
 def test_idle_server_spinning_iterations_is_idle_never_stalled():
     samples = series(lambda k: {0: rank(iterations=50 * k), 1: rank(iterations=50 * k)}, 40)
     v = verdict(samples)
-    assert v.state is State.IDLE and not v.stalled
+    assert v.state is ServerState.IDLE and not v.stalled
 
 
 def test_busy_server_producing_tokens_is_progressing():
     samples = series(lambda k: {0: rank(iterations=50 * k, forward_steps=50 * k, generation_tokens=10 * k,
                                         requests_running=4)}, 40)
-    assert verdict(samples).state is State.PROGRESSING
+    assert verdict(samples).state is ServerState.PROGRESSING
 
 
 def test_a_rank_idling_while_its_peers_work_is_normal():
@@ -88,30 +89,40 @@ def test_a_rank_idling_while_its_peers_work_is_normal():
     samples = series(lambda k: {0: rank(iterations=50 * k, forward_steps=50 * k, generation_tokens=5 * k,
                                         requests_running=2),
                                 1: rank(iterations=50 * k, forward_steps=50 * k, empty_batch_iterations=50 * k)}, 40)
-    assert verdict(samples).state is State.PROGRESSING
+    assert verdict(samples).state is ServerState.PROGRESSING
 
 
 def test_slow_progress_is_progress():
     # one token every 9 s: less than the window apart, so never a whole window without tokens
     samples = series(lambda k: {0: rank(iterations=50 * k, generation_tokens=k // 9, requests_running=1)}, 60)
-    assert all(verdict(samples[:n]).state is not State.STALLED for n in range(1, 61))
+    assert all(verdict(samples[:n]).state is not ServerState.STALLED for n in range(1, 61))
 
 
 def test_work_that_arrived_less_than_a_window_ago_is_not_a_stall():
     # idle for 20 scrapes, then work with no tokens yet for 6 s
     samples = series(lambda k: {0: rank(iterations=50 * k, requests_waiting=1 if k >= 20 else 0)}, 27)
     v = verdict(samples)
-    assert v.state is State.SUSPECT and not v.stalled
+    assert v.state is ServerState.SUSPECT and not v.stalled
+
+
+def test_work_that_starts_after_the_baseline_is_stalled_only_after_a_whole_window_of_work():
+    # idle until scrape 20, then work that never produces a token: the scrape before the work is
+    # no baseline for the stall, so it is called a whole window (less the jitter allowance) after
+    # the work began, never earlier
+    samples = series(lambda k: {0: rank(iterations=50 * k, forward_vetoed=50 * k,
+                                        requests_waiting=1 if k >= 20 else 0)}, 40)
+    detected = next(samples[n - 1].at for n in range(1, 41) if verdict(samples[:n]).stalled)
+    assert W - 0.5 * I <= detected - samples[20].at <= W + 2 * I
 
 
 def test_a_server_just_started_is_warming_up_not_stalled():
     samples = series(lambda k: {0: rank(iterations=50 * k, forward_vetoed=50 * k, requests_waiting=3)}, 5)
-    assert verdict(samples[:1]).state is State.WARMING_UP
-    assert verdict(samples).state is State.SUSPECT
+    assert verdict(samples[:1]).state is ServerState.WARMING_UP
+    assert verdict(samples).state is ServerState.SUSPECT
 
 
 def test_no_scrapes_is_warming_up():
-    assert verdict([]).state is State.WARMING_UP
+    assert verdict([]).state is ServerState.WARMING_UP
 
 
 # ---- stalled, with signatures -----------------------------------------------------------------
@@ -148,7 +159,7 @@ def test_a_hung_loop_is_stalled_even_when_its_frozen_counters_show_no_work():
     samples = series(lambda k: {0: rank(iterations=100 + 50 * min(k, 3), generation_tokens=40)}, 20)
     v = verdict(samples)
     assert v.stalled and v.signature is Signature.HUNG and "loop advanced" in v.reason
-    assert verdict(samples[:8]).state is State.IDLE  # not before a whole window without a pass
+    assert verdict(samples[:8]).state is ServerState.IDLE  # not before a whole window without a pass
 
 
 def test_transfer_stall_names_the_ranks_holding_kv():
@@ -185,6 +196,25 @@ def test_a_starved_rank_with_room_in_its_kv_is_vetoed_even_if_it_holds_some_tran
     assert v.stalled and v.signature is Signature.VETOED and v.ranks == (1,)
 
 
+def test_transfers_that_start_mid_window_are_not_the_transfer_signature():
+    # the loop spins without vetoes and without tokens; KV transfers appear only late in the
+    # window: they cannot be why it made no progress since the baseline
+    samples = series(lambda k: {0: rank(iterations=50 * k, requests_waiting=1,
+                                        kv_transfers_in_flight=8 if k >= 25 else 0)}, 30)
+    v = verdict(samples)
+    assert v.stalled and v.signature is Signature.VETOED
+
+
+def test_a_few_vetoes_among_running_forwards_do_not_hide_a_transfer_stall():
+    # forwards run (dummies) far more often than they are vetoed; KV stays held for transfers
+    # from the start of the window: the transfers are the stall, not the vote
+    def held(k):
+        return {0: rank(iterations=60 * k, forward_steps=50 * k, forward_vetoed=10 * k, prompt_tokens=900,
+                        kv_transfers_in_flight=40, requests_waiting=3)}
+    v = verdict(series(held, 20))
+    assert v.stalled and v.signature is Signature.TRANSFER and v.ranks == (0,)
+
+
 def test_kv_transfers_alone_count_as_work():
     samples = series(lambda k: {0: rank(iterations=50 * k, forward_steps=0, kv_transfers_in_flight=8)}, 20)
     v = verdict(samples)
@@ -194,9 +224,9 @@ def test_kv_transfers_alone_count_as_work():
 def test_stall_needs_confirmation_on_consecutive_scrapes():
     samples = series(vetoed_stall, 30)
     # the first scrape at which the window is covered is only suspect, the next confirms
-    first = next(n for n in range(1, 31) if verdict(samples[:n]).state in (State.SUSPECT, State.STALLED)
+    first = next(n for n in range(1, 31) if verdict(samples[:n]).state in (ServerState.SUSPECT, ServerState.STALLED)
                  and "confirmed" in verdict(samples[:n]).reason)
-    assert verdict(samples[:first]).state is State.SUSPECT
+    assert verdict(samples[:first]).state is ServerState.SUSPECT
     assert verdict(samples[:first + 1]).stalled
     assert verdict(samples, confirmations=3).stalled
     assert not verdict(samples[:first], confirmations=3).stalled
@@ -206,7 +236,7 @@ def test_progress_resuming_clears_the_stall():
     samples = series(vetoed_stall, 30)
     resumed = Scrape(at=30 * I, ranks={r: RankSample(**{**s.__dict__, "prompt_tokens": s.prompt_tokens + 64})
                                        for r, s in samples[-1].ranks.items()})
-    assert verdict(samples + [resumed]).state is State.PROGRESSING
+    assert verdict(samples + [resumed]).state is ServerState.PROGRESSING
 
 
 # ---- unreachable ------------------------------------------------------------------------------
@@ -214,14 +244,14 @@ def test_progress_resuming_clears_the_stall():
 def test_failed_scrape_is_unreachable_never_stalled():
     samples = series(vetoed_stall, 30) + [Scrape(at=30.0, error="timed out after 2 s")]
     v = verdict(samples)
-    assert v.state is State.UNREACHABLE and not v.stalled and "timed out" in v.reason
+    assert v.state is ServerState.UNREACHABLE and not v.stalled and "timed out" in v.reason
     assert v.evidence["consecutive_failures"] == 1
 
 
 def test_a_failed_scrape_breaks_the_confirmation():
     samples = series(vetoed_stall, 30)
     samples[-2] = Scrape(at=samples[-2].at, error="connection refused")
-    assert verdict(samples).state is State.SUSPECT
+    assert verdict(samples).state is ServerState.SUSPECT
     assert verdict(samples + [Scrape(at=30.0, ranks=vetoed_stall(30))]).stalled
 
 
@@ -230,13 +260,13 @@ def test_a_restarted_server_starts_a_new_window():
     after = series(lambda k: {0: rank(iterations=50 * k, requests_waiting=2),
                               1: rank(iterations=50 * k, requests_waiting=1)}, 5, start=31.0)
     v = verdict(before + after)
-    assert v.state is State.SUSPECT  # counters went back to 0: only 5 s of this incarnation
+    assert v.state is ServerState.SUSPECT  # counters went back to 0: only 5 s of this incarnation
 
 
 def test_rank_set_change_starts_a_new_window():
     before = series(vetoed_stall, 30)
     one_rank = [Scrape(at=30.0 + k, ranks={0: vetoed_stall(30 + k)[0]}) for k in range(3)]
-    assert verdict(before + one_rank).state is not State.STALLED
+    assert verdict(before + one_rank).state is not ServerState.STALLED
 
 
 # ---- timing -----------------------------------------------------------------------------------
@@ -310,7 +340,7 @@ def test_a_real_idle_two_rank_server_is_parsed_per_rank_and_judged_idle():
             time.sleep(0.5)
         assert set(samples[-1].ranks) == {0, 1}
         assert samples[-1].total("iterations") > samples[0].total("iterations")  # idle ADP ranks keep spinning
-        assert judge("s", "context", samples, window_seconds=1.0, interval_seconds=0.5).state is State.IDLE
+        assert judge("s", "context", samples, window_seconds=1.0, interval_seconds=0.5).state is ServerState.IDLE
     finally:
         server.stop()
 
@@ -323,7 +353,7 @@ def _scrape_from(handler, timeout=0.5):
     from aiohttp import web
     from aiohttp.test_utils import TestServer
 
-    from adpfleet.operator.scrape import scrape
+    from adpfleet.operator.adapters.scrape import scrape
 
     async def main():
         app = web.Application()
@@ -366,7 +396,7 @@ def test_a_scrape_that_times_out_or_returns_garbage_is_a_failed_scrape(behaviour
 def test_a_refused_connection_is_a_failed_scrape():
     import asyncio
 
-    from adpfleet.operator.scrape import scrape
+    from adpfleet.operator.adapters.scrape import scrape
 
     async def main():
         async with httpx.AsyncClient() as client:

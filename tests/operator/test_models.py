@@ -55,8 +55,11 @@ def test_status_model_accepts_room_for_stall_conditions_and_bounded_remediations
         "conditions": [{"type": "Stalled", "status": "True", "reason": "RankVetoed", "message": "",
                         "lastTransitionTime": "2026-01-01T00:00:00Z"}],
         "recentRemediations": [{"time": "2026-01-01T00:00:00Z", "role": "context", "server": "f-context-0",
-                                "signature": "vetoed", "action": "Restart", "outcome": "Succeeded"}] * 20})
+                                "signature": "vetoed", "action": "RestartServer", "outcome": "Succeeded"}] * 20})
     assert status.conditions[0].type == "Stalled"
+    unknown = {**status.recent_remediations[0].to_kube(), "action": "Restart"}
+    with pytest.raises(ValidationError, match="recentRemediations.0.action"):
+        FleetStatus.model_validate({"recentRemediations": [unknown]})
     with pytest.raises(ValidationError):
         FleetStatus.model_validate({"recentRemediations": [status.recent_remediations[0].to_kube()] * 21})
 

@@ -48,6 +48,29 @@ def test_liveness_follows_the_reconcile_loops_heartbeat(start_operator, fleets, 
 
 
 @pytest.mark.k8s
+def test_given_a_certificate_the_webhook_is_served_over_tls_and_not_over_plain_http(start_operator, tmp_path):
+    import ssl
+
+    import httpx
+
+    from operator_harness import free_port
+    from test_webhook_tls import issue, make_ca
+
+    ca_key, ca_cert, ca = make_ca(tmp_path)
+    crt, key, _ = issue(tmp_path, ca_key, ca_cert, "operator")
+    port = free_port()
+    op = start_operator(extra_args=("--alerts-tls-cert", str(crt), "--alerts-tls-key", str(key),
+                                    "--alerts-port", str(port)))
+    assert op._get("/alerts")[0] == 404 and op._get("/healthz")[0] == 200  # the HTTP port has no webhook
+    with httpx.Client(verify=ssl.create_default_context(cafile=str(ca))) as tls:
+        # a real TLS handshake with the process; no token Secret is configured, so a retryable 503
+        r = tls.post(f"https://127.0.0.1:{port}/alerts", json={"version": "4", "alerts": []},
+                     headers={"Authorization": "Bearer x"})
+    assert r.status_code == 503 and "webhook token is not available" in r.json()["error"]["message"]
+    assert op.stop() == 0
+
+
+@pytest.mark.k8s
 def test_logs_are_json_lines_naming_the_fleet(start_operator, fleets):
     op = start_operator()
     fleets.apply(fleet_manifest("demo", status_only=True, router={"enabled": False}))

@@ -5,7 +5,7 @@ import asyncio
 import dataclasses
 import logging
 
-from adpfleet.operator.adapters.kube import Outcome
+from adpfleet.operator.adapters.kube import ApiResult
 from adpfleet.operator.decisions.observed import FleetObservation, ServerPod
 from adpfleet.operator.reconciler import FleetMemory, Reconciler
 from adpfleet.operator.telemetry import OperatorMetrics
@@ -25,7 +25,7 @@ class FakeApi:
 
     def _out(self, name, *args):
         self.calls.append((name, *args))
-        return Outcome(False, 500, "boom") if name in self.fail else Outcome(True)
+        return ApiResult(False, 500, "boom") if name in self.fail else ApiResult(True)
 
     async def create_pod(self, manifest):
         return self._out("create_pod", manifest["metadata"]["name"])
@@ -49,8 +49,8 @@ class FakeApi:
     async def secret_keys(self, namespace, name):
         self.calls.append(("get_secret", name))
         if name not in self.secrets:
-            return Outcome(False, 404, "not found"), None
-        return Outcome(True), set(self.secrets[name])
+            return ApiResult(False, 404, "not found"), None
+        return ApiResult(True), set(self.secrets[name])
 
 
 def observation(manifest=None, pods=(), objects=(), status=None, generation=1, rv="1"):
@@ -66,7 +66,8 @@ def reconcile(api, obs, memory=None, clock=lambda: 0.0):
 
 def running_pods(status_from_hash=None):
     """What the cluster looks like after the first pass's pods came up."""
-    from adpfleet.operator.decisions.desired import FleetRef, desired_fleet
+    from adpfleet.operator.decisions.desired import desired_fleet
+    from adpfleet.operator.resource.names import FleetRef
     from adpfleet.operator.resource.models import FleetSpec
     spec = FleetSpec.model_validate(fleet_manifest("f", router={"enabled": False})["spec"])
     desired = desired_fleet(FleetRef("f", "ns", "fleet-uid"), spec)
@@ -207,3 +208,50 @@ def test_stall_conditions_and_remediation_history_are_carried_over_untouched():
     api2 = FakeApi()
     reconcile(api2, observation(pods=pods, status=status, rv="3"))
     assert api2.calls == []
+
+
+def test_a_status_the_api_server_refuses_is_reported_as_an_event_once_and_retried_with_back_off():
+    api, memory = FakeApi(fail={"patch_status"}), FleetMemory()
+    pods = running_pods()
+    result = reconcile(api, observation(pods=pods), memory)
+    assert result.failed and result.requeue_after == 2.0
+    refused = [c for c in api.calls if c[:3] == ("event", "Warning", "StatusUpdateFailed")]
+    assert len(refused) == 1
+    again = FakeApi(fail={"patch_status"})
+    assert reconcile(again, observation(pods=pods, rv="2"), memory).requeue_after == 4.0
+    assert not [c for c in again.calls if c[0] == "event"]  # the same refusal is not reported twice
+    healed = FakeApi()
+    result = reconcile(healed, observation(pods=pods, rv="3"), memory)
+    assert not result.failed and ("patch_status",) in healed.calls and memory.status_refused is None
+
+
+class Part:
+    """A StatusPart that owns one condition, like the stall controller."""
+
+    def __init__(self):
+        self.stored_statuses = []
+
+    def overlay(self, key, obs, status):
+        mine = {"type": "Stalled", "status": "False", "reason": "NoStallDetected", "message": "",
+                "lastTransitionTime": "2026-01-01T00:00:00Z"}
+        return {**status, "conditions": [c for c in status["conditions"] if c["type"] != "Stalled"] + [mine]}
+
+    def stored(self, key, status):
+        self.stored_statuses.append(status)
+
+
+def test_a_status_part_is_laid_over_the_pass_and_hears_what_the_api_server_holds():
+    part, memory = Part(), FleetMemory()
+    r = Reconciler(FakeApi(), OperatorMetrics(), clock=lambda: 0.0, status_part=part)
+    pods = running_pods()
+    asyncio.run(r.reconcile(observation(pods=pods), memory, log))
+    written = r.api.last_status
+    assert [c["type"] for c in written["conditions"]][-1] == "Stalled" and part.stored_statuses == [written]
+    # nothing changed: no write, and the part hears that the stored status already says it
+    r.api = FakeApi()
+    asyncio.run(r.reconcile(observation(pods=pods, status=written, rv="2"), memory, log))
+    assert r.api.calls == [] and len(part.stored_statuses) == 2
+    # refused: the part is not told that its records are stored
+    r.api = FakeApi(fail={"patch_status"})
+    asyncio.run(r.reconcile(observation(pods=pods[:1], status=written, rv="3"), memory, log))
+    assert len(part.stored_statuses) == 2

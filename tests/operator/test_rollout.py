@@ -57,6 +57,13 @@ def test_scale_down_keeps_a_ready_server():
     assert {a.name for a in p.actions} == {"f-context-0", "f-context-2"}
 
 
+def test_a_scale_down_during_a_roll_deletes_a_not_ready_pod_never_the_only_ready_one():
+    # 3 -> 1 while rolling: the old server is the only Ready one, the new ones are still starting
+    p = plan(1, [pod(0, OLD), pod(1, ready=False), pod(2, ready=False)])
+    assert [(type(a), a.name) for a in p.actions] == [(DeleteServer, "f-context-2")]
+    assert p.phase == "Scaling"
+
+
 def test_a_finished_pod_is_replaced():
     p = plan(2, [pod(0), pod(1, phase="Failed", ready=False)])
     assert [(type(a), a.name) for a in p.actions] == [(DeleteServer, "f-context-1")]
@@ -187,6 +194,23 @@ def test_simulated_random_scale_and_spec_changes_always_converge(seed):
         live = [x for x in sim.pods if not x.terminating]
         assert len(live) == desired and all(x.template_hash == hash_ and x.ready for x in live)
         assert len({x.index for x in live}) == desired
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_simulated_scale_changes_in_the_middle_of_a_roll_keep_a_ready_server(seed):
+    """`desired` changes while a roll is underway (not only between converged states)."""
+    rng = random.Random(seed)
+    sim = Sim([pod(i, OLD) for i in range(rng.randint(1, 5))])
+    sim.tick()
+    desired = len(sim.pods)
+    for _ in range(40):
+        if rng.random() < 0.3:
+            desired = rng.randint(1, 5)
+        sim.step(desired, NEW)
+        assert sim.ready() >= 1, f"the role dropped to zero ready servers: {sim.pods}"
+        sim.tick()
+    run(sim, desired, NEW)
+    assert all(x.template_hash == NEW and x.ready for x in sim.pods) and len(sim.pods) == desired
 
 
 def test_a_server_that_never_becomes_ready_stops_the_roll_with_a_reason():

@@ -1,22 +1,27 @@
 """The stall controller's loop without a cluster: scripted scrapes, a fake API, and a fake reconcile
-pass that writes the controller's part of the status the way RemediatingReconciler does."""
+pass that writes the controller's part of the status the way the reconciler does with its
+StatusPart (overlay, then stored)."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 
 import pytest
 
-from adpfleet.operator import stall as stall_module
-from adpfleet.operator.adapters.kube import Outcome
-from adpfleet.operator.alerts import AlertInbox, StallAlert
-from adpfleet.operator.decisions.desired import FleetRef
-from adpfleet.operator.decisions.observed import FleetObservation, ServerPod
-from adpfleet.operator.detection import RankSample, Scrape
-from adpfleet.operator.remediation import Remediation
-from adpfleet.operator.stall import FleetStall, StallController, StallMetrics
 from prometheus_client import CollectorRegistry
+
+from adpfleet.operator import stall as stall_module
+from adpfleet.operator.adapters.kube import ApiResult
+from adpfleet.operator.adapters.scrape import RankSample, Scrape
+from adpfleet.operator.decisions.history import Remediation
+from adpfleet.operator.decisions.observed import FleetObservation, ServerPod
+from adpfleet.operator.inbox import AlertInbox, StallAlert
+from adpfleet.operator.resource.names import FleetRef
+from adpfleet.operator.resource.vocabulary import Action, Outcome, Signature
+from adpfleet.operator.stall import FleetStall, StallController
+from adpfleet.operator.telemetry import StallMetrics
 
 KEY = ("prod", "llama")
 T0 = 1_700_000_000.0
@@ -28,15 +33,15 @@ class FakeApi:
 
     async def set_drain(self, namespace, name, uid, drain):
         self.calls.append(("drain" if drain else "undrain", name, uid))
-        return Outcome(True)
+        return ApiResult(True)
 
-    async def delete_pod_within(self, namespace, name, uid, grace):
+    async def delete_pod(self, namespace, name, uid, grace_seconds=None):
         self.calls.append(("delete", name, uid))
-        return Outcome(True)
+        return ApiResult(True)
 
     async def record_event(self, fleet, type_, reason, message):
         self.calls.append(("event", reason, message))
-        return Outcome(True)
+        return ApiResult(True)
 
     def events(self, reason=None):
         return [c for c in self.calls if c[0] == "event" and (reason is None or c[1] == reason)]
@@ -103,12 +108,12 @@ class World:
         return FleetObservation(name="llama", namespace="prod", uid="fleet-uid", generation=1, resource_version="1",
                                 spec=self.spec, status=self.status, pods=tuple(self.pods.values()), objects=())
 
-    def reconcile(self, key):  # what RemediatingReconciler does on the next pass
+    def reconcile(self, key):  # what the reconcile pass does with its StatusPart
         base = {"observedGeneration": 1, "conditions": [c for c in self.status.get("conditions", [])
                                                         if c["type"] not in ("Stalled", "Remediating")]}
         self.status = self.controller.overlay(key, self.observe(), base)
         self.written.append(self.status)
-        self.controller.persisted(key, self.status)
+        self.controller.stored(key, self.status)
 
     async def ticks(self, n):
         for _ in range(n):
@@ -173,8 +178,9 @@ def test_unreachable_servers_are_never_restarted():
 
 
 def test_a_restarted_operator_finishes_a_pending_action_once():
-    pending = Remediation(time=T0 - 2, role="context", server="llama-context-0", signature="vetoed",
-                          action="RestartServer", outcome="Pending", message="m", targets=("llama-context-0",))
+    pending = Remediation(time=T0 - 2, role="context", server="llama-context-0", signature=Signature.VETOED,
+                          action=Action.RESTART_SERVER, outcome=Outcome.PENDING, message="m",
+                          targets=("llama-context-0",))
     w = World(status={"recentRemediations": [pending.to_status()]})
     w.metrics["127.0.9.1"] = w.stalled()
     run(w.ticks(3))
@@ -183,8 +189,9 @@ def test_a_restarted_operator_finishes_a_pending_action_once():
 
 
 def test_a_restarted_operator_never_deletes_the_replacement():
-    pending = Remediation(time=T0 - 20, role="context", server="llama-context-0", signature="vetoed",
-                          action="RestartServer", outcome="Pending", message="m", targets=("llama-context-0",))
+    pending = Remediation(time=T0 - 20, role="context", server="llama-context-0", signature=Signature.VETOED,
+                          action=Action.RESTART_SERVER, outcome=Outcome.PENDING, message="m",
+                          targets=("llama-context-0",))
     w = World(status={"recentRemediations": [pending.to_status()]}, created=T0 - 5)  # the pod is already new
     run(w.ticks(8))
     assert w.api.deletes() == []
@@ -213,3 +220,24 @@ def test_an_alert_the_fresh_scrapes_do_not_confirm_is_not_acted_on():
     w.inbox.put(StallAlert("AdpfleetServerStalled", "prod", "llama", "llama-context-0", "fp", "t", T0))
     run(w.ticks(1))
     assert w.api.deletes() == [] and w.api.events("AlertNotConfirmed")
+
+
+def test_a_restarted_operator_abandons_a_pending_action_too_old_to_finish():
+    stale = Remediation(time=T0 - 10_000, role="context", server="llama-context-0", signature=Signature.VETOED,
+                        action=Action.RESTART_SERVER, outcome=Outcome.PENDING, message="m",
+                        targets=("llama-context-0",))
+    w = World(status={"recentRemediations": [stale.to_status()]})
+    run(w.ticks(2))
+    assert w.api.deletes() == [] and not [c for c in w.api.calls if c[0] == "drain"]
+    (record,) = w.records()
+    assert record["outcome"] == "Failed" and "too old to finish" in record["message"]
+
+
+def test_a_server_left_drained_by_a_recovered_action_is_undrained():
+    recovered = Remediation(time=T0 - 30, role="context", server="llama-context-0", signature=Signature.VETOED,
+                            action=Action.RESTART_SERVER, outcome=Outcome.RECOVERED, message="m",
+                            targets=("llama-context-0",))
+    w = World(status={"recentRemediations": [recovered.to_status()]})
+    w.pods["llama-context-0"] = dataclasses.replace(w.pods["llama-context-0"], draining=True)
+    run(w.ticks(1))
+    assert ("undrain", "llama-context-0", "llama-context-0-uid") in w.api.calls and w.api.deletes() == []

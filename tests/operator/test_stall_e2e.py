@@ -10,7 +10,6 @@ it healthy. Every client request must complete or end with an explicit error —
 
 from __future__ import annotations
 
-import re
 import secrets
 import time
 
@@ -93,7 +92,7 @@ def wait_flowing(load: Load, n: int = 3, timeout: float = 120) -> None:
 
 
 def record_for(fleets: Fleets, pod_name: str, since: float, outcome: str | None = None) -> dict | None:
-    from adpfleet.operator.remediation import parse_rfc3339
+    from adpfleet.operator.decisions.history import parse_rfc3339
     for r in remediations(fleets.get(FLEET)):
         if r["server"] == pod_name and parse_rfc3339(r["time"]) >= since and (outcome is None or
                                                                               r["outcome"] == outcome):

@@ -11,24 +11,39 @@ from adpfleet.runtime.engine.request import Request
 from adpfleet.runtime.engine.sampling import SamplingParams
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
               initializer_range=0.2, rms_norm_eps=1e-5, tie_word_embeddings=False,
               bos_token_id=1, eos_token_id=2)
+# What each architecture's tiny config adds: the features its real checkpoints use.
+EXTRA = {
+    "llama": dict(rope_theta=500000.0),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, rope_theta=1e6),
+    "qwen2": dict(tie_word_embeddings=True, rope_theta=1e6),  # small Qwen2 checkpoints have no lm_head
+    "qwen3": dict(rope_theta=1e6),
+}
 
 
-def save_hf_model(kind: str, path, seed: int = 0):
-    """Build a random LlamaForCausalLM or MixtralForCausalLM, save it, return it (eval, float32)."""
+def hf_config(model_type: str, **overrides):
+    import transformers
+
+    return transformers.AutoConfig.for_model(model_type, **{**COMMON, **EXTRA.get(model_type, {}), **overrides})
+
+
+def save_hf_model(model_type: str, path, seed: int = 0, max_shard_size: str | None = None, **overrides):
+    """Build a random transformers model of this model_type, save it (sharded with an index if
+    `max_shard_size` is given), return it (eval, float32)."""
     import transformers
 
     torch.manual_seed(seed)
-    if kind == "llama":
-        cfg = transformers.LlamaConfig(**COMMON, rope_theta=500000.0)
-        model = transformers.LlamaForCausalLM(cfg)
-    else:
-        cfg = transformers.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2, rope_theta=1e6)
-        model = transformers.MixtralForCausalLM(cfg)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(model_type, **overrides))
+    with torch.no_grad():  # transformers starts biases at 0 and norms at 1: make every one count
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0, 0.2)
+            elif name.endswith("norm.weight"):
+                p.normal_(1, 0.2)
     model.eval()
-    model.save_pretrained(str(path))
+    model.save_pretrained(str(path), **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     return model
 
 

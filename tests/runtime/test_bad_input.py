@@ -40,7 +40,7 @@ def test_a_saved_tiny_model_loads_like_the_builtin_one(tiny_dir):
     ("no_weights", "has no *.safetensors"),
     ("corrupt_weights", "not a readable safetensors file"),
     ("wrong_shape", "tensor 'model.layers.0.self_attn.o_proj.weight' has shape (128, 64)"),
-    ("missing_tensor", "no weights for parameter 'layers.1.mlp.down_proj.weight'"),
+    ("missing_tensor", "no weights for parameter 'model.layers.1.mlp.down_proj.weight'"),
     ("extra_tensor", "unexpected tensor 'model.vision_tower.weight'"),
     ("extra_layer", "is for layer 9, but config.json has num_hidden_layers=2"),
 ])

@@ -71,9 +71,18 @@ app.kubernetes.io/part-of: adpfleet
 {{- end }}
 {{- end }}
 
-{{/* The in-cluster URL of the webhook receiver. */}}
+{{/* "true" when the webhook is served over TLS (webhook.tls.secretName names its certificate), else "". */}}
+{{- define "adpfleet.webhookTLS" -}}
+{{- if and .Values.webhook.enabled .Values.webhook.tls.secretName }}true{{ end }}
+{{- end }}
+
+{{/* The in-cluster URL of the webhook receiver: HTTPS on its own port with webhook.tls. */}}
 {{- define "adpfleet.webhookURL" -}}
+{{- if include "adpfleet.webhookTLS" . }}
+{{- printf "https://%s.%s.svc:%d/alerts" (include "adpfleet.fullname" .) .Release.Namespace (int .Values.webhook.tls.port) }}
+{{- else }}
 {{- printf "http://%s.%s.svc:%d/alerts" (include "adpfleet.fullname" .) .Release.Namespace (int .Values.operator.httpPort) }}
+{{- end }}
 {{- end }}
 
 {{/* Value combinations the schema cannot express, refused with what to change. */}}

@@ -1,5 +1,5 @@
-"""Stall verdicts from a server's own metrics (DESIGN.md §3.5): parse a scrape, keep a short window
-of them, judge the window.
+"""Stall verdicts from a server's own metrics (docs/remediation.md): keep a short window of scrapes
+(`adapters/scrape.py` takes them), judge the window.
 
 `judge(samples)` is a pure function of the scrapes of one server incarnation. A server is
 **stalled** when, over the whole stall window, its ranks produced no real tokens (prompt +
@@ -25,158 +25,39 @@ latest scrape failed — that is `Unreachable`, its own state, never acted on as
 
 from __future__ import annotations
 
-import enum
-import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
-from prometheus_client.parser import text_string_to_metric_families
+from adpfleet.operator.adapters.scrape import Scrape
+from adpfleet.operator.resource.vocabulary import ServerState, Signature
 
 SCRAPE_JITTER = 0.25  # of a scrape interval: scrapes are not exactly evenly spaced
 KV_FULL = 0.8  # a rank whose KV cache is this full (mostly held for transfers) starves for want of KV
-MAX_METRICS_BYTES = 4 * 1024 * 1024  # a server's /metrics is a few KiB; more is not a server of ours
-
-# metric name -> RankSample field; every server exports all of them for every rank (DESIGN §3.3)
-_REQUIRED = {
-    "adpfleet_iterations_total": "iterations",
-    "adpfleet_forward_steps_total": "forward_steps",
-    "adpfleet_forward_vetoed_total": "forward_vetoed",
-    "adpfleet_empty_batch_iterations_total": "empty_batch_iterations",
-    "adpfleet_prompt_tokens_total": "prompt_tokens",
-    "adpfleet_generation_tokens_total": "generation_tokens",
-    "adpfleet_requests_running": "requests_running",
-    "adpfleet_requests_waiting": "requests_waiting",
-    "adpfleet_kv_transfers_in_flight": "kv_transfers_in_flight",
-}
-_OPTIONAL = {
-    "adpfleet_kv_cache_blocks_used": "kv_cache_blocks_used",
-    "adpfleet_kv_cache_blocks_total": "kv_cache_blocks_total",
-    "adpfleet_last_progress_timestamp_seconds": "last_progress_timestamp",
-}
-
-
-class ScrapeError(ValueError):
-    """The text is not a server's /metrics: what is wrong, in one line."""
-
-
-@dataclass(frozen=True)
-class RankSample:
-    """One rank's counters and gauges at one scrape."""
-    iterations: float = 0.0
-    forward_steps: float = 0.0
-    forward_vetoed: float = 0.0
-    empty_batch_iterations: float = 0.0
-    prompt_tokens: float = 0.0
-    generation_tokens: float = 0.0
-    requests_running: float = 0.0
-    requests_waiting: float = 0.0
-    kv_transfers_in_flight: float = 0.0
-    kv_cache_blocks_used: float = 0.0
-    kv_cache_blocks_total: float = 0.0
-    last_progress_timestamp: float | None = None
-
-    @property
-    def tokens(self) -> float:
-        """Real tokens processed or produced: the only measure of progress."""
-        return self.prompt_tokens + self.generation_tokens
-
-    @property
-    def work(self) -> float:
-        return self.requests_running + self.requests_waiting + self.kv_transfers_in_flight
-
-
-def parse_metrics(text: str) -> dict[int, RankSample]:
-    """Per-rank samples from a server's Prometheus text. Raises `ScrapeError` for anything that is
-    not a complete adpfleet server exposition (garbage, HTML, truncated, a metric missing)."""
-    if len(text) > MAX_METRICS_BYTES:
-        raise ScrapeError(f"/metrics is {len(text)} bytes, more than {MAX_METRICS_BYTES}: not an adpfleet server")
-    wanted = {**_REQUIRED, **_OPTIONAL}
-    values: dict[int, dict[str, float]] = {}
-    seen: dict[int, set[str]] = {}
-    try:
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                attr = wanted.get(sample.name)
-                if attr is None:
-                    continue
-                try:
-                    rank = int(sample.labels["rank"])
-                except (KeyError, ValueError):
-                    raise ScrapeError(f"{sample.name} has no integer 'rank' label: {sample.labels}") from None
-                value = float(sample.value)
-                if math.isnan(value) or math.isinf(value) or (value < 0 and attr != "last_progress_timestamp"):
-                    raise ScrapeError(f"{sample.name}{{rank={rank}}} is {value}")
-                values.setdefault(rank, {})[attr] = value
-                seen.setdefault(rank, set()).add(sample.name)
-    except ScrapeError:
-        raise
-    except Exception as e:  # noqa: BLE001 - the parser raises ValueError and friends on garbage
-        raise ScrapeError(f"not Prometheus text: {e}") from None
-    if not values:
-        raise ScrapeError("no adpfleet_* series: not an adpfleet server (or no rank is alive)")
-    for rank, names in seen.items():
-        missing = sorted(set(_REQUIRED) - names)
-        if missing:
-            raise ScrapeError(f"rank {rank} lacks {', '.join(missing)}")
-    return {rank: RankSample(**fields) for rank, fields in sorted(values.items())}
-
-
-@dataclass(frozen=True)
-class Scrape:
-    """One scrape of one server: `ranks` when it succeeded, `error` when it did not. `at` is the
-    operator's wall clock (seconds) when the scrape was taken."""
-    at: float
-    ranks: Mapping[int, RankSample] | None = None
-    error: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.ranks is not None
-
-    def total(self, attr: str) -> float:
-        return sum(getattr(r, attr) for r in self.ranks.values())
-
-    @property
-    def tokens(self) -> float:
-        return sum(r.tokens for r in self.ranks.values())
-
-    @property
-    def work(self) -> float:
-        return sum(r.work for r in self.ranks.values())
-
-
-class State(str, enum.Enum):
-    PROGRESSING = "Progressing"  # produced real tokens within the window
-    IDLE = "Idle"                # no work
-    WARMING_UP = "WarmingUp"     # too few scrapes to cover the window (started, restarted, just seen)
-    SUSPECT = "Suspect"          # no tokens while having work, not (yet) for a confirmed whole window
-    STALLED = "Stalled"          # confirmed: act on it
-    UNREACHABLE = "Unreachable"  # the latest scrape failed: reported, never acted on as a stall
-
-
-class Signature(str, enum.Enum):
-    VETOED = "vetoed"
-    HUNG = "hung"
-    TRANSFER = "transfer"
+MAX_SAMPLES = 512  # scrapes kept per server at most, whatever the window (a bound on memory)
 
 
 @dataclass(frozen=True)
 class StallVerdict:
-    """What one server is doing, with the metric values that show it."""
+    """What one server is doing, with the metric values that show it. A stalled (or suspect)
+    server always has a signature: there is no fallback to guess one later."""
     server: str
     role: str
-    state: State
+    state: ServerState
     at: float
     reason: str
-    signature: Signature | None = None
+    signature: Signature | None = None  # set exactly when the server has no progress to show
     ranks: tuple[int, ...] = ()      # the ranks involved (starving, holding KV, or not advancing)
     since: float | None = None       # stalled: the scrape from which nothing moved
     evidence: Mapping[str, object] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if self.state is ServerState.STALLED and self.signature is None:
+            raise ValueError(f"a stalled verdict needs a signature: {self.server} {self.reason}")
+
     @property
     def stalled(self) -> bool:
-        return self.state is State.STALLED
+        return self.state is ServerState.STALLED
 
     def summary(self) -> str:
         """One line for Events, status and logs."""
@@ -199,7 +80,7 @@ def judge(server: str, role: str, samples: Sequence[Scrape], *, window_seconds: 
     comes: a stall is called after a whole window without tokens (less the jitter allowance), and at
     most about one scrape interval after that."""
     if not samples:
-        return StallVerdict(server, role, State.WARMING_UP, 0.0, "not scraped yet")
+        return StallVerdict(server, role, ServerState.WARMING_UP, 0.0, "not scraped yet")
     latest = samples[-1]
     if not latest.ok:
         failures = 0
@@ -207,7 +88,7 @@ def judge(server: str, role: str, samples: Sequence[Scrape], *, window_seconds: 
             if s.ok:
                 break
             failures += 1
-        return StallVerdict(server, role, State.UNREACHABLE, latest.at,
+        return StallVerdict(server, role, ServerState.UNREACHABLE, latest.at,
                             f"scrape failed ({failures} in a row): {latest.error}",
                             evidence={"consecutive_failures": failures})
     scrapes = _current_incarnation(samples)
@@ -215,15 +96,15 @@ def judge(server: str, role: str, samples: Sequence[Scrape], *, window_seconds: 
     assessments = []
     for end in range(len(scrapes) - 1, -1, -1):  # newest first
         assessments.append(_assess(scrapes, end, coverage))
-        if len(assessments) >= max(1, confirmations) or assessments[-1][0] is not State.STALLED:
+        if len(assessments) >= max(1, confirmations) or assessments[-1][0] is not ServerState.STALLED:
             break
     state, reason, base_index = assessments[0]
-    confirmed = (len(assessments) >= max(1, confirmations) and all(a[0] is State.STALLED for a in assessments)
+    confirmed = (len(assessments) >= max(1, confirmations) and all(a[0] is ServerState.STALLED for a in assessments)
                  and all(s.ok for s in samples[-len(assessments):]))  # consecutive: no failed scrape between
-    if state is State.STALLED and not confirmed:
-        state, reason = State.SUSPECT, reason + f"; not yet confirmed ({_count_stalled(assessments)}/" \
+    if state is ServerState.STALLED and not confirmed:
+        state, reason = ServerState.SUSPECT, reason + f"; not yet confirmed ({_count_stalled(assessments)}/" \
                                                 f"{confirmations} scrapes)"
-    if state in (State.STALLED, State.SUSPECT) and base_index is not None:
+    if state in (ServerState.STALLED, ServerState.SUSPECT) and base_index is not None:
         return _describe(server, role, state, reason, scrapes[base_index:], latest)
     return StallVerdict(server, role, state, latest.at, reason, evidence=_basic_evidence(latest))
 
@@ -231,7 +112,7 @@ def judge(server: str, role: str, samples: Sequence[Scrape], *, window_seconds: 
 def _count_stalled(assessments) -> int:
     n = 0
     for a in assessments:
-        if a[0] is not State.STALLED:
+        if a[0] is not ServerState.STALLED:
             break
         n += 1
     return n
@@ -250,7 +131,7 @@ def _current_incarnation(samples: Sequence[Scrape]) -> list[Scrape]:
     return ok[start:]
 
 
-def _assess(scrapes: list[Scrape], end: int, coverage: float) -> tuple[State, str, int | None]:
+def _assess(scrapes: list[Scrape], end: int, coverage: float) -> tuple[ServerState, str, int | None]:
     """Progress over the window that ends at scrapes[end]: (state, reason, baseline index)."""
     last = scrapes[end]
     base = None  # the newest earlier scrape at least `coverage` old: a window spans two scrapes or more
@@ -264,9 +145,9 @@ def _assess(scrapes: list[Scrape], end: int, coverage: float) -> tuple[State, st
         if base is not None and end > base and all(
                 r in scrapes[base].ranks and s.iterations <= scrapes[base].ranks[r].iterations
                 for r, s in last.ranks.items()) and last.tokens <= scrapes[base].tokens:
-            return State.STALLED, (f"no rank's loop advanced for {last.at - scrapes[base].at:.0f} s (an idle loop "
+            return ServerState.STALLED, (f"no rank's loop advanced for {last.at - scrapes[base].at:.0f} s (an idle loop "
                                    f"spins; its queue counters are frozen)"), base
-        return State.IDLE, "no requests and no KV transfers", None
+        return ServerState.IDLE, "no requests and no KV transfers", None
     # the stretch the verdict speaks for: from the baseline (or the oldest scrape) to `end`
     first = base if base is not None else 0
     work_from = first
@@ -276,19 +157,19 @@ def _assess(scrapes: list[Scrape], end: int, coverage: float) -> tuple[State, st
             break
     moved = last.tokens - scrapes[first].tokens
     if moved > 0:
-        return State.PROGRESSING, f"{moved:.0f} real tokens in the last {last.at - scrapes[first].at:.0f} s", None
+        return ServerState.PROGRESSING, f"{moved:.0f} real tokens in the last {last.at - scrapes[first].at:.0f} s", None
     if work_from > first:
-        return State.SUSPECT, (f"no real tokens, work pending for {last.at - scrapes[work_from].at:.0f} s "
+        return ServerState.SUSPECT, (f"no real tokens, work pending for {last.at - scrapes[work_from].at:.0f} s "
                                f"(less than the window)"), work_from
     if base is None:
         if end == 0:
-            return State.WARMING_UP, "one scrape so far", None
-        return State.SUSPECT, (f"no real tokens with work pending for {last.at - scrapes[0].at:.0f} s "
+            return ServerState.WARMING_UP, "one scrape so far", None
+        return ServerState.SUSPECT, (f"no real tokens with work pending for {last.at - scrapes[0].at:.0f} s "
                                f"of the {coverage:.0f} s needed"), 0
-    return State.STALLED, f"no real tokens for {last.at - scrapes[base].at:.0f} s while having work", base
+    return ServerState.STALLED, f"no real tokens for {last.at - scrapes[base].at:.0f} s while having work", base
 
 
-def _describe(server: str, role: str, state: State, reason: str, stretch: list[Scrape],
+def _describe(server: str, role: str, state: ServerState, reason: str, stretch: list[Scrape],
               latest: Scrape) -> StallVerdict:
     """Signature, ranks involved and evidence of a no-progress stretch (oldest..latest)."""
     base = stretch[0]
@@ -384,7 +265,7 @@ class SampleWindows:
     def __init__(self) -> None:
         self._servers: dict[str, tuple[str, deque[Scrape]]] = {}
 
-    def add(self, server: str, pod_uid: str, scrape: Scrape, *, keep_seconds: float, max_samples: int = 512) -> None:
+    def add(self, server: str, pod_uid: str, scrape: Scrape, *, keep_seconds: float, max_samples: int = MAX_SAMPLES) -> None:
         uid, samples = self._servers.get(server, (None, None))
         if uid != pod_uid or samples is None:
             samples = deque(maxlen=max_samples)

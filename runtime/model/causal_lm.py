@@ -1,4 +1,6 @@
-"""The Llama decoder and its Mixtral (mixture-of-experts) variant."""
+"""The decoder every registered architecture runs: Llama's, with the options its relatives add
+(qkv bias, q/k norm, Mixtral's experts). Module names follow Hugging Face's (`model.layers.N...`,
+`lm_head`) so checkpoint names map onto parameters directly."""
 
 from __future__ import annotations
 
@@ -10,17 +12,23 @@ from adpfleet.runtime.model.layers import DecoderLayer, RMSNorm, RotaryEmbedding
 from adpfleet.runtime.model.parallel import SINGLE, ParallelContext
 
 
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, par: ParallelContext):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, par) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
 class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, par: ParallelContext = SINGLE):
         super().__init__()
         self.cfg = cfg
         self.par = par
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, par) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.model = DecoderModel(cfg, par)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+            self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
 
     def allocate_kv_cache(self, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -32,10 +40,10 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, kv_cache) -> torch.Tensor:
         """Packed tokens [T] -> final hidden states [T, hidden]."""
-        x = self.embed_tokens(input_ids)
-        for layer in self.layers:
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
             x = layer(x, positions, meta, kv_cache, self.rotary)
-        return self.norm(x)
+        return self.model.norm(x)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,167 @@
+"""Reading a server's /metrics: the only network stall detection does, and what it yields.
+
+`scrape` fetches one server's exposition and returns a `Scrape`: the per-rank samples
+(`parse_metrics`), or, for every failure — refused, timed out, an HTTP error, a body that is not
+an adpfleet exposition — the reason, so the server is judged Unreachable, never stalled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import dataclass
+from typing import Mapping
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from adpfleet.operator.resource import names
+
+MAX_METRICS_BYTES = 4 * 1024 * 1024  # a server's /metrics is a few KiB; more is not a server of ours
+TIMEOUT_FRACTION = 0.8     # of a scrape interval: a scrape is over before the next one is due ...
+MIN_TIMEOUT_SECONDS = 1.0  # ... but gets at least this long ...
+MAX_TIMEOUT_SECONDS = 5.0  # ... and at most this long (a slow /metrics is a sick server)
+
+
+def timeout_for(interval_seconds: float) -> float:
+    """How long one scrape of a fleet scraped every `interval_seconds` may take."""
+    return min(max(MIN_TIMEOUT_SECONDS, interval_seconds * TIMEOUT_FRACTION), MAX_TIMEOUT_SECONDS)
+
+
+# metric name -> RankSample field; every server exports all of them for every rank (DESIGN §3.3)
+_REQUIRED = {
+    "adpfleet_iterations_total": "iterations",
+    "adpfleet_forward_steps_total": "forward_steps",
+    "adpfleet_forward_vetoed_total": "forward_vetoed",
+    "adpfleet_empty_batch_iterations_total": "empty_batch_iterations",
+    "adpfleet_prompt_tokens_total": "prompt_tokens",
+    "adpfleet_generation_tokens_total": "generation_tokens",
+    "adpfleet_requests_running": "requests_running",
+    "adpfleet_requests_waiting": "requests_waiting",
+    "adpfleet_kv_transfers_in_flight": "kv_transfers_in_flight",
+}
+_OPTIONAL = {
+    "adpfleet_kv_cache_blocks_used": "kv_cache_blocks_used",
+    "adpfleet_kv_cache_blocks_total": "kv_cache_blocks_total",
+    "adpfleet_last_progress_timestamp_seconds": "last_progress_timestamp",
+}
+
+
+class ScrapeError(ValueError):
+    """The text is not a server's /metrics: what is wrong, in one line."""
+
+
+@dataclass(frozen=True)
+class RankSample:
+    """One rank's counters and gauges at one scrape."""
+    iterations: float = 0.0
+    forward_steps: float = 0.0
+    forward_vetoed: float = 0.0
+    empty_batch_iterations: float = 0.0
+    prompt_tokens: float = 0.0
+    generation_tokens: float = 0.0
+    requests_running: float = 0.0
+    requests_waiting: float = 0.0
+    kv_transfers_in_flight: float = 0.0
+    kv_cache_blocks_used: float = 0.0
+    kv_cache_blocks_total: float = 0.0
+    last_progress_timestamp: float | None = None
+
+    @property
+    def tokens(self) -> float:
+        """Real tokens processed or produced: the only measure of progress."""
+        return self.prompt_tokens + self.generation_tokens
+
+    @property
+    def work(self) -> float:
+        return self.requests_running + self.requests_waiting + self.kv_transfers_in_flight
+
+
+def parse_metrics(text: str) -> dict[int, RankSample]:
+    """Per-rank samples from a server's Prometheus text. Raises `ScrapeError` for anything that is
+    not a complete adpfleet server exposition (garbage, HTML, truncated, a metric missing)."""
+    if len(text) > MAX_METRICS_BYTES:
+        raise ScrapeError(f"/metrics is {len(text)} bytes, more than {MAX_METRICS_BYTES}: not an adpfleet server")
+    wanted = {**_REQUIRED, **_OPTIONAL}
+    values: dict[int, dict[str, float]] = {}
+    seen: dict[int, set[str]] = {}
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                attr = wanted.get(sample.name)
+                if attr is None:
+                    continue
+                try:
+                    rank = int(sample.labels["rank"])
+                except (KeyError, ValueError):
+                    raise ScrapeError(f"{sample.name} has no integer 'rank' label: {sample.labels}") from None
+                value = float(sample.value)
+                if math.isnan(value) or math.isinf(value) or (value < 0 and attr != "last_progress_timestamp"):
+                    raise ScrapeError(f"{sample.name}{{rank={rank}}} is {value}")
+                values.setdefault(rank, {})[attr] = value
+                seen.setdefault(rank, set()).add(sample.name)
+    except ScrapeError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the parser raises ValueError and friends on garbage
+        raise ScrapeError(f"not Prometheus text: {e}") from None
+    if not values:
+        raise ScrapeError("no adpfleet_* series: not an adpfleet server (or no rank is alive)")
+    for rank, exported in seen.items():
+        missing = sorted(set(_REQUIRED) - exported)
+        if missing:
+            raise ScrapeError(f"rank {rank} lacks {', '.join(missing)}")
+    return {rank: RankSample(**fields) for rank, fields in sorted(values.items())}
+
+
+@dataclass(frozen=True)
+class Scrape:
+    """One scrape of one server: `ranks` when it succeeded, `error` when it did not. `at` is the
+    operator's wall clock (seconds) when the scrape was taken."""
+    at: float
+    ranks: Mapping[int, RankSample] | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.ranks is not None
+
+    def total(self, attr: str) -> float:
+        return sum(getattr(r, attr) for r in self.ranks.values())
+
+    @property
+    def tokens(self) -> float:
+        return sum(r.tokens for r in self.ranks.values())
+
+    @property
+    def work(self) -> float:
+        return sum(r.work for r in self.ranks.values())
+
+
+def metrics_url(pod_ip: str, port: int = names.SERVER_HTTP_PORT) -> str:
+    host = f"[{pod_ip}]" if ":" in pod_ip else pod_ip
+    return f"http://{host}:{port}/metrics"
+
+
+async def scrape(client: httpx.AsyncClient, url: str, timeout: float, clock=time.time) -> Scrape:
+    try:
+        async with asyncio.timeout(timeout):
+            async with client.stream("GET", url, timeout=timeout) as response:
+                if response.status_code != 200:
+                    return Scrape(at=clock(), error=f"GET {url}: HTTP {response.status_code}")
+                chunks, size = [], 0  # read with a bound: parse_metrics would refuse it anyway
+                async for chunk in response.aiter_bytes():
+                    size += len(chunk)
+                    if size > MAX_METRICS_BYTES:
+                        return Scrape(at=clock(), error=f"GET {url}: more than {MAX_METRICS_BYTES} bytes")
+                    chunks.append(chunk)
+        at = clock()
+        return Scrape(at=at, ranks=parse_metrics(b"".join(chunks).decode("utf-8", errors="replace")))
+    except TimeoutError:
+        return Scrape(at=clock(), error=f"GET {url}: timed out after {timeout:g} s")
+    except ScrapeError as e:
+        return Scrape(at=clock(), error=f"GET {url}: {e}")
+    except httpx.HTTPError as e:
+        return Scrape(at=clock(), error=f"GET {url}: {type(e).__name__}: {e}".rstrip(": "))
+    except OSError as e:
+        return Scrape(at=clock(), error=f"GET {url}: {e}")

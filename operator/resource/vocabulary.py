@@ -1,0 +1,103 @@
+"""The words of stall detection and remediation, each defined once (DESIGN.md §3.5).
+
+The CRD's enums (`spec.remediation`, `status.recentRemediations`), the decisions
+(`decisions/detection.py`, `decisions/remediation.py`), the Events and the operator's metric
+labels all use these members. A new signature, action or outcome is one line here plus the rule
+that produces it; `adpfleet crds` then carries it into the CRD. Torch-free and dependency-free, so
+every floor may import it.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class Signature(str, enum.Enum):
+    """How a stalled server makes no progress (docs/remediation.md has the metrics of each)."""
+    VETOED = "vetoed"      # the loop spins, the can_queue vote vetoes every forward (a rank starves)
+    HUNG = "hung"          # no rank's loop advances (a frozen rank blocks its peers in a collective)
+    TRANSFER = "transfer"  # KV held for transfers that never complete
+
+
+class ServerState(str, enum.Enum):
+    """What one server is doing, as its latest scrapes show (a stall verdict's state)."""
+    PROGRESSING = "Progressing"  # produced real tokens within the window
+    IDLE = "Idle"                # no work
+    WARMING_UP = "WarmingUp"     # too few scrapes to cover the window (started, restarted, just seen)
+    SUSPECT = "Suspect"          # no tokens while having work, not (yet) for a confirmed whole window
+    STALLED = "Stalled"          # confirmed: act on it
+    UNREACHABLE = "Unreachable"  # the latest scrape failed: reported, never acted on as a stall
+
+
+class Action(str, enum.Enum):
+    """What remediation does about a stalled server (the rungs of the escalation ladder)."""
+    RESTART_SERVER = "RestartServer"  # drain it, delete its pod(s); the reconcile recreates them
+    RESTART_PEERS = "RestartPeers"    # the other role's servers, the ones it waits on, in batches
+    RESTART_ROLE = "RestartRole"      # every server of its role, in batches
+    HALT = "Halt"                     # stop remediating the fleet; Degraded until a person looks
+
+    @property
+    def restarts(self) -> bool:
+        """Deletes pods (and so spends budget and may be in progress)."""
+        return self is not Action.HALT
+
+    @property
+    def rolling(self) -> bool:
+        """Restarts its targets a batch at a time, each batch Ready again before the next."""
+        return self in (Action.RESTART_PEERS, Action.RESTART_ROLE)
+
+    @property
+    def event_reason(self) -> str:
+        """The Event that announces the action (`RestartingServer`, ..., `RemediationHalted`)."""
+        return "RemediationHalted" if self is Action.HALT else "Restarting" + self.value.removeprefix("Restart")
+
+
+class Outcome(str, enum.Enum):
+    """Where one recorded remediation stands (`status.recentRemediations[].outcome`)."""
+    PENDING = "Pending"        # decided and recorded; being carried out
+    SUCCEEDED = "Succeeded"    # the pods were deleted (the reconcile recreates them)
+    RESOLVED = "Resolved"      # ... and the server made progress again afterwards: the stall did not persist
+    FAILED = "Failed"          # the API refused; see the message
+    RECOVERED = "Recovered"    # progress resumed during the drain; nothing was deleted
+    DRY_RUN = "DryRun"         # mode DryRun: what would have been done
+    HALTED = "Halted"          # the escalation stopped remediation of the fleet
+
+    @property
+    def spends_budget(self) -> bool:
+        """A restart with this outcome counts against budgetPerHour (dry runs and recoveries are free)."""
+        return self in (Outcome.PENDING, Outcome.SUCCEEDED, Outcome.RESOLVED, Outcome.FAILED)
+
+    @property
+    def unresolved(self) -> bool:
+        """A restart with this outcome may still be underway, and pushes the ladder up."""
+        return self in (Outcome.PENDING, Outcome.SUCCEEDED)
+
+    @property
+    def event(self) -> tuple[str, str]:
+        """(type, reason) of the Event that reports a carried-out action ending this way."""
+        return {Outcome.SUCCEEDED: ("Normal", "Remediated"), Outcome.RECOVERED: ("Normal", "RemediationCancelled"),
+                Outcome.FAILED: ("Warning", "RemediationFailed")}.get(self, ("Warning", "Remediation"))
+
+
+class Choice(str, enum.Enum):
+    """What the policy chose for one stalled server."""
+    ACT = "Act"
+    DRY_RUN = "DryRun"
+    SKIP = "Skip"
+
+
+class SkipReason(str, enum.Enum):
+    """Why the policy chose to do nothing about a stalled server (the rules of docs/remediation.md)."""
+    HALTED = "Halted"
+    IN_PROGRESS = "InProgress"
+    COOLDOWN = "Cooldown"
+    BUDGET_EXHAUSTED = "BudgetExhausted"
+    CONCURRENCY_LIMIT = "ConcurrencyLimit"
+    LAST_READY_SERVER = "LastReadyServer"
+
+
+class RemediationMode(str, enum.Enum):
+    """`spec.remediation.mode`."""
+    AUTO = "Auto"          # drain and restart stalled servers
+    DRY_RUN = "DryRun"     # detect and report only
+    DISABLED = "Disabled"  # do not watch for stalls

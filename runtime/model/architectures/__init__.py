@@ -1,0 +1,1 @@
+"""One module per model architecture, each declaring `ARCHITECTURE` (see `registry.py`)."""

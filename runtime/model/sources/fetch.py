@@ -1,0 +1,137 @@
+"""Every model URI to a directory the engine loads: `resolve_model` (serve, generate) and
+`adpfleet fetch-model` (the init container, or by hand).
+
+A directory or pvc:// source is checked where it is; hf:// and s3:// are fetched once into the
+cache (`cache.fill_once`): metadata first, then checked (config.json, a supported model_type,
+safetensors present, room on the disk) before a single weight byte is downloaded.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import shutil
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from adpfleet.model_uri import (DIRECTORY_NOT_FOUND, DISK_FULL, INVALID_MODEL, OBJECT_NOT_FOUND,
+                                SOURCE_UNREACHABLE, VOLUME_NOT_MOUNTED, ModelSourceError, ModelURI,
+                                default_cache_root, parse_model_uri)
+from adpfleet.runtime.model.sources.cache import fill_once
+from adpfleet.runtime.model.sources.files import metadata_files, weight_files
+from adpfleet.runtime.model.sources.progress import Progress, bytes_under
+
+log = logging.getLogger("adpfleet.fetch")
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    path: str  # what the engine loads: a model directory or a built-in name
+    served_name: str  # the model id the API reports unless --served-model-name says otherwise
+    revision: str | None = None  # hf: the commit it was fetched at
+
+
+def resolve_model(text: str, cache_dir: str | None = None, dest: str | None = None) -> ResolvedModel:
+    """The local model `text` names, fetching it first if it is remote and not in the cache."""
+    uri = parse_model_uri(text)
+    try:
+        if uri.kind == "builtin":
+            return ResolvedModel(uri.name, uri.served_name)
+        if not uri.downloads:
+            path = Path(uri.local_dir())
+            if not path.is_dir():
+                if uri.kind == "pvc":
+                    raise ModelSourceError(VOLUME_NOT_MOUNTED, f"{text}: {path} does not exist (is the claim "
+                                                               f"{uri.name!r} mounted at {path.parents[0]}?)")
+                raise ModelSourceError(DIRECTORY_NOT_FOUND, f"model directory {path} does not exist")
+            return ResolvedModel(str(path), uri.served_name)
+        final = Path(dest) if dest else Path(uri.cache_dir(cache_dir or default_cache_root()))
+        marker = fill_once(final, lambda partial: _download(uri, partial))
+        log.info("%s is in %s%s", text, final, f" (revision {marker['revision']})" if marker.get("revision") else "")
+        return ResolvedModel(str(final), uri.served_name, marker.get("revision"))
+    except ModelSourceError as e:
+        e.uri = e.uri or text
+        raise
+
+
+def _download(uri: ModelURI, partial: Path) -> dict:
+    from adpfleet.runtime.model.config import ModelConfig
+
+    source = _source(uri)
+    with _disk_errors(partial), source.errors():
+        listing = source.list()
+        if "config.json" not in listing:
+            raise ModelSourceError(OBJECT_NOT_FOUND if uri.kind == "s3" else INVALID_MODEL,
+                                   f"{uri.uri} has no config.json (is it a Hugging Face model?)")
+        metadata = metadata_files(listing)
+        source.download(metadata, partial)
+        label = f"hf://{uri.name}@{source.revision}" if uri.kind == "hf" else uri.uri  # the commit it pins
+        cfg = ModelConfig.from_dir(partial)  # refuses an unsupported model_type before the weights
+        weights = weight_files(listing, partial, uri.uri)
+        total = sum(listing[n] for n in weights)
+        _check_room(partial, total - sum(_size(partial / n) for n in weights))
+        log.info("%s: %s, %d weight files", label, cfg.model_type, len(weights))
+        t0 = time.monotonic()
+        with Progress(partial, total + bytes_under(partial), label):
+            source.download(weights, partial)
+        log.info("%s: fetched in %.1f s", label, time.monotonic() - t0)
+    return {"uri": uri.uri, "revision": source.revision, "files": sorted(metadata + weights),
+            "bytes": total + sum(listing[n] for n in metadata),
+            **({"etags": {n: source.etags[n] for n in weights}} if uri.kind == "s3" else {})}
+
+
+def _source(uri: ModelURI):
+    if uri.kind == "hf":
+        from adpfleet.runtime.model.sources.hf import HubSource
+        return HubSource(uri)
+    from adpfleet.runtime.model.sources.s3 import S3Source
+    return S3Source(uri)
+
+
+def _size(path: Path) -> int:
+    return path.stat().st_size if path.is_file() else 0
+
+
+def _check_room(directory: Path, needed: int) -> None:
+    free = shutil.disk_usage(directory).free
+    if needed > free:
+        raise ModelSourceError(DISK_FULL, f"the model needs {needed / 1e9:.2f} GB more and {directory.parent} "
+                                          f"has {free / 1e9:.2f} GB free (raise the cache volume's size)")
+
+
+@contextmanager
+def _disk_errors(directory: Path):
+    try:
+        yield
+    except ModelSourceError:
+        raise
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT) or "No space left" in str(e):
+            raise ModelSourceError(DISK_FULL, f"{directory.parent} ran out of space: {e}") from None
+        if any(c.__name__ in ("ConnectError", "TimeoutException", "TransportError", "ConnectionError")
+               for c in type(e).__mro__):
+            raise ModelSourceError(SOURCE_UNREACHABLE, str(e)) from None
+        raise
+    except Exception as e:  # the HTTP clients' transport errors are not all OSErrors
+        if any(c.__name__ in ("ConnectError", "TimeoutException", "TransportError") for c in type(e).__mro__):
+            raise ModelSourceError(SOURCE_UNREACHABLE, f"{type(e).__name__}: {e}") from None
+        raise
+
+
+def main(args) -> int:
+    """`adpfleet fetch-model URI [--dest DIR] [--cache-dir DIR]`: fetches (or finds) the model,
+    checks what loading would refuse first, prints the model's directory."""
+    from adpfleet.runtime.model.checkpoint import check_model_dir
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    model = resolve_model(args.model, args.cache_dir, args.dest)
+    if parse_model_uri(args.model).kind != "builtin":
+        try:
+            check_model_dir(Path(model.path))
+        except ModelSourceError as e:
+            e.uri = args.model
+            raise
+    print(model.path, flush=True)
+    return 0

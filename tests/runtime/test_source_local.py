@@ -1,0 +1,65 @@
+"""pvc:// and directory sources: found where they are mounted, checked by `fetch-model` the way
+loading would refuse them, each failure with its reason and exit code."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from adpfleet.cli import main
+from adpfleet.model_uri import parse_termination_message
+
+from hf_models import save_hf_model
+
+
+@pytest.fixture(scope="module")
+def claim_root(tmp_path_factory):
+    """A directory standing for the claims' mount root, with claim 'store' holding a model."""
+    root = tmp_path_factory.mktemp("pvc")
+    save_hf_model("qwen2", root / "store" / "qwen2")
+    return root
+
+
+@pytest.fixture
+def env(claim_root, monkeypatch, tmp_path):
+    monkeypatch.setenv("ADPFLEET_PVC_ROOT", str(claim_root))
+    monkeypatch.setenv("ADPFLEET_TERMINATION_LOG", str(tmp_path / "termination-log"))
+    return tmp_path
+
+
+def test_a_pvc_model_is_found_under_its_claims_mount(env, claim_root, capsys):
+    assert main(["fetch-model", "pvc://store/qwen2"]) == 0
+    assert capsys.readouterr().out.strip() == str(claim_root / "store" / "qwen2")
+
+
+@pytest.mark.parametrize("uri, breakage, reason, code", [
+    ("pvc://other-claim/qwen2", None, "VolumeNotMounted", 22),
+    ("pvc://store/nothing-here", None, "VolumeNotMounted", 22),
+    ("{tmp}/nope", None, "DirectoryNotFound", 23),
+    ("{tmp}/model", "model_type", "UnsupportedModelType", 16),
+    ("{tmp}/model", "weights", "NoSafetensors", 15),
+    ("{tmp}/model", "config", "InvalidModel", 17),
+])
+def test_an_unusable_local_model_exits_with_its_reason(env, claim_root, capsys, uri, breakage, reason, code):
+    model = env / "model"
+    shutil.copytree(claim_root / "store" / "qwen2", model)
+    if breakage == "model_type":
+        raw = json.loads((model / "config.json").read_text())
+        (model / "config.json").write_text(json.dumps({**raw, "model_type": "falcon"}))
+    elif breakage == "weights":
+        (model / "model.safetensors").unlink()
+    elif breakage == "config":
+        (model / "config.json").unlink()
+    text = uri.format(tmp=env)
+    assert main(["fetch-model", text]) == code
+    assert reason in capsys.readouterr().err
+    failure = parse_termination_message((env / "termination-log").read_text())
+    assert (failure.reason, failure.uri) == (reason, text)
+
+
+def test_fetch_model_does_not_import_torch(claim_root):
+    code = (f"import sys; from adpfleet.cli import main; assert main(['fetch-model', '{claim_root}/store/qwen2']) == 0; "
+            "assert 'torch' not in sys.modules, 'fetch-model imported torch'")
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
