@@ -36,7 +36,7 @@ from adpfleet.runtime import metrics
 from adpfleet.runtime.engine.sampling import InvalidRequestError
 from adpfleet.runtime.engine.validation import tokenize
 from adpfleet.runtime.executor import kv_transfer
-from adpfleet.runtime.kv_endpoint import parse_endpoint
+from adpfleet.runtime.executor.kv_endpoint import parse_endpoint
 from adpfleet.runtime.serving import protocol
 from adpfleet.runtime.serving.auth import INTERNAL, BearerAuth, Credentials, KVPeers
 from adpfleet.runtime.serving.limits import (DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_WAITING_REQUESTS,

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from adpfleet.runtime.kv_endpoint import HANDLE, format_endpoint, parse_endpoint
+from adpfleet.runtime.executor.kv_endpoint import HANDLE, format_endpoint, parse_endpoint
 
 log = logging.getLogger(__name__)
 

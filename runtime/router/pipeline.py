@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from adpfleet.runtime.kv_endpoint import parse_endpoint
+from adpfleet.runtime.executor.kv_endpoint import parse_endpoint
 from adpfleet.runtime.router import sse
 from adpfleet.runtime.router.metrics import RouterMetrics
 from adpfleet.runtime.router.policy import (OVERLOADED, Failure, error_body, failure_from_status, final_error,

@@ -14,7 +14,7 @@ from typing import ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from adpfleet.runtime.engine.sampling import InvalidRequestError, SamplingParams
-from adpfleet.runtime.kv_endpoint import HANDLE_PATTERN, parse_endpoint
+from adpfleet.runtime.executor.kv_endpoint import HANDLE_PATTERN, parse_endpoint
 
 
 class _Strict(BaseModel):
