@@ -164,7 +164,8 @@ class _LingeringTransport:
 
     def close(self) -> None:
         t = self._transport
-        if self.lingering or t.is_closing() or not self._protocol._reading() or not t.can_write_eof():
+        body_unread = self._protocol.conn.their_state is h11.SEND_BODY
+        if self.lingering or t.is_closing() or not body_unread or not t.can_write_eof():
             t.close()
             return
         self.lingering = True
