@@ -199,3 +199,20 @@ def test_a_peer_that_never_completes_fails_the_pull_by_its_deadline(kind):
 def test_endpoints_and_handles_that_are_not_plain_are_refused_before_any_connection(endpoint, handle):
     with pytest.raises(KVTransferError):
         fetch(endpoint, handle, 2, LAYOUT, TOKENS)
+
+
+@pytest.mark.parametrize("endpoint, parsed", [
+    ("10.0.0.3:8001", ("10.0.0.3", 8001)), ("[fd00::3]:8001", ("fd00::3", 8001)),
+    ("ctx-0.fleet.svc:8001", ("ctx-0.fleet.svc", 8001)), ("127.0.0.1:65535", ("127.0.0.1", 65535)),
+    ("127.0.0.1:0", None), ("127.0.0.1:65536", None), ("127.0.0.1:99999", None), ("127.0.0.1", None),
+    ("fd00::3:8001", None), ("[nope]:1", None), ("a b:1", None), ("-host:1", None), ("h\r\n:1", None),
+    ("x" * 400 + ":1", None),
+])
+def test_an_endpoint_is_host_and_tcp_port_and_nothing_else(endpoint, parsed):
+    from adpfleet.runtime.executor.kv_endpoint import format_endpoint, parse_endpoint
+
+    if parsed is None:
+        with pytest.raises(ValueError):
+            parse_endpoint(endpoint)
+    else:
+        assert parse_endpoint(endpoint) == parsed and format_endpoint(*parsed) == endpoint
