@@ -73,6 +73,15 @@ def test_an_unreachable_context_server_fails_the_generation_request_explicitly(f
     assert httpx.get(fleet["generation"].url + "/health").status_code == 200
 
 
+@pytest.mark.parametrize("host", ["10.1.2.3", "169.254.169.254", "example.com"])
+def test_a_direct_request_may_name_only_an_allowed_kv_peer(fleet, host):
+    params = {"ctx_request_id": "x", "first_token_id": 65, "prompt_token_ids": [256, 65, 66],
+              "kv_endpoint": f"{host}:8001", "kv_handle": "h"}
+    r = post(fleet["generation"], "/v1/completions", {"prompt": "x", "max_tokens": 4, "disaggregated_params": params})
+    assert r.status_code == 403 and r.json()["error"]["param"] == "disaggregated_params"
+    assert "not an allowed KV peer" in r.json()["error"]["message"]
+
+
 def test_a_handle_pulled_twice_is_refused_the_second_time(fleet):
     body = {"prompt": "only once", "max_tokens": 4, "temperature": 0}
     ctx, _ = disaggregated(fleet, "/v1/completions", body)

@@ -94,12 +94,15 @@ def test_a_puller_that_closes_midway_ends_the_transfer_at_once(server, held):
     wait(lambda: held.done == 1, timeout=1.5)
 
 
-@pytest.mark.parametrize("line", [b"GET req-1\n", b"ADPKV2 GET req-1\r\nGET other x\n", b"\xff" * 300 + b"\n",
-                                  b"ADPKV2 GET ../../etc x\n", b"ADPKV1 GET req-1\n"])
-def test_malformed_request_lines_are_refused_with_a_message(server, held, line):
+@pytest.mark.parametrize("line, message", [
+    (b"GET req-1\n", "malformed request line"), (b"ADPKV2 GET req-1\r\nGET other x\n", "malformed"),
+    (b"\xff" * 300 + b"\n", "malformed request line"), (b"ADPKV2 GET ../../etc x\n", "malformed handle"),
+    (b"ADPKV2 GET " + b"h" * 129 + b" x\n", "malformed handle"), (b"ADPKV1 GET req-1\n", "malformed request line"),
+])
+def test_malformed_request_lines_are_refused_with_a_message(server, held, line, message):
     conn, header = raw_pull(server, line)
     reply = json.loads(header)
-    assert reply["status"] == "error" and reply["message"]
+    assert reply["status"] == "error" and message in reply["message"]
     assert held.done == 0
     conn.close()
 
@@ -179,6 +182,28 @@ def test_a_header_that_does_not_fit_the_local_model_and_prompt_fails_the_pull(ca
         assert time.monotonic() - t0 < 3  # refused from the header, not by the deadline
     finally:
         rogue.close()
+
+
+def test_a_json_true_is_not_a_count_of_one():
+    one_head = KVLayout(2, 1, 8, "float32")
+    rogue = Rogue({**one_head.header(TOKENS), "kv_heads": True}, b"\0" * one_head.nbytes(TOKENS))
+    try:
+        with pytest.raises(KVTransferError, match="'kv_heads'"):
+            fetch(rogue.endpoint, "h", 5, one_head, TOKENS)
+    finally:
+        rogue.close()
+
+
+def test_a_handle_that_is_not_plain_never_reaches_the_peer():
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.setblocking(False)
+    try:
+        with pytest.raises(KVTransferError, match="malformed handle"):
+            fetch(f"127.0.0.1:{listener.getsockname()[1]}", "req-1\r\nGET other", 2, LAYOUT, TOKENS)
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nobody connected
+    finally:
+        listener.close()
 
 
 @pytest.mark.parametrize("kind", ["short then closed", "stalled", "dripped"])
