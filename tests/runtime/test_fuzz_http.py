@@ -36,11 +36,6 @@ chat_bodies = st.fixed_dictionaries(
 
 
 @pytest.fixture(scope="module")
-def server(server_trio):
-    return server_trio["aggregated"]
-
-
-@pytest.fixture(scope="module")
 def router(server_trio, tmp_path_factory):
     r = RouterProcess(tmp_path_factory.mktemp("fuzz-router"), "--context", server_trio["context"].url,
                       "--generation", server_trio["generation"].url)
@@ -48,6 +43,12 @@ def router(server_trio, tmp_path_factory):
         yield r.wait_healthy()
     finally:
         r.stop()
+
+
+@pytest.fixture(scope="module", params=["server", "router"])
+def target(request, server_trio):
+    """An aggregated server, and the router in front of a context and a generation server."""
+    return server_trio["aggregated"] if request.param == "server" else request.getfixturevalue("router")
 
 
 def check(server, path, body):
@@ -60,47 +61,28 @@ def check(server, path, body):
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(completion_bodies)
-def test_completions_never_answer_5xx(server, body):
-    check(server, "/v1/completions", body)
+def test_completions_never_answer_5xx(target, body):
+    check(target, "/v1/completions", body)
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(chat_bodies)
-def test_chat_never_answers_5xx(server, body):
-    check(server, "/v1/chat/completions", body)
+def test_chat_never_answers_5xx(target, body):
+    check(target, "/v1/chat/completions", body)
 
 
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.binary(max_size=40))
-def test_arbitrary_bytes_never_answer_5xx(server, raw):
-    r = httpx.post(server.url + "/v1/completions", content=raw, timeout=30)
+def test_arbitrary_bytes_never_answer_5xx(target, raw):
+    r = httpx.post(target.url + "/v1/completions", content=raw, timeout=30)
     assert r.status_code < 500
 
 
 @pytest.mark.parametrize("raw", [b'{"prompt": "x", "temperature": NaN}', b'{"prompt": "x", "top_p": Infinity}',
                                  b'{"prompt": "x", "max_tokens": 1e999}', b'{"prompt": "\\ud800"}'])
-def test_non_standard_json_numbers_and_lone_surrogates_are_bad_requests(server, raw):
-    r = httpx.post(server.url + "/v1/completions", content=raw, timeout=30)
+def test_non_standard_json_numbers_and_lone_surrogates_are_bad_requests(target, raw):
+    r = httpx.post(target.url + "/v1/completions", content=raw, timeout=30)
     assert r.status_code == 400, r.text
-
-
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(completion_bodies)
-def test_completions_through_the_router_never_answer_5xx(router, body):
-    check(router, "/v1/completions", body)
-
-
-@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(chat_bodies)
-def test_chat_through_the_router_never_answers_5xx(router, body):
-    check(router, "/v1/chat/completions", body)
-
-
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.binary(max_size=40))
-def test_arbitrary_bytes_to_the_router_never_answer_5xx(router, raw):
-    r = httpx.post(router.url + "/v1/completions", content=raw, timeout=30)
-    assert r.status_code < 500
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ from adpfleet.runtime.executor.kv_transfer import REQUEST_LINE_TIMEOUT_S, KVLayo
 from adpfleet.runtime.model.tiny import tiny_config
 
 from chat_model import save_chat_model
+from rogue_kv import RogueKVPeer
 from servers import RouterProcess, Server, metric, trio, wait_until
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
@@ -186,27 +187,6 @@ def test_disaggregated_params_with_only_the_api_key_are_forbidden(fleet):
     assert ok.status_code == 200  # the refusal did not consume the handle
 
 
-class RoguePeer:
-    """Plays a context server's KV port: sends `header` and `body`, then stalls or closes."""
-
-    def __init__(self, header, body=b"", stall=False):
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.endpoint = f"127.0.0.1:{self.sock.getsockname()[1]}"
-        raw = header if isinstance(header, bytes) else json.dumps(header).encode() + b"\n"
-
-        def run():
-            conn, _ = self.sock.accept()
-            with conn:
-                try:
-                    conn.recv(1000)
-                    conn.sendall(raw + body)
-                    if stall:
-                        time.sleep(3 * TRANSFER_TIMEOUT_S)
-                except OSError:
-                    pass
-        threading.Thread(target=run, daemon=True).start()
-
-
 PROMPT_IDS = [256, 65, 66, 67]
 GOOD = LAYOUT.header(len(PROMPT_IDS))
 ROGUES = {
@@ -223,7 +203,7 @@ ROGUES = {
 @pytest.mark.parametrize("rogue", list(ROGUES))
 def test_a_rogue_kv_peer_fails_only_its_request(fleet, rogue):
     header, nbytes, match = ROGUES[rogue]
-    peer = RoguePeer(header, b"\0" * abs(nbytes), stall=nbytes < 0)
+    peer = RogueKVPeer(header, b"\0" * abs(nbytes), stall_s=3 * TRANSFER_TIMEOUT_S if nbytes < 0 else 0)
     params = {"ctx_request_id": "rogue", "first_token_id": 65, "prompt_token_ids": PROMPT_IDS,
               "kv_endpoint": peer.endpoint, "kv_handle": "rogue-1"}
     t0 = time.monotonic()

@@ -12,6 +12,8 @@ import torch
 from adpfleet.runtime.executor import kv_transfer
 from adpfleet.runtime.executor.kv_transfer import KVLayout, KVTransferError, fetch, proof
 
+from rogue_kv import RogueKVPeer
+
 BS, TOKENS = 4, 10
 TABLE = [3, 1, 2]  # a paged cache: the request's blocks in any order
 TOKEN = "fleet-internal-token"
@@ -121,35 +123,6 @@ def test_idle_connections_are_closed_and_more_than_the_cap_are_refused_at_once(s
     fetch(server.endpoint, "req-1", 5, layout_of(held), TOKENS, TOKEN)  # the slots came back
 
 
-class Rogue:
-    """A peer that plays a context server: sends `header` (a dict, or raw bytes), then `body`,
-    then stalls or closes."""
-
-    def __init__(self, header, body=b"", stall=False, drip=False):
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.endpoint = f"127.0.0.1:{self.sock.getsockname()[1]}"
-        raw = header if isinstance(header, bytes) else json.dumps(header).encode() + b"\n"
-
-        def run():
-            conn, _ = self.sock.accept()
-            with conn:
-                try:
-                    conn.recv(1000)
-                    if drip:  # one byte at a time: every read succeeds, the transfer never ends
-                        for byte in raw + body:
-                            conn.sendall(bytes([byte]))
-                            time.sleep(0.2)
-                    conn.sendall(raw + body)
-                    if stall:
-                        time.sleep(30)
-                except OSError:  # the puller gave up on us: what it should do
-                    pass
-        threading.Thread(target=run, daemon=True).start()
-
-    def close(self):
-        self.sock.close()
-
-
 LAYOUT = KVLayout(2, 2, 8, "float32")
 
 
@@ -174,7 +147,7 @@ def header(**over):
     ("a header line that never ends", b"x" * 100000, "longer than"),
 ])
 def test_a_header_that_does_not_fit_the_local_model_and_prompt_fails_the_pull(case, bad, match):
-    rogue = Rogue(bad, b"\0" * LAYOUT.nbytes(TOKENS))
+    rogue = RogueKVPeer(bad, b"\0" * LAYOUT.nbytes(TOKENS))
     try:
         t0 = time.monotonic()
         with pytest.raises(KVTransferError, match=match):
@@ -186,7 +159,7 @@ def test_a_header_that_does_not_fit_the_local_model_and_prompt_fails_the_pull(ca
 
 def test_a_json_true_is_not_a_count_of_one():
     one_head = KVLayout(2, 1, 8, "float32")
-    rogue = Rogue({**one_head.header(TOKENS), "kv_heads": True}, b"\0" * one_head.nbytes(TOKENS))
+    rogue = RogueKVPeer({**one_head.header(TOKENS), "kv_heads": True}, b"\0" * one_head.nbytes(TOKENS))
     try:
         with pytest.raises(KVTransferError, match="'kv_heads'"):
             fetch(rogue.endpoint, "h", 5, one_head, TOKENS)
@@ -209,7 +182,7 @@ def test_a_handle_that_is_not_plain_never_reaches_the_peer():
 @pytest.mark.parametrize("kind", ["short then closed", "stalled", "dripped"])
 def test_a_peer_that_never_completes_fails_the_pull_by_its_deadline(kind):
     body = b"\0" * (LAYOUT.nbytes(TOKENS) // 2) if kind != "dripped" else b"\0" * LAYOUT.nbytes(TOKENS)
-    rogue = Rogue(header(), body, stall=kind == "stalled", drip=kind == "dripped")
+    rogue = RogueKVPeer(header(), body, stall_s=30 if kind == "stalled" else 0, drip=kind == "dripped")
     try:
         t0 = time.monotonic()
         with pytest.raises(KVTransferError):
