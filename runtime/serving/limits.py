@@ -1,8 +1,9 @@
 """Bounds on what one HTTP client can make a server or the router spend, shared by both.
 
 - reading a request: headers and body must arrive within the read timeout (`ReadTimeoutProtocol`:
-  slowloris), the body within `--max-request-bytes` (413), as one JSON object nested at most
-  MAX_JSON_DEPTH deep whose strings are all valid Unicode (400 otherwise, never a 500);
+  slowloris), the body within `--max-request-bytes` (413), as one standard JSON object (no NaN or
+  Infinity) nested at most MAX_JSON_DEPTH deep whose strings are all valid Unicode (400 otherwise,
+  never a 500);
 - waiting: a server answers 429 with Retry-After once `--max-waiting-requests` requests are
   accepted and not yet generating (`WaitingQueue`); the router tries another server.
 (The per-request deadline and the off-loop request preparation live where requests run:
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 
 import h11
 from fastapi import Request
@@ -73,7 +75,7 @@ def parse_json_object(raw: bytes) -> dict:
     """A request body as a JSON object, or Refused(400) saying why not. (CPU-bound for large
     bodies: call it off the event loop.)"""
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=_not_a_number, parse_float=_finite)
     except RecursionError:
         raise Refused(400, f"the request body is nested deeper than {MAX_JSON_DEPTH} levels") from None
     except (ValueError, UnicodeDecodeError) as e:
@@ -85,6 +87,17 @@ def parse_json_object(raw: bytes) -> dict:
         if problem:
             raise Refused(400, f"'{_printable(key)}': {problem}", _printable(key))
     return body
+
+
+def _not_a_number(name: str):
+    raise ValueError(f"{name} is not a JSON number")  # Python's json reads NaN and Infinity; nothing else does
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:40]} is out of range for a number")
+    return value
 
 
 def _nesting_or_text_problem(key: str, value) -> str | None:

@@ -96,6 +96,9 @@ def test_kv_peers_are_networks_and_literal_names():
     (b'{"model": "\\ud800"}', "model", "not valid Unicode"),
     (b'{"messages": [{"content": "ok"}, {"content": "\\udfff"}]}', "messages", "not valid Unicode"),
     (b'{"\\ud800": 1}', "\\ud800", "not valid Unicode"),
+    (b'{"temperature": NaN}', None, "NaN is not a JSON number"),
+    (b'{"top_p": -Infinity}', None, "-Infinity is not a JSON number"),
+    (b'{"max_tokens": 1e999}', None, "out of range"),
 ])
 def test_bodies_that_are_not_one_reasonable_json_object_are_400s_naming_the_field(raw, param, match):
     with pytest.raises(Refused) as err:
