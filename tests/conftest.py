@@ -20,3 +20,23 @@ def server_trio(tmp_path_factory):
 
     with trio(tmp_path_factory.mktemp("trio"), "--kv-lease", "30") as servers:
         yield servers
+
+
+def pytest_addoption(parser):
+    # The model tests (kernel, parity) run where a user would run the model: bench/gpu_check.sh
+    # passes --device cuda and each --dtype; the default is the CPU in float32.
+    parser.addoption("--device", default="cpu", choices=("cpu", "cuda"), help="device for the model tests")
+    parser.addoption("--dtype", default="float32", choices=("float32", "bfloat16"), help="dtype for the model tests")
+
+
+@pytest.fixture(scope="session")
+def device(request) -> str:
+    name = request.config.getoption("--device")
+    if name == "cuda" and not torch.cuda.is_available():
+        pytest.fail("--device cuda: torch sees no CUDA device on this machine")
+    return name
+
+
+@pytest.fixture(scope="session")
+def dtype(request) -> torch.dtype:
+    return getattr(torch, request.config.getoption("--dtype"))

@@ -67,8 +67,6 @@ IMPURE = ("kubernetes", "kopf", "aiohttp", "httpx", "asyncio", "socket", "subpro
 
 KNOWN_VIOLATIONS = {
     # violation -> who is removing it
-    "cycle: adpfleet.cluster.agent.agent, adpfleet.cluster.agent.container, adpfleet.cluster.agent.logserver, "
-    "adpfleet.cluster.agent.pod": "helper 'agent' (issue 12: children get what they need from a leaf module)",
     "upward: adpfleet.runtime.executor.offline -> adpfleet.runtime.serving.engine_client":
         "unassigned (found by this test; model_config_for belongs below serving/): the lead",
 }

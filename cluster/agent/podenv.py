@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
-from adpfleet.cluster.agent import quantity
+from adpfleet.cluster.agent import hosts, quantity
 
 Fetch = Callable[[str, str], Awaitable[dict | None]]  # (kind, name) -> object or None
 _ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
@@ -58,7 +58,7 @@ def base_env(pod: dict, node: NodeContext) -> dict[str, str]:
     env = {
         "PATH": f"{bin_dir}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
         "HOME": os.environ.get("HOME", "/root"),
-        "HOSTNAME": pod["metadata"]["name"],
+        "HOSTNAME": hosts.pod_hostname(pod),
         # No kube-proxy: in-cluster clients reach the apiserver on loopback directly.
         "KUBERNETES_SERVICE_HOST": node.apiserver_host,
         "KUBERNETES_SERVICE_PORT": str(node.apiserver_port),

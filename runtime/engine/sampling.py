@@ -64,25 +64,24 @@ class SamplingParams:
 
 
 class Sampler:
-    """Picks one token per row of logits. Greedy rows are batched; sampled rows use their own
-    generator so a seeded request draws the same tokens whatever it is batched with. A row whose
-    draw fails sets its request's `error` (the engine fails that request alone) and gets None."""
-
-    def __call__(self, logits: torch.Tensor, requests) -> list[int | None]:
-        out = logits.argmax(dim=-1).tolist()
-        for row, req in enumerate(requests):
-            if req.params.greedy:
-                continue
-            try:
-                out[row] = self._draw(logits[row], req)
-            except (RuntimeError, ValueError) as e:  # e.g. a seed torch refuses, probabilities not finite
-                out[row], req.error = None, f"sampling failed: {e}"
-        return out
+    """Draws tokens for sampled (non-greedy) requests from their own generator, so a seeded request
+    draws the same tokens whatever it is batched with. (Greedy rows are one batched argmax, in
+    `ModelRunner.sample`.) A draw that fails sets the request's `error`: the engine fails that
+    request alone, and the token returned in its place is never emitted."""
 
     @staticmethod
-    def _draw(logits: torch.Tensor, req) -> int:
+    def sample(row: torch.Tensor, req) -> int:
+        """One draw from a row of logits under the request's temperature, top-k and top-p."""
+        try:
+            return Sampler._draw(row, req)
+        except (RuntimeError, ValueError) as e:  # e.g. a seed torch refuses, probabilities not finite
+            req.error = f"sampling failed: {e}"
+            return int(row.argmax())
+
+    @staticmethod
+    def _draw(row: torch.Tensor, req) -> int:
         p = req.params
-        x = logits.float() / p.temperature
+        x = row.float() / p.temperature
         if p.top_k and p.top_k < x.numel():
             kth = torch.topk(x, p.top_k).values[-1]
             x = x.masked_fill(x < kth, float("-inf"))

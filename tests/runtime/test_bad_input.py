@@ -181,3 +181,16 @@ def test_pulled_kv_that_cannot_be_placed_fails_its_request_alone(engine):
     assert engine.kv.num_used_blocks == 0 and req not in engine.active
     [ok] = engine.generate(["still serving"], SamplingParams(max_tokens=3))
     assert ok.output_token_ids
+
+
+def test_a_rank_may_name_its_gpu_and_a_bad_device_is_named():
+    # rank processes run on "cuda:<rank % GPUs>"; the CLI's "cuda" and "cpu" stay the only words
+    with pytest.raises(ValueError, match="must be cpu or cuda, got 'tpu'"):
+        EngineConfig(device="tpu").validate()
+    with pytest.raises(ValueError, match="must be cpu or cuda, got 'cuda:x'"):
+        EngineConfig(device="cuda:x").validate()
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA device"):
+            EngineConfig(device="cuda:0").validate()
+    else:
+        EngineConfig(device="cuda:0").validate()
