@@ -89,7 +89,7 @@ def test_non_standard_json_numbers_and_lone_surrogates_are_bad_requests(target, 
 def kv_port(server_trio):
     """A context rank's KV port, and the held KV a real request left there (pulled at the end)."""
     ctx, gen = server_trio["context"], server_trio["generation"]
-    params = httpx.post(ctx.url + "/v1/completions", json={"prompt": "fuzz " * 10, "max_tokens": 4},
+    params = httpx.post(ctx.url + "/v1/completions", json={"prompt": "fuzz " * 10, "max_tokens": 4, "ignore_eos": True},
                         timeout=60).json()["disaggregated_params"]
     host, port = params["kv_endpoint"].rsplit(":", 1)
     yield host, int(port)
