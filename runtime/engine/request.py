@@ -39,6 +39,7 @@ class Request:
     remote_kv: tuple[str, str] | None = None  # (endpoint, handle)
     first_token_id: int | None = None
     kv_payload: object = None
+    error: str | None = None  # set when something failed for this request alone; the engine fails it
     _generator: torch.Generator | None = None
 
     @property

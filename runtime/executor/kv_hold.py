@@ -80,9 +80,9 @@ class KVHold:
 
     def lookup(self, request_id: str):
         """For the transfer server: (block table, token count) of a held prompt, and what to call
-        when the transfer ends: `done(True)` once the generation server confirmed it has every byte,
-        `done(False)` when it did not (the blocks wait for another pull, or their lease). None when
-        not held, or when its lease has run out."""
+        when its transfer ends, however it ended (a handle is pulled once: the blocks are freed at
+        the next reap; runtime/executor/kv_transfer.py). None when not held, or when its lease has
+        run out."""
         now = self.clock()
         with self._lock:
             h = self.held.get(request_id)
@@ -91,18 +91,7 @@ class KVHold:
             h.transfer_deadline = now + self.lease_s
             req = h.request
             where = (list(req.block_table), req.num_computed_tokens)
-
-        def done(ok: bool) -> None:
-            if ok:
-                self.puller_complete(request_id)
-            else:
-                self._abandon(request_id)
-        return where, done
-
-    def _abandon(self, request_id: str) -> None:
-        with self._lock:
-            if request_id in self.held:
-                self.held[request_id].transfer_deadline = None
+        return where, lambda: self.puller_complete(request_id)
 
     @property
     def blocks_in_flight(self) -> int:

@@ -26,6 +26,8 @@ import time
 
 import uvicorn
 
+from adpfleet.runtime.serving.limits import uvicorn_config
+
 log = logging.getLogger("adpfleet.server")
 
 POLL_S = 0.1
@@ -99,10 +101,11 @@ class GracefulServer(uvicorn.Server):
     """uvicorn, with SIGTERM turned into the drain above (SIGINT, or a SIGTERM before start-up
     finished or during the drain, stops as uvicorn does)."""
 
-    def __init__(self, app, engine, *, host: str, port: int, drain_timeout_s: float):
+    def __init__(self, app, engine, *, host: str, port: int, read_timeout: float, drain_timeout_s: float):
         self.drain = Drain(engine, drain_timeout_s)
-        super().__init__(uvicorn.Config(DrainGate(app, self.drain), host=host, port=port, log_level="warning",
-                                        timeout_graceful_shutdown=HAND_BACK_S))
+        config = uvicorn_config(DrainGate(app, self.drain), host, port, read_timeout)
+        config.timeout_graceful_shutdown = HAND_BACK_S
+        super().__init__(config)
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def serve(self, sockets=None) -> None:

@@ -6,7 +6,8 @@ import time
 import httpx
 import pytest
 
-from adpfleet.runtime.serving.kv_transfer import KVTransferError, fetch
+from adpfleet.runtime.executor.kv_transfer import KVLayout, KVTransferError, fetch
+from adpfleet.runtime.model.tiny import tiny_config
 
 from servers import Server, metric, wait_until
 
@@ -73,6 +74,8 @@ def test_a_starved_rank_without_padding_vetoes_the_fleet(tmp_path):
 
 
 def test_held_kv_is_awaiting_pull_until_a_pull_begins_and_the_kv_faults_keep_it_held(tmp_path):
+    cfg = tiny_config("tiny")
+    layout = KVLayout(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, "float32")
     s = Server("--model", "tiny", "--role", "context", "--fault-injection", "--kv-blocks", "64",
                log_path=tmp_path / "s.log")
 
@@ -88,7 +91,7 @@ def test_held_kv_is_awaiting_pull_until_a_pull_begins_and_the_kv_faults_keep_it_
         p = prompt("held ")
         # nobody has pulled it: the KV is held for the generation side
         assert wait_until(lambda: held()[0] > 0 and held()[1] == held()[0], 10), held()
-        payload = fetch(p["kv_endpoint"], p["kv_handle"], timeout=10)  # pulled, acknowledged...
+        payload = fetch(p["kv_endpoint"], p["kv_handle"], 10, layout, len(p["prompt_token_ids"]))  # pulled, acked...
         assert payload.k.shape[1] == len(p["prompt_token_ids"])
         # ...and still held: this server's own part (its pull completed), no longer awaiting one
         assert wait_until(lambda: held()[0] > 0 and held()[1] == 0, 10), held()
@@ -97,8 +100,8 @@ def test_held_kv_is_awaiting_pull_until_a_pull_begins_and_the_kv_faults_keep_it_
         assert httpx.post(s.url + "/faults", json={"kind": "stop-serving-kv"}).status_code == 200
         before = held()[0]
         q = prompt("wedged ")
-        with pytest.raises(KVTransferError, match="timed out"):
-            fetch(q["kv_endpoint"], q["kv_handle"], timeout=2)  # the transfer began and never answers
+        with pytest.raises(KVTransferError, match="no complete transfer within"):  # it began, and never answers
+            fetch(q["kv_endpoint"], q["kv_handle"], 2, layout, len(q["prompt_token_ids"]))
         assert wait_until(lambda: held()[0] > before and held()[1] == 0, 10), held()
     finally:
         s.stop()
