@@ -218,6 +218,8 @@ class PodTimeline:
     fleet: str
     samples: dict[str, list[RoleSample]] = field(default_factory=dict)
     created: list[tuple[str, str]] = field(default_factory=list)  # (name, uid) in order of appearance
+    phases: dict[str, str] = field(default_factory=dict)  # uid -> the last phase seen (a deleted pod's final one)
+    deleting: dict[str, float] = field(default_factory=dict)  # uid -> when its deletion was first seen
     _stop: threading.Event = field(default_factory=threading.Event)
 
     def __enter__(self) -> "PodTimeline":
@@ -248,6 +250,9 @@ class PodTimeline:
                                   resource_version=version, timeout_seconds=1):
                 pod = event["object"]
                 version = pod.metadata.resource_version
+                self.phases[pod.metadata.uid] = pod.status.phase
+                if pod.metadata.deletion_timestamp is not None:
+                    self.deleting.setdefault(pod.metadata.uid, time.monotonic())
                 if event["type"] == "DELETED":
                     pods.pop(pod.metadata.uid, None)
                 else:
