@@ -220,6 +220,7 @@ class PodTimeline:
     created: list[tuple[str, str]] = field(default_factory=list)  # (name, uid) in order of appearance
     phases: dict[str, str] = field(default_factory=dict)  # uid -> the last phase seen (a deleted pod's final one)
     deleting: dict[str, float] = field(default_factory=dict)  # uid -> when its deletion was first seen
+    ready_at: dict[str, float] = field(default_factory=dict)  # uid -> when it was first seen Ready
     _stop: threading.Event = field(default_factory=threading.Event)
 
     def __enter__(self) -> "PodTimeline":
@@ -253,6 +254,8 @@ class PodTimeline:
                 self.phases[pod.metadata.uid] = pod.status.phase
                 if pod.metadata.deletion_timestamp is not None:
                     self.deleting.setdefault(pod.metadata.uid, time.monotonic())
+                if pod_ready(pod):
+                    self.ready_at.setdefault(pod.metadata.uid, time.monotonic())
                 if event["type"] == "DELETED":
                     pods.pop(pod.metadata.uid, None)
                 else:
