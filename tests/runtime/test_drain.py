@@ -94,3 +94,17 @@ def test_what_the_drain_timeout_cuts_short_is_handed_back_with_an_explicit_error
         assert s.proc.wait(30) == 0 and time.monotonic() - start < 15
     finally:
         s.stop()
+
+
+def test_the_draining_server_keeps_the_read_timeout_and_lingering_close_of_every_server():
+    """GracefulServer is uvicorn as `limits.uvicorn_config` makes it (read timeout, lingering close:
+    docs/security.md), with the drain gate in front of the app."""
+    from adpfleet.runtime.serving.drain import HAND_BACK_S, DrainGate, GracefulServer
+    from adpfleet.runtime.serving.limits import ReadTimeoutProtocol
+
+    app = object()
+    server = GracefulServer(app, engine=None, host="127.0.0.1", port=0, read_timeout=7.0, drain_timeout_s=3)
+    config = server.config
+    assert config.http.func is ReadTimeoutProtocol and config.http.keywords == {"read_timeout": 7.0}
+    assert isinstance(config.app, DrainGate) and config.app.app is app and config.app.drain is server.drain
+    assert config.timeout_graceful_shutdown == HAND_BACK_S and server.drain.timeout_s == 3
