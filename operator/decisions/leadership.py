@@ -15,6 +15,7 @@ another can take over. `release` (on a graceful stop) hands the Lease back at on
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, replace
 
 
@@ -101,7 +102,9 @@ def decide(view: Observation, me: str, now: float, timing: Timing) -> Step:
 def lease_spec(record: LeaseRecord | None, me: str, step: Step, now_rfc3339: str, timing: Timing) -> dict:
     """The Lease spec to write for `step` (CREATE, RENEW or TAKE)."""
     taking = step is not Step.RENEW
-    return {"holderIdentity": me, "leaseDurationSeconds": int(timing.lease_duration),
+    # whole seconds in the Lease, rounded up: a standby must never wait less than the holder's renew
+    # deadline allows for
+    return {"holderIdentity": me, "leaseDurationSeconds": math.ceil(timing.lease_duration),
             "acquireTime": now_rfc3339 if taking or record is None else record.acquire_time,
             "renewTime": now_rfc3339,
             "leaseTransitions": (record.transitions + 1 if record and taking else record.transitions if record else 0)}
