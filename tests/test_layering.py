@@ -44,6 +44,8 @@ FLOORS = {
         ("controllers: reconcile loop and pass, stall loop, alert inbox", ["adpfleet.operator.loops",
                                                                            "adpfleet.operator.reconciler",
                                                                            "adpfleet.operator.stall",
+                                                                           "adpfleet.operator.scaling",
+                                                                           "adpfleet.operator.drains",
                                                                            "adpfleet.operator.inbox"]),
         ("decisions: pure functions", ["adpfleet.operator.decisions"]),
         ("adapters: the Kubernetes API, scraping", ["adpfleet.operator.adapters"]),

@@ -35,6 +35,7 @@ class Request:
     # generation role: where the prompt's KV is held (context server) and, once pulled, the KV
     remote_kv: tuple[str, str] | None = None  # (endpoint, handle)
     first_token_id: int | None = None
+    last_token_time: float | None = None  # monotonic time of the newest token: time to first token, inter-token latency
     kv_payload: object = None
     _generator: torch.Generator | None = None
 

@@ -6,7 +6,7 @@ import dataclasses
 import logging
 
 from adpfleet.operator.adapters.kube import ApiResult
-from adpfleet.operator.decisions.observed import FleetObservation, ServerPod
+from adpfleet.operator.decisions.observed import FleetObservation, RoleObject, ServerPod
 from adpfleet.operator.reconciler import FleetMemory, Reconciler
 from adpfleet.operator.telemetry import OperatorMetrics
 
@@ -46,6 +46,20 @@ class FakeApi:
     async def record_event(self, fleet, type_, reason, message):
         return self._out("event", type_, reason)
 
+    async def create_role_object(self, manifest):
+        return self._out("create_role_object", manifest["metadata"]["name"])
+
+    async def patch_role_object(self, namespace, name, body):
+        self.last_role_patch = body
+        return self._out("patch_role_object", name)
+
+    async def patch_role_status(self, namespace, name, status):
+        self.role_statuses = {**getattr(self, "role_statuses", {}), name: status}
+        return self._out("patch_role_status", name)
+
+    async def set_leaving(self, namespace, name, uid, since):
+        return self._out("set_leaving", name, since is not None)
+
     async def secret_keys(self, namespace, name):
         self.calls.append(("get_secret", name))
         if name not in self.secrets:
@@ -53,10 +67,24 @@ class FakeApi:
         return ApiResult(True), set(self.secrets[name])
 
 
-def observation(manifest=None, pods=(), objects=(), status=None, generation=1, rv="1"):
+def role_object(role, replicas=1, spec_servers=1, status=None, manager="adpfleet-operator", decision=None):
+    """A role's InferenceFleetRole as the index shows it; by default one whose status says what
+    running_pods() has."""
+    if status is None:
+        status = {"replicas": 1, "readyReplicas": 1, "desiredReplicas": 1,
+                  "selector": f"adpfleet.io/fleet=f,adpfleet.io/role={role}"}
+    return RoleObject(name=f"f-{role}", uid=f"r-{role}", owner_uid="fleet-uid", role=role, replicas=replicas,
+                      spec_servers=spec_servers, replicas_manager=manager, decision=decision, status=status)
+
+
+SETTLED_ROLES = (role_object("context"), role_object("generation"))
+
+
+def observation(manifest=None, pods=(), objects=(), status=None, generation=1, rv="1", roles=SETTLED_ROLES):
     m = manifest or fleet_manifest("f", router={"enabled": False})
     return FleetObservation(name="f", namespace="ns", uid="fleet-uid", generation=generation, resource_version=rv,
-                            spec=m["spec"], status=status or {}, pods=tuple(pods), objects=tuple(objects))
+                            spec=m["spec"], status=status or {}, pods=tuple(pods), objects=tuple(objects),
+                            role_objects=tuple(roles))
 
 
 def reconcile(api, obs, memory=None, clock=lambda: 0.0):
