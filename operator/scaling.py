@@ -36,6 +36,7 @@ log = logging.getLogger("adpfleet.operator.scaling")
 
 Key = tuple[str, str]
 SIGNALS = tuple(autoscaling.SIGNALS) + ("running_per_rank", "transfer_share")
+KEEP_SLACK_SECONDS = 10.0  # history kept beyond the longest window: the scrape just older than it
 
 
 @dataclass
@@ -94,7 +95,7 @@ class ScalingController:
                 role_memory.history.append(load)
                 self._show(key, role, load)
             _trim(role_memory.history, now, max(policy.scale_up.stabilization_window_seconds,
-                                                policy.scale_down.stabilization_window_seconds) + 60)
+                                                policy.scale_down.stabilization_window_seconds) + KEEP_SLACK_SECONDS)
             current = scale_target.replicas_of(spec, role, obs.role_object(role))
             if role_memory.applied is not None and role_memory.applied != current:
                 continue  # our last change is not in the cache yet: decide on what it brings

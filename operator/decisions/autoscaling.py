@@ -9,15 +9,21 @@ role's desired server count should be, and why:
    (`BelowMinimum`, `AboveMaximum`), whatever the signals say.
 2. Nothing else changes while the role has not settled — a server still starting, one being drained
    or remediated: the last decision has not taken effect, and the signals do not show its effect yet.
-3. Each load gives a recommendation (`recommend`). Up, when a signal is above its target by more
-   than the tolerance: `ceil(servers x signal / target)`, the HPA's rule, at least one more. Down,
-   to the fewest servers at which every set target — and the engine's batch capacity — would still
-   hold with the same load spread over them, less the tolerance (`servers x signal / fewer`).
-   Otherwise it stays.
-4. Stabilisation: a scale-up needs every load of the last `scaleUp.stabilizationWindowSeconds` to ask
-   for it (the lowest recommendation wins); a scale-down needs every load of the last
-   `scaleDown.stabilizationWindowSeconds` to allow it (the highest wins). The history must cover the
-   window: just after a change, nothing moves until it does.
+3. Each load gives a recommendation (`recommend`), from one model of what the same requests would
+   show on another number of servers (`projected`): requests per rank scale inversely with the
+   servers; a rank runs what fits (its batch, or what its KV allows) and queues the rest; KV use
+   follows the requests held; latencies scale in proportion. Up, when a signal is above its
+   target by more than the tolerance: the fewest servers at which every set target holds (for a
+   proportional signal this is the HPA's `ceil(servers x signal / target)`). Down: the fewest
+   servers at which every set target, less the tolerance, and the engine's batch capacity would
+   still hold. Otherwise it stays. Up and down read the same model, so the size a scale-up
+   reaches is not one a scale-down leaves, and back.
+4. Stabilisation, as the HPA's: a scale-up needs every load of the last
+   `scaleUp.stabilizationWindowSeconds` to ask for it (the lowest recommendation wins); a scale-down
+   needs every load of the last `scaleDown.stabilizationWindowSeconds` to allow it (the highest
+   wins). Recommendations are server counts, so loads taken at another size still count. The
+   history must cover the window (after an operator restart nothing moves until it does), and
+   a decision needs one load taken since the role settled at its size.
 5. Step limits: `maxServersPerStep` servers per decision each way; the next waits for rule 2.
 
 Context and generation are not scaled alike. A context server whose KV is mostly held for transfers
@@ -41,6 +47,7 @@ from adpfleet.operator.resource.models import AutoscalingSpec
 from adpfleet.operator.resource.vocabulary import ScaleReason
 
 TRANSFER_BOUND = 0.5  # a context role with more than this share of its KV held for transfers waits on generation
+MAX_SERVERS = 256     # the most any role may ask for (ServerRole.servers' bound)
 
 # signal (a ScalingTargets field) -> (what it is called in messages, the reason when it is above target)
 SIGNALS = {
@@ -128,6 +135,26 @@ class ScaleDecision:
         return f"{self.role} {self.current} -> {self.desired}: {self.detail}"
 
 
+def projected(load: RoleLoad, name: str, servers: int, batch_capacity: int) -> float | None:
+    """Signal `name` of `load` were the same requests spread over `servers` servers instead of
+    `load.servers`. Requests per rank scale by servers/`servers`; a rank runs what fits (the batch
+    capacity, or less when its KV is the limit: then it is as many as it runs now) and queues the
+    rest; KV use follows the requests it holds; a latency grows in proportion."""
+    value = load.signal(name)
+    if value is None:
+        return None
+    scale = load.servers / servers
+    demand = (load.running_per_rank + load.waiting_per_rank) * scale
+    if name == "waiting_per_rank":
+        fits = load.running_per_rank if load.waiting_per_rank > 0 else batch_capacity
+        return max(0.0, demand - fits)
+    if name == "kv_cache_utilization":
+        if load.running_per_rank > 0:  # KV per request now, times the requests it would hold
+            return value / load.running_per_rank * min(demand, batch_capacity)
+        return value * scale
+    return value * scale
+
+
 def recommend(load: RoleLoad, role: str, policy: AutoscalingSpec, batch_capacity: int) -> Recommendation:
     """The server count `load` alone asks for (rule 3). `batch_capacity`: requests one rank runs at once
     (the engine's maxBatchSize): a scale-down never leaves more running+waiting per rank than that."""
@@ -135,35 +162,37 @@ def recommend(load: RoleLoad, role: str, policy: AutoscalingSpec, batch_capacity
     tol = policy.tolerance
     targets = policy.targets.given()
     blocked_on_generation = role == "context" and load.transfer_share > TRANSFER_BOUND
-    # up: the signal furthest above its target
+    if blocked_on_generation:  # its queue is the generation role's to fix
+        targets = {k: v for k, v in targets.items() if k not in ("waiting_per_rank", "time_to_first_token_seconds")}
+
+    def holds(m: int, slack: float) -> bool:
+        return all((v := projected(load, name, m, batch_capacity)) is None or v <= target * slack
+                   for name, target in targets.items())
+
+    # up: a signal above its target by more than the tolerance; as many servers as bring every
+    # signal back to its target
     worst: tuple[float, str] | None = None
     for name, target in targets.items():
         value = load.signal(name)
-        if value is None:
-            continue
-        if blocked_on_generation and name in ("waiting_per_rank", "time_to_first_token_seconds"):
-            continue  # its queue is the generation role's to fix
-        ratio = value / target
-        if ratio > 1 + tol and (worst is None or ratio > worst[0]):
-            worst = (ratio, name)
+        if value is not None and value > target * (1 + tol) and (worst is None or value / target > worst[0]):
+            worst = (value / target, name)
     if worst is not None:
-        ratio, name = worst
+        name = worst[1]
         label, reason = SIGNALS[name]
-        return Recommendation(max(n + 1, math.ceil(n * ratio)), reason,
-                              f"{label} {load.signal(name):.3g} > target {targets[name]:g}")
+        m = n + 1
+        while m < MAX_SERVERS and not holds(m, 1.0):
+            m += 1
+        return Recommendation(m, reason, f"{label} {load.signal(name):.3g} > target {targets[name]:g}")
     if role == "generation" and load.peer_transfer_share > TRANSFER_BOUND:
         return Recommendation(n + 1, ScaleReason.GENERATION_BACKLOG,
                               f"context servers hold {load.peer_transfer_share:.0%} of their KV for transfers")
     if blocked_on_generation:
         return Recommendation(n, None, f"{load.transfer_share:.0%} of the KV in use waits for generation servers")
-    # down: the fewest servers that would hold the same load under every target
+    # down: the fewest servers that would hold the same load under every target, less the
+    # tolerance, and within the engine's batch capacity
     fewest = n
     for m in range(n - 1, 0, -1):
-        scale = n / m
-        fits = all(load.signal(name) is None or load.signal(name) * scale <= target * (1 - tol)
-                   for name, target in targets.items())
-        fits = fits and (load.running_per_rank + load.waiting_per_rank) * scale <= batch_capacity * (1 - tol)
-        if not fits:
+        if not holds(m, 1 - tol) or (load.running_per_rank + load.waiting_per_rank) * n / m > batch_capacity * (1 - tol):
             break
         fewest = m
     if fewest < n:
@@ -185,35 +214,38 @@ def decide(role: str, history: Sequence[RoleLoad], policy: AutoscalingSpec, curr
         return ScaleDecision(role, current, high, ScaleReason.ABOVE_MAXIMUM, f"lowered to maxServers {high}")
     if settled_since is None:
         return ScaleDecision(role, current, current, None, "waiting for the role to settle")
-    loads = [h for h in history if h.at >= settled_since and h.servers == current]
-    if not loads:
-        return ScaleDecision(role, current, current, None, "no scrape of the role yet")
-    recs = [(h, recommend(h, role, policy, batch_capacity)) for h in loads]
-    latest = recs[-1][1]
-
+    if not history or history[-1].at < settled_since:
+        return ScaleDecision(role, current, current, None, "waiting for a scrape of the role at its size")
     up_window = policy.scale_up.stabilization_window_seconds
+    down_window = policy.scale_down.stabilization_window_seconds
+    observed = now - history[0].at
+    latest = recommend(history[-1], role, policy, batch_capacity)
+
+    def window(seconds: float) -> list[Recommendation]:
+        # Recommendations are server counts, comparable whatever size the role had at each scrape.
+        return [recommend(h, role, policy, batch_capacity) for h in history if h.at >= now - seconds] or [latest]
+
     if latest.servers > current:
-        if now - settled_since < up_window:
-            return ScaleDecision(role, current, current, None, f"{latest.detail}; stabilising ({up_window} s)")
-        window = [r for h, r in recs if h.at >= now - up_window] or [latest]
-        lowest = min(window, key=lambda r: r.servers)
+        if observed < up_window:
+            return ScaleDecision(role, current, current, None, f"{latest.detail}; observed for {observed:.0f} of "
+                                                               f"{up_window} s")
+        lowest = min(window(up_window), key=lambda r: r.servers)
         if lowest.servers > current:
             desired = min(high, lowest.servers, current + policy.scale_up.max_servers_per_step)
             if desired > current:
                 return ScaleDecision(role, current, desired, lowest.reason, _limited(lowest, desired, high))
         return ScaleDecision(role, current, current, None, f"{latest.detail}, not for {up_window} s yet")
-
-    down_window = policy.scale_down.stabilization_window_seconds
     if latest.servers < current:
-        if now - settled_since < down_window:
-            return ScaleDecision(role, current, current, None, f"{latest.detail}; stabilising ({down_window} s)")
-        window = [r for h, r in recs if h.at >= now - down_window] or [latest]
-        highest = max(window, key=lambda r: r.servers)
+        if observed < down_window:
+            return ScaleDecision(role, current, current, None, f"{latest.detail}; observed for {observed:.0f} of "
+                                                               f"{down_window} s")
+        highest = max(window(down_window), key=lambda r: r.servers)
         if highest.servers < current:
             desired = max(low, highest.servers, current - policy.scale_down.max_servers_per_step)
             if desired < current:
                 return ScaleDecision(role, current, desired, ScaleReason.BELOW_TARGETS,
                                      _limited(highest, desired, low))
+        return ScaleDecision(role, current, current, None, f"{latest.detail}, not for {down_window} s yet")
     return ScaleDecision(role, current, current, None, latest.detail)
 
 

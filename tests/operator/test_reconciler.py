@@ -283,3 +283,72 @@ def test_a_status_part_is_laid_over_the_pass_and_hears_what_the_api_server_holds
     r.api = FakeApi(fail={"patch_status"})
     asyncio.run(r.reconcile(observation(pods=pods[:1], status=written, rv="3"), memory, log))
     assert len(part.stored_statuses) == 2
+
+
+# ---- each role's scale target, and scale-down's drain -----------------------------------------------
+
+def pods_of(role, n, ready=True, **extra):
+    template = running_pods()[0 if role == "context" else 1]
+    return [dataclasses.replace(template, name=f"f-{role}-{i}", uid=f"u-{role}-{i}", index=i, ready=ready, **extra)
+            for i in range(n)]
+
+
+def test_the_first_pass_creates_a_scale_target_per_role():
+    api = FakeApi()
+    reconcile(api, observation(roles=()))
+    assert sorted(c[1] for c in api.calls if c[0] == "create_role_object") == ["f-context", "f-generation"]
+    assert ("event", "Normal", "CreatedScaleTarget") in api.calls
+
+
+def test_a_role_scaled_through_its_scale_target_gets_its_servers_and_a_recorded_reason():
+    api = FakeApi()
+    scaled = role_object("context", replicas=3, manager="kubectl")
+    reconcile(api, observation(pods=running_pods(), roles=(scaled, role_object("generation"))))
+    assert sorted(c[1] for c in api.calls if c[0] == "create_pod") == ["f-context-1", "f-context-2"]
+    last = api.role_statuses["f-context"]["lastScale"]
+    assert (last["previous"], last["desired"], last["reason"], last["source"]) == (1, 3, "ScaledExternally", "kubectl")
+    assert ("event", "Normal", "ScaledUp") in api.calls
+    status = api.last_status
+    assert status["context"]["desired"] == 3 and status["context"]["servers"] == "1/3"
+    assert status["lastScale"] == last and status["context"]["lastScale"] == last
+
+
+class Drains:
+    def __init__(self, done=()):
+        self.done = frozenset(done)
+        self.asked = []
+
+    def finished(self, key, leaving, role):
+        self.asked.append((role, [p.name for p in leaving]))
+        return self.done & {p.uid for p in leaving}
+
+
+def test_a_scale_down_drains_the_server_and_deletes_it_once_drained():
+    pods = pods_of("context", 2) + pods_of("generation", 1)
+    down = (role_object("context", replicas=1, status={"desiredReplicas": 2}), role_object("generation"))
+    api = FakeApi()
+    Reconciler(api, OperatorMetrics(), clock=lambda: 0.0, drains=Drains())
+    asyncio.run(Reconciler(api, OperatorMetrics(), clock=lambda: 0.0, drains=Drains()).reconcile(
+        observation(pods=pods, roles=down), FleetMemory(), log))
+    assert ("set_leaving", "f-context-1", True) in api.calls and not [c for c in api.calls if c[0] == "delete_pod"]
+    assert ("event", "Normal", "DrainingServer") in api.calls and ("event", "Normal", "ScaledDown") in api.calls
+
+    leaving = [pods[0], dataclasses.replace(pods[1], leaving_since=1e12, draining=True), pods[2]]
+    for drains, deleted in ((Drains(), []), (Drains(done={"u-context-1"}), ["f-context-1"])):
+        api = FakeApi()
+        asyncio.run(Reconciler(api, OperatorMetrics(), clock=lambda: 0.0, drains=drains).reconcile(
+            observation(pods=leaving, roles=down), FleetMemory(), log))
+        assert [c[1] for c in api.calls if c[0] == "delete_pod"] == deleted
+        assert ("context", ["f-context-1"]) in drains.asked
+
+
+def test_a_scale_down_leaves_a_server_under_remediation_alone():
+    pods = pods_of("context", 2) + pods_of("generation", 1)
+    record = {"time": "2099-01-01T00:00:00Z", "role": "context", "server": "f-context-1", "signature": "hung",
+              "action": "RestartServer", "outcome": "Pending", "targets": ["f-context-1"]}
+    down = (role_object("context", replicas=1, status={"desiredReplicas": 2}), role_object("generation"))
+    api = FakeApi()
+    asyncio.run(Reconciler(api, OperatorMetrics(), clock=lambda: 0.0, wall_clock=lambda: 4070908810.0,
+                           drains=Drains()).reconcile(
+        observation(pods=pods, roles=down, status={"recentRemediations": [record]}), FleetMemory(), log))
+    assert [c[1] for c in api.calls if c[0] == "set_leaving"] == ["f-context-0"]
