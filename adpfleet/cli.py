@@ -36,6 +36,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-size", type=int, default=default.max_batch_size, help="requests in one batch")
     p.add_argument("--max-num-active-requests", type=int, default=default.max_num_active_requests,
                    help="requests a rank holds at once (running + waiting for KV)")
+    p.add_argument("--draft-tokens", type=int, default=default.draft_tokens,
+                   help="speculative decoding: draft tokens per decode step, proposed by prompt lookup (0: off)")
+    p.add_argument("--prompt-lookup-max", type=int, default=default.prompt_lookup_max,
+                   help="longest n-gram prompt lookup matches")
+    p.add_argument("--prompt-lookup-min", type=int, default=default.prompt_lookup_min,
+                   help="shortest n-gram prompt lookup matches")
     p.add_argument("--seed", type=int, default=default.seed, help="seed of the built-in tiny models")
 
 
@@ -51,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None, help="model id reported by /v1/models")
     serve.add_argument("--no-pad-empty-batch", action="store_true",
                        help="disable post-schedule padding (only to reproduce the ADP stall)")
+    serve.add_argument("--no-padding-reserve", dest="padding_reserve", action="store_false",
+                       help="let admission use the padding dummy's KV blocks (only to measure what the reserve rescues)")
     serve.add_argument("--collective-timeout", type=float, default=60.0,
                        help="seconds a rank may block in a collective (or stay silent) before the server "
                             "declares it hung, turns unhealthy and exits non-zero")

@@ -65,21 +65,58 @@ class ProcessSampler:
         return 100.0 * (window[-1][2] - window[0][2]) / (window[-1][0] - window[0][0])
 
 
-def matmul_gflops(m: int = 2048, k: int = 2048, n: int = 1024, repeats: int = 10, trials: int = 5) -> float:
-    """The machine's float32 matmul throughput in GFLOP/s: best of `trials` timings of `repeats`
-    torch.mm calls of [m, k] @ [k, n] (best, so that other load on the machine counts least)."""
+def matmul_gflops(m: int = 2048, k: int = 2048, n: int = 1024, repeats: int = 10, trials: int = 5,
+                  device: str = "cpu", dtype=None) -> float:
+    """The device's matmul throughput in GFLOP/s: best of `trials` timings of `repeats` products
+    of [m, k] @ [k, n] (best, so that other load on the machine counts least), through each GEMM
+    torch offers here: `torch.mm` (MKL on x86 CPUs, cuBLAS on GPUs) and, on the CPU, oneDNN
+    (torch's mkldnn linear, which adpfleet's engine uses) - whichever is faster is the peak."""
     import torch
 
-    a, b = torch.randn(m, k), torch.randn(k, n)
-    out = torch.empty(m, n)
-    torch.mm(a, b, out=out)  # warm-up: thread pool and kernel selection
+    dtype = dtype or torch.float32
+    a, b = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)
+    out = torch.empty(m, n, device=device, dtype=dtype)
+    gemms = [lambda: torch.mm(a, b, out=out)]
+    if device == "cpu" and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        weight = b.t().contiguous()
+        gemms.append(lambda: torch.ops.mkldnn._linear_pointwise(a, weight, None, "none", [], ""))
+    best = float("inf")
+    for gemm in gemms:
+        gemm()  # warm-up: thread pool and kernel selection
+        for _ in range(trials):
+            _sync(device)
+            start = time.perf_counter()
+            for _ in range(repeats):
+                gemm()
+            _sync(device)
+            best = min(best, time.perf_counter() - start)
+    return 2 * m * k * n * repeats / best / 1e9
+
+
+def memory_gbps(device: str = "cpu", mib: int = 1024, repeats: int = 5, trials: int = 5) -> float:
+    """The device's memory bandwidth in GB/s: bytes read plus written by copying a `mib` MiB
+    buffer, best of `trials` timings of `repeats` copies."""
+    import torch
+
+    src = torch.ones(mib * 2**20 // 4, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
     best = float("inf")
     for _ in range(trials):
+        _sync(device)
         start = time.perf_counter()
         for _ in range(repeats):
-            torch.mm(a, b, out=out)
+            dst.copy_(src)
+        _sync(device)
         best = min(best, time.perf_counter() - start)
-    return 2 * m * k * n * repeats / best / 1e9
+    return 2 * src.numel() * 4 * repeats / best / 1e9
+
+
+def _sync(device: str) -> None:
+    if str(device).startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
 
 
 def machine_info() -> dict:

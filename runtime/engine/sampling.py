@@ -51,24 +51,22 @@ class SamplingParams:
 
 
 class Sampler:
-    """Picks one token per row of logits. Greedy rows are batched; sampled rows use their own
-    generator so a seeded request draws the same tokens whatever it is batched with."""
+    """Draws tokens for sampled (non-greedy) requests from their own generator, so a seeded request
+    draws the same tokens whatever it is batched with. (Greedy rows are one batched argmax, in
+    `ModelRunner.sample`.)"""
 
-    def __call__(self, logits: torch.Tensor, requests) -> list[int]:
-        out = logits.argmax(dim=-1).tolist()
-        for row, req in enumerate(requests):
-            p = req.params
-            if p.greedy:
-                continue
-            x = logits[row].float() / p.temperature
-            if p.top_k and p.top_k < x.numel():
-                kth = torch.topk(x, p.top_k).values[-1]
-                x = x.masked_fill(x < kth, float("-inf"))
-            probs = torch.softmax(x, dim=-1)
-            if p.top_p < 1.0:
-                sorted_p, idx = probs.sort(descending=True)
-                drop = sorted_p.cumsum(0) - sorted_p > p.top_p  # keep the smallest prefix reaching top_p
-                sorted_p[drop] = 0
-                probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
-            out[row] = int(torch.multinomial(probs.cpu(), 1, generator=req.generator()).item())
-        return out
+    @staticmethod
+    def sample(row: torch.Tensor, req) -> int:
+        """One draw from a row of logits under the request's temperature, top-k and top-p."""
+        p = req.params
+        x = row.float() / p.temperature
+        if p.top_k and p.top_k < x.numel():
+            kth = torch.topk(x, p.top_k).values[-1]
+            x = x.masked_fill(x < kth, float("-inf"))
+        probs = torch.softmax(x, dim=-1)
+        if p.top_p < 1.0:
+            sorted_p, idx = probs.sort(descending=True)
+            drop = sorted_p.cumsum(0) - sorted_p > p.top_p  # keep the smallest prefix reaching top_p
+            sorted_p[drop] = 0
+            probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
+        return int(torch.multinomial(probs.cpu(), 1, generator=req.generator()).item())

@@ -105,3 +105,16 @@ def test_a_bad_request_is_refused_alone_and_the_engine_keeps_serving(engine, pro
     assert err.value.param == param
     [ok] = engine.generate(["still serving"], SamplingParams(max_tokens=3))
     assert ok.finish_reason in ("length", "stop") and ok.output_token_ids
+
+
+def test_a_rank_may_name_its_gpu_and_a_bad_device_is_named():
+    # rank processes run on "cuda:<rank % GPUs>"; the CLI's "cuda" and "cpu" stay the only words
+    with pytest.raises(ValueError, match="must be cpu or cuda, got 'tpu'"):
+        EngineConfig(device="tpu").validate()
+    with pytest.raises(ValueError, match="must be cpu or cuda, got 'cuda:x'"):
+        EngineConfig(device="cuda:x").validate()
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA device"):
+            EngineConfig(device="cuda:0").validate()
+    else:
+        EngineConfig(device="cuda:0").validate()
