@@ -40,6 +40,7 @@ from adpfleet.operator.telemetry import OperatorMetrics
 
 EXPECTATION_SECONDS = 60.0   # how long an action's effect may take to show up in the watch cache
 SECRET_RECHECK_SECONDS = 30.0
+MIN_RECHECK_SECONDS = 1.0    # a pass that waits for a drain's timeout looks again no sooner than this
 MAX_BACKOFF_SECONDS = 300.0
 
 Key = tuple[str, str]  # (namespace, fleet name)
@@ -218,6 +219,10 @@ class Reconciler:
             memory.failures = 0
         if requeue is None and (memory.created or memory.deleted):
             requeue = EXPECTATION_SECONDS / 4  # look again even if the watch stays silent
+        drains_end = min((p.recheck_at for p in plans if p.recheck_at is not None), default=None)
+        if drains_end is not None:  # a drain times out without any event to say so
+            wait = max(MIN_RECHECK_SECONDS, drains_end - self.wall_clock())
+            requeue = wait if requeue is None else min(requeue, wait)
         return PassResult(requeue, len(actions), failed)
 
     def _roles(self, obs: FleetObservation, memory: FleetMemory, desired: DesiredFleet,

@@ -140,6 +140,7 @@ class RolePlan:
     actions: tuple[Action, ...] = ()
     waiting_for: str | None = None   # why nothing (more) can be done now, for Progressing's message
     phase: str | None = None         # Scaling | RollingUpdate | Replacing | None when converged
+    recheck_at: float | None = None  # when waiting ends by itself (a drain's timeout), wall-clock seconds
 
     @property
     def converged(self) -> bool:
@@ -179,9 +180,10 @@ def plan_role(role: str, desired: int, template_hash: str, pods: list[ServerPod]
 
     if leaving:
         gone = [p for p in leaving if drain.done(p)]
-        draining = [p.name for p in leaving if not drain.done(p)]
+        draining = [p for p in leaving if not drain.done(p)]
         return RolePlan(role, tuple(DeleteServer(role, p.name, p.uid, "scale down: drained") for p in gone),
-                        f"{', '.join(draining)} to drain" if draining else None, "Scaling")
+                        f"{', '.join(p.name for p in draining)} to drain" if draining else None, "Scaling",
+                        min((p.leaving_since + drain.timeout for p in draining), default=None))
 
     excess = len(live) - desired - (1 if outdated else 0)  # a roll may hold one surge pod
     if excess > 0:

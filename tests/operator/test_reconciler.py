@@ -352,3 +352,11 @@ def test_a_scale_down_leaves_a_server_under_remediation_alone():
                            drains=Drains()).reconcile(
         observation(pods=pods, roles=down, status={"recentRemediations": [record]}), FleetMemory(), log))
     assert [c[1] for c in api.calls if c[0] == "set_leaving"] == ["f-context-0"]
+
+
+def test_a_pass_waiting_for_a_drain_looks_again_when_it_times_out():
+    pods = pods_of("context", 1) + [dataclasses.replace(pods_of("context", 2)[1], leaving_since=1000.0,
+                                                         draining=True)] + pods_of("generation", 1)
+    result = asyncio.run(Reconciler(FakeApi(), OperatorMetrics(), clock=lambda: 0.0, wall_clock=lambda: 1020.0,
+                                    drains=Drains()).reconcile(observation(pods=pods), FleetMemory(), log))
+    assert result.requeue_after == 60.0 - 20.0  # drainTimeoutSeconds (60) from when it began

@@ -233,3 +233,10 @@ def test_simulated_scaling_with_drains_converges_and_deletes_no_ready_server_und
             live = [x for x in pods if not x.leaving]
             assert len(live) == desired and not [x for x in pods if x.leaving], (step, pods)
             assert all(x.template_hash == hash_ for x in live)
+
+
+def test_a_waiting_drain_says_when_it_times_out_so_the_pass_looks_again_then():
+    p = plan_role("context", 1, "h", [pod(0), pod(1, leaving_since=T - 10), pod(2, leaving_since=T - 30)],
+                  Drain(T, 60))
+    assert p.recheck_at == T - 30 + 60
+    assert plan_role("context", 1, "h", [pod(0)], Drain(T, 60)).recheck_at is None
