@@ -12,6 +12,16 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "runtime"))
 pytest_plugins = ["adpfleet.cluster.testing"]
 
 
+@pytest.fixture(scope="module")
+def server_trio(tmp_path_factory):
+    """Aggregated, context and generation servers (model tiny, 2 ADP ranks each, 64 KV blocks), shared
+    by a module: the disaggregation tests, the router in front of real servers, the fuzzing."""
+    from servers import trio
+
+    with trio(tmp_path_factory.mktemp("trio"), "--kv-lease", "30") as servers:
+        yield servers
+
+
 def pytest_addoption(parser):
     # The model tests (kernel, parity) run where a user would run the model: bench/gpu_check.sh
     # passes --device cuda and each --dtype; the default is the CPU in float32.

@@ -69,8 +69,6 @@ IMPURE = ("kubernetes", "kopf", "aiohttp", "httpx", "asyncio", "socket", "subpro
 
 KNOWN_VIOLATIONS = {
     # violation -> who is removing it
-    "upward: adpfleet.runtime.executor.rank_process -> adpfleet.runtime.serving.kv_transfer":
-        "helper 'serve' (issue 12: the KV transfer code moves next to its only user, executor/)",
     "upward: adpfleet.runtime.executor.offline -> adpfleet.runtime.serving.engine_client":
         "unassigned (found by this test; model_config_for belongs below serving/): the lead",
 }

@@ -98,9 +98,15 @@ class LLMEngine:
         while self.pending and self.num_active_real < self.config.max_num_active_requests:
             self.active.append(self.pending.popleft())
             self.stats.requests_fetched += 1
-        return [self._place_prefilled(r) for r in list(self.active)
-                if r.kv_payload is not None and r.state is RequestState.WAITING
-                and self.kv.can_reserve(r, self.scheduler.capacity.kv_tokens(r))]
+        outputs = []
+        for r in list(self.active):
+            if (r.kv_payload is not None and r.state is RequestState.WAITING
+                    and self.kv.can_reserve(r, self.scheduler.capacity.kv_tokens(r))):
+                try:
+                    outputs.append(self._place_prefilled(r))
+                except (RuntimeError, ValueError) as e:  # this request's pulled KV, not the rank, is broken
+                    outputs.append(self.fail(r, f"placing the pulled KV failed: {e}"))
+        return outputs
 
     def _place_prefilled(self, req: Request) -> RequestOutput:
         """Admit a request whose prompt KV was pulled from a context server: copy the KV into
@@ -176,13 +182,18 @@ class LLMEngine:
                 self.stats.spec_decode_accepted_tokens += len(sampled[req]) - 1
                 self.kv.shrink(req, req.num_computed_tokens)
         self.stats.prompt_tokens += prompt_tokens
+        failed = []
         for req in batch.requests:
-            if req in sampled:
-                outputs.append(self._append_tokens(req, sampled[req]))
-                self._finish_if_done(req)
+            if req not in sampled:
+                continue
+            if req.error is not None:  # its sampling failed: it ends here, the batch goes on
+                failed.append(self.fail(req, req.error))
+                continue
+            outputs.append(self._append_tokens(req, sampled[req]))
+            self._finish_if_done(req)
         if prompt_tokens or outputs:
             self.stats.last_progress_timestamp = time.time()
-        return outputs
+        return outputs + failed
 
     def _finish_if_done(self, req: Request) -> None:
         if not req.is_finished:

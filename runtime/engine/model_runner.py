@@ -10,6 +10,7 @@ from adpfleet.runtime.engine.request import Request
 from adpfleet.runtime.engine.sampling import Sampler
 from adpfleet.runtime.engine.scheduler import ScheduledBatch
 from adpfleet.runtime.engine.spec_decode import verify
+from adpfleet.runtime.model.attention import default_decode_backend
 
 
 class ModelRunner:
@@ -20,6 +21,9 @@ class ModelRunner:
         # +1: block 0 is the null block
         self.kv_cache = model.allocate_kv_cache((num_blocks + 1) * tokens_per_block)
         self.sampler = Sampler()
+        # Load (or, where nothing is built, compile) the C++ decode kernels now, while the server is
+        # starting, and never in its first decode: a rank compiling for 10-15 s mid-serving looks hung.
+        default_decode_backend(torch.device(device))
 
     def chunks(self, batch: ScheduledBatch) -> list[SeqChunk]:
         out = []

@@ -40,6 +40,7 @@ class Request:
     first_token_id: int | None = None
     last_token_time: float | None = None  # monotonic time of the newest token: time to first token, inter-token latency
     kv_payload: object = None
+    error: str | None = None  # set when something failed for this request alone; the engine fails it
     _generator: torch.Generator | None = None
 
     @property

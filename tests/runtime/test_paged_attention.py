@@ -118,6 +118,21 @@ def test_the_kernel_is_built_where_the_engine_runs_on_the_cpu(device):
     assert kernels.available(), "the adpfleet C++ kernels are not built: run ./scripts/setup"
 
 
+def test_a_cpu_engine_loads_the_kernels_when_it_is_built_not_in_its_first_decode(monkeypatch):
+    # Compiling takes 10-15 s; a rank doing that in its first decode looks hung to the operator.
+    from adpfleet.runtime.config import EngineConfig
+    from adpfleet.runtime.engine.llm_engine import LLMEngine
+
+    loads = []
+    monkeypatch.setattr(kernels, "load", lambda verbose=False: loads.append(1))
+    kernels.available.cache_clear()
+    try:
+        LLMEngine(EngineConfig(model="tiny-dense", kv_blocks=8))
+        assert loads == [1]
+    finally:
+        kernels.available.cache_clear()
+
+
 def test_the_kernel_refuses_tokens_that_are_not_requests_times_query_len():
     kernels.available() or pytest.skip("kernels not built")
     q, cache = torch.zeros(3, 2, 8), torch.zeros(16, 1, 8)
