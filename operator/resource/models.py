@@ -287,10 +287,11 @@ class RouterSpec(KubeModel):
     resources: Resources = Field(default_factory=Resources, description="CPU and memory of each router pod.")
     queue_size: int = Field(256, ge=0, le=100_000,
                             description="Requests the router holds while it cannot place them (no Ready server of a "
-                                        "role: starting, drained, restarting); beyond it, 503 with Retry-After.")
+                                        "role: starting, drained, restarting, failed); one more is answered 503 with "
+                                        "Retry-After at once. 0: no queue (router --queue-size).")
     queue_timeout_seconds: int = Field(60, ge=1, le=3600,
-                                       description="How long a held request waits for a server before the router "
-                                                   "answers 503 with Retry-After.")
+                                       description="How long a held request waits in all for a server before the "
+                                                   "router answers 503 with Retry-After (router --queue-timeout).")
 
 
 class MonitoringSpec(KubeModel):
