@@ -43,7 +43,7 @@ def test_a_full_queue_refuses_at_once_and_a_wait_ends_at_its_deadline():
         t0 = loop.time()
         assert await queue.wait(lambda: False, loop.time() + 60) == "full"
         assert loop.time() - t0 < 0.05
-        assert await first == "timeout" and loop.time() - t0 >= 0.25
+        assert await first == "timeout" and 0.25 <= loop.time() - t0 < 1
         assert sample(metrics, "adpfleet_router_queued_total", outcome="full") == 1
         assert sample(metrics, "adpfleet_router_queued_total", outcome="timeout") == 1
         assert sample(metrics, "adpfleet_router_queue_wait_seconds_count") == 1  # the refused one never waited
