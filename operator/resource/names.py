@@ -35,6 +35,9 @@ ANNOTATION_DRAIN = f"{GROUP}/drain"                  # "true": the router sends 
 RESERVED_ANNOTATIONS = (ANNOTATION_TEMPLATE_HASH, ANNOTATION_DRAIN)
 RESERVED_LABEL_PREFIXES = (f"{GROUP}/", "app.kubernetes.io/")
 
+SERVER_CONTAINER = "server"      # the server pod's container running `adpfleet serve`
+FETCH_CONTAINER = "fetch-model"  # its init container fetching (or checking) the model; the operator reads its log
+
 SERVER_HTTP_PORT = 8000  # OpenAI API, /health, /metrics
 SERVER_KV_PORT = 8001    # KV-cache transfers (context servers; the runtime's default: HTTP port + 1)
 ROUTER_HTTP_PORT = 8000
