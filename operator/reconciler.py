@@ -40,7 +40,7 @@ from adpfleet.operator.telemetry import OperatorMetrics
 
 EXPECTATION_SECONDS = 60.0   # how long an action's effect may take to show up in the watch cache
 SECRET_RECHECK_SECONDS = 30.0  # a missing Secret or claim (they have no watch) is looked at again this often
-PROGRESS_SECONDS = 10.0        # a running download's progress is read from its log this often
+PROGRESS_SECONDS = 5.0         # a running download's progress is read from its log this often (fetch-model logs it every 5 s)
 PROGRESS_LOG_LINES = 20        # ... from this many of its last lines
 MAX_BACKOFF_SECONDS = 300.0
 
@@ -291,10 +291,9 @@ class Reconciler:
     async def _write_status(self, fleet: FleetRef, obs: FleetObservation, status: dict, memory: FleetMemory,
                             logger: logging.Logger) -> StatusWrite:
         before = obs.status or {}
-        removed = {k: None for k in before if k not in status}
-        if not removed and all(before.get(k) == v for k, v in status.items()):
+        if before.keys() <= status.keys() and all(before.get(k) == v for k, v in status.items()):
             return StatusWrite.UNCHANGED
-        outcome = await self.api.patch_fleet_status(fleet.namespace, fleet.name, {**status, **removed})
+        outcome = await self.api.patch_fleet_status(fleet.namespace, fleet.name, merge_patch(before, status))
         if outcome.code == 404:
             return StatusWrite.GONE
         if not outcome.ok:
@@ -322,6 +321,15 @@ class Reconciler:
             await self.api.record_event(fleet, "Normal", "FleetReady", cond["message"])
         elif type_ == "Ready" and had and had.get("status") == "True":
             await self.api.record_event(fleet, "Warning", "FleetNotReady", cond["message"])
+
+
+def merge_patch(before: dict, after: dict) -> dict:
+    """The JSON merge patch that turns `before` into `after`: every key `after` has, and null for each
+    key it dropped, at any depth of nested objects (status.model loses its bytes once downloaded)."""
+    patch = {k: merge_patch(before[k], v) if isinstance(v, dict) and isinstance(before.get(k), dict) else v
+             for k, v in after.items()}
+    patch.update({k: None for k in before if k not in after})
+    return patch
 
 
 def _secrets_needed(model: ModelSource) -> list[tuple[str, tuple[str, ...], str]]:

@@ -320,7 +320,7 @@ def test_a_pass_reads_the_progress_of_running_downloads_and_looks_again_soon():
     assert progressing["message"].startswith("downloading hf://acme/tiny: f-context-0 30.0 MB of 120.0 MB (25%), "
                                               "f-generation-0 starting")
     assert api.last_status["model"]["phase"] == "Downloading" and api.last_status["model"]["bytesDone"] == 30_000_000
-    assert result.requeue_after <= 10
+    assert result.requeue_after <= 5
 
 
 def test_a_pass_over_servers_that_cannot_have_their_model_is_degraded_with_the_cause_and_an_event():
@@ -382,3 +382,13 @@ def test_a_download_is_named_first_in_progressing_even_during_a_roll():
     status = conditions.fleet_status(obs, {"context": {"desired": 1, "current": 1, "updated": 0, "ready": 0}}, None,
                                      [], None, [], "2026-01-01T00:00:00Z", downloading="downloading hf://acme/tiny: x")
     assert condition(status, "Progressing")["reason"] == "ModelDownloading"
+
+
+def test_the_status_patch_removes_what_a_nested_object_no_longer_has():
+    from adpfleet.operator.reconciler import merge_patch
+
+    before = {"model": {"source": "hf://a/b", "phase": "Downloading", "bytesDone": 1, "bytesTotal": 2},
+              "readyRoles": "0/2", "gone": {"x": 1}}
+    after = {"model": {"source": "hf://a/b", "phase": "Available"}, "readyRoles": "2/2"}
+    assert merge_patch(before, after) == {"model": {"source": "hf://a/b", "phase": "Available", "bytesDone": None,
+                                                    "bytesTotal": None}, "readyRoles": "2/2", "gone": None}
