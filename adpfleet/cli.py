@@ -36,7 +36,33 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-size", type=int, default=default.max_batch_size, help="requests in one batch")
     p.add_argument("--max-num-active-requests", type=int, default=default.max_num_active_requests,
                    help="requests a rank holds at once (running + waiting for KV)")
+    p.add_argument("--draft-tokens", type=int, default=default.draft_tokens,
+                   help="speculative decoding: draft tokens per decode step, proposed by prompt lookup (0: off)")
+    p.add_argument("--prompt-lookup-max", type=int, default=default.prompt_lookup_max,
+                   help="longest n-gram prompt lookup matches")
+    p.add_argument("--prompt-lookup-min", type=int, default=default.prompt_lookup_min,
+                   help="shortest n-gram prompt lookup matches")
     p.add_argument("--seed", type=int, default=default.seed, help="seed of the built-in tiny models")
+
+
+def _add_http_args(p: argparse.ArgumentParser) -> None:
+    """Who may call, and what one request may cost (server and router alike; docs/security.md).
+    Unset limits take the runtime's defaults (runtime/serving/limits.py), which this image-neutral
+    parser does not import."""
+    p.add_argument("--api-key", default=None,
+                   help="clients must send 'Authorization: Bearer KEY' on every path but /health and /metrics "
+                        "(or --api-key-file, or $ADPFLEET_API_KEY)")
+    p.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="read the API key from a file (a mounted Secret)")
+    p.add_argument("--internal-token-file", default=None, metavar="PATH",
+                   help="the fleet's own secret between router and servers and on the KV port "
+                        "(or $ADPFLEET_INTERNAL_TOKEN)")
+    p.add_argument("--enable-docs", action="store_true", help="serve /docs and /openapi.json (off by default)")
+    p.add_argument("--max-request-bytes", type=int, default=None,
+                   help="largest request body; a larger one is answered 413 (default 4 MiB)")
+    p.add_argument("--read-timeout", type=float, default=None,
+                   help="seconds a client has to send a whole request (headers and body) before the connection "
+                        "is closed (default 15)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None, help="model id reported by /v1/models")
     serve.add_argument("--no-pad-empty-batch", action="store_true",
                        help="disable post-schedule padding (only to reproduce the ADP stall)")
+    serve.add_argument("--no-padding-reserve", dest="padding_reserve", action="store_false",
+                       help="let admission use the padding dummy's KV blocks (only to measure what the reserve rescues)")
     serve.add_argument("--collective-timeout", type=float, default=60.0,
                        help="seconds a rank may block in a collective (or stay silent) before the server "
                             "declares it hung, turns unhealthy and exits non-zero")
@@ -62,7 +90,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--kv-lease", type=float, default=60.0,
                        help="context role: seconds held KV waits to be pulled before it is freed")
     serve.add_argument("--kv-transfer-timeout", type=float, default=30.0,
-                       help="generation role: seconds a KV pull may take before the request fails (the router retries)")
+                       help="seconds one KV transfer may take, at both ends: the pull fails its request (the router "
+                            "retries) and the context server frees the KV")
+    serve.add_argument("--kv-peer", action="append", default=[], metavar="HOST|CIDR",
+                       help="generation role: a host or network a request may name as its KV endpoint without the "
+                            "internal token (repeatable; default: loopback only)")
+    serve.add_argument("--max-waiting-requests", type=int, default=None,
+                       help="requests accepted but not yet generating; one more is answered 429 with Retry-After "
+                            "(default 128)")
+    serve.add_argument("--request-timeout", type=float, default=None,
+                       help="seconds a request may take on this server before it is aborted (504, or an error "
+                            "event in a stream; default 300)")
+    _add_http_args(serve)
     _add_engine_args(serve)
     serve.set_defaults(run="adpfleet.runtime.server:main")
 
@@ -87,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default: only the request timeout applies)")
     router.add_argument("--health-interval", type=float, default=2.0,
                         help="seconds between /health probes of every known server")
+    _add_http_args(router)
     router.set_defaults(run="adpfleet.runtime.router.app:main")
 
     gen = sub.add_parser("generate", help="generate one completion and print it")

@@ -185,7 +185,7 @@ def kv_transfer_gbps(nbytes: int, repeats: int) -> tuple[float, int]:
     model's shape (2 layers x 2 KV heads x 32 dims, float32: 1 KiB per token for K and V)."""
     import torch
 
-    from adpfleet.runtime.serving import kv_transfer
+    from adpfleet.runtime.executor import kv_transfer
 
     import random
 
@@ -201,7 +201,7 @@ def kv_transfer_gbps(nbytes: int, repeats: int) -> tuple[float, int]:
         times = []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            payload = kv_transfer.fetch(server.endpoint, "bench", timeout=60)
+            payload = kv_transfer.fetch(server.endpoint, "bench", 60, kv_transfer.KVLayout.of(k), tokens)
             times.append(time.perf_counter() - t0)
         assert torch.equal(payload.k, k[:, slots]) and torch.equal(payload.v, v[:, slots])
     finally:

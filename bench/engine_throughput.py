@@ -1,20 +1,27 @@
-"""Engine throughput vs Hugging Face `generate` (issue 2): same weights, same workload, same machine.
+"""Engine throughput vs Hugging Face `generate`: same weights, same workload, same machine.
 
-    .venv/bin/python bench/engine_throughput.py            # the full run (~6 min on an idle 2-core machine)
+    .venv/bin/python bench/engine_throughput.py            # the full CPU run (~6 min on an idle 2-core machine)
     .venv/bin/python bench/engine_throughput.py --quick    # a smoke run (~1 min, mostly imports)
+    python bench/engine_throughput.py --device cuda --dtype bfloat16 --model 1b   # on a GPU (bench/gpu_check.sh)
 
-One random Llama model (~34 M parameters) is saved once and loaded by both sides. The workload is
-64 requests with prompts of 16..256 tokens (fixed seed, same order for both sides), 64 greedy
-output tokens each with EOS ignored, float32, the same torch thread count. adpfleet's engine runs
-it with continuous batching; transformers runs it as static, left-padded batches of each size in
---hf-batch-sizes, and the fastest is the baseline. Each side runs in its own process, so its peak
-RSS is its own. Throughput is generated tokens per second of wall time over the whole workload.
-Every side runs --rounds times, interleaved with the others, and keeps its fastest round: on a
-shared machine other load only ever slows a round down. A matmul probe before each timed round
-shows how much of the machine that round had.
+One random Llama model is saved once and loaded by both sides: `small` (~34 M parameters, the CPU
+default) or `1b` (the shape of Llama 3.2 1B, 1.24 B parameters, for GPUs). The workload is a list
+of requests with prompts of random lengths (fixed seed, same order for both sides), greedy output
+with EOS ignored, the same torch thread count. adpfleet's engine runs it with continuous
+batching; transformers runs it as static, left-padded batches of each size in --hf-batch-sizes,
+and the fastest is the baseline. Each side runs in its own process, so its peak RSS is its own.
+Throughput is generated tokens per second of wall time over the whole workload. Every side runs
+--rounds times, interleaved with the others, and keeps its fastest round: on a shared machine
+other load only ever slows a round down. A matmul probe before each timed round shows how much of
+the machine that round had.
 
-The compute limit is the workload's ideal FLOPs (no padding; see `workload_flops`) divided by the
-machine's measured float32 matmul throughput; each side's fraction of it is how close it gets.
+Two limits, and each side's fraction of them:
+- compute: the workload's ideal FLOPs (no padding; `workload_flops`) at the device's measured
+  matmul throughput in the run's dtype;
+- decode memory bandwidth (--decode-split, the default on CUDA): decode time is the wall time of
+  the workload minus that of the same workload generating one token (prefill only), and its
+  limit is the bytes an ideal decode must read (`decode_bytes`: the weights once per step for
+  all requests together, each request's K/V once per step) at the measured copy bandwidth.
 """
 
 from __future__ import annotations
@@ -35,17 +42,29 @@ from common import format_table, machine_info, matmul_gflops, peak_rss_mb  # noq
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "engine_throughput.json"
 TARGET_RATIO = 2.0
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
-MODEL = dict(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
-             num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024,
-             rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
-             bos_token_id=1, eos_token_id=2)
+MODELS = {
+    "small": dict(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                  num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024,
+                  rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
+                  bos_token_id=1, eos_token_id=2),
+    # Llama 3.2 1B's shape (default RoPE instead of its "llama3" scaling; random weights)
+    "1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+               num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096,
+               rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True,
+               bos_token_id=1, eos_token_id=2),
+}
 FIRST_TOKEN_ID = 3  # prompts avoid pad (0), BOS and EOS
+# matmul probe [m, k] @ [k, n]: a GPU needs a larger product than a CPU to reach its peak
+PROBE_SHAPE = {"cpu": (2048, 2048, 1024), "cuda": (8192, 8192, 8192)}
 
 
-def workloads(quick: bool) -> dict:
+def workloads(quick: bool, device: str) -> dict:
     if quick:
         return dict(num_requests=16, min_prompt=16, max_prompt=64, new_tokens=16, hf_batch_sizes=[8, 16])
+    if device == "cuda":  # a GPU decodes many requests at once: more of them, longer
+        return dict(num_requests=128, min_prompt=16, max_prompt=512, new_tokens=128, hf_batch_sizes=[32, 64, 128])
     return dict(num_requests=64, min_prompt=16, max_prompt=256, new_tokens=64, hf_batch_sizes=[8, 16, 32, 64])
 
 
@@ -56,6 +75,14 @@ def make_prompts(num_requests: int, min_prompt: int, max_prompt: int, vocab: int
 
 
 # -- the ideal work -----------------------------------------------------------------------------
+def _shape(model: dict) -> tuple[int, int, int, int]:
+    h = model["hidden_size"]
+    head_dim = h // model["num_attention_heads"]
+    q_size, kv_size = model["num_attention_heads"] * head_dim, model["num_key_value_heads"] * head_dim
+    layer_weights = h * (q_size + 2 * kv_size) + q_size * h + 3 * h * model["intermediate_size"]
+    return h, q_size, kv_size, layer_weights
+
+
 def workload_flops(model: dict, prompt_lens: list[int], new_tokens: int) -> dict:
     """FLOPs of the workload done once, without padding: every prompt token and every generated
     token but the last runs through the layers (P + new_tokens - 1 positions per request), and
@@ -67,15 +94,26 @@ def workload_flops(model: dict, prompt_lens: list[int], new_tokens: int) -> dict
       "4 x layers x seq_len x hidden per token", summed exactly);
     - lm_head: 2 * hidden * vocab per generated token. Embedding lookups, norms, RoPE and
       activations are left out (well under 1% here)."""
-    h, inter, layers = model["hidden_size"], model["intermediate_size"], model["num_hidden_layers"]
-    head_dim = h // model["num_attention_heads"]
-    q_size, kv_size = model["num_attention_heads"] * head_dim, model["num_key_value_heads"] * head_dim
-    layer_weights = h * (q_size + 2 * kv_size) + q_size * h + 3 * h * inter
+    h, q_size, _, layer_weights = _shape(model)
+    layers = model["num_hidden_layers"]
     positions = [p + new_tokens - 1 for p in prompt_lens]
     linear = sum(2 * layers * layer_weights * n for n in positions)
     attention = sum(4 * layers * q_size * n * (n + 1) // 2 for n in positions)
     lm_head = 2 * h * model["vocab_size"] * new_tokens * len(prompt_lens)
     return {"linear": linear, "attention": attention, "lm_head": lm_head, "total": linear + attention + lm_head}
+
+
+def decode_bytes(model: dict, prompt_lens: list[int], new_tokens: int, element_bytes: int) -> dict:
+    """Bytes an ideal decode reads: tokens 2..new_tokens take new_tokens - 1 steps of every request
+    together; each step reads the layer weights and the lm_head once, and each request's K/V of
+    every layer for the positions it attends to (P + s at step s). Embedding rows, norms and the
+    K/V written are left out (well under 1%)."""
+    h, _, kv_size, layer_weights = _shape(model)
+    layers, steps = model["num_hidden_layers"], new_tokens - 1
+    weights = (layers * layer_weights + h * model["vocab_size"]) * element_bytes * steps
+    kv_per_token = 2 * layers * kv_size * element_bytes
+    kv = kv_per_token * sum(p + s for p in prompt_lens for s in range(1, steps + 1))
+    return {"weights": weights, "kv": kv, "total": weights + kv}
 
 
 # -- the two sides, each in its own process -----------------------------------------------------
@@ -85,22 +123,26 @@ def prepare_engine(workdir: Path, spec: dict):
     from adpfleet.runtime.engine.llm_engine import LLMEngine
     from adpfleet.runtime.engine.sampling import SamplingParams
 
-    prompts, new_tokens, tpb = spec["prompts"], spec["new_tokens"], spec["tokens_per_block"]
-    blocks_per_request = -(-(max(map(len, prompts)) + new_tokens) // tpb)
-    config = EngineConfig(model=str(workdir / "model"), dtype="float32", tokens_per_block=tpb,
+    prompts, tpb = spec["prompts"], spec["tokens_per_block"]
+    blocks_per_request = -(-(max(map(len, prompts)) + spec["new_tokens"]) // tpb)
+    config = EngineConfig(model=str(workdir / "model"), device=spec["device"], dtype=spec["dtype"],
+                          tokens_per_block=tpb,
                           kv_blocks=len(prompts) * blocks_per_request + 16,  # every request fits at once
                           max_num_tokens=spec["max_num_tokens"], max_batch_size=len(prompts),
                           max_num_active_requests=len(prompts))
     engine = LLMEngine(config)
     engine.generate([p[:16] for p in prompts[:4]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
-    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
 
-    def run() -> list[list[int]]:
+    def run(new_tokens: int) -> list[list[int]]:
+        params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
         return [r.output_token_ids for r in engine.generate(prompts, params)]
 
     settings = {k: getattr(config, k) for k in ("kv_blocks", "tokens_per_block", "max_num_tokens",
                                                 "max_batch_size", "max_num_active_requests")}
-    return run, {"batch_size": "continuous", "engine_config": settings}
+    from adpfleet.runtime.model.attention import default_decode_backend
+
+    backend = default_decode_backend(torch.device(spec["device"]))
+    return run, {"batch_size": "continuous", "engine_config": settings, "decode_attention": backend}
 
 
 def prepare_hf(workdir: Path, spec: dict, batch_size: int):
@@ -108,14 +150,17 @@ def prepare_hf(workdir: Path, spec: dict, batch_size: int):
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
-    model = transformers.LlamaForCausalLM.from_pretrained(str(workdir / "model"), dtype=torch.float32).eval()
+    # transformers < 4.56 names the argument torch_dtype (and would take `dtype` as a config field)
+    dtype_arg = "dtype" if tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (4, 56) else "torch_dtype"
+    model = transformers.LlamaForCausalLM.from_pretrained(
+        str(workdir / "model"), **{dtype_arg: DTYPES[spec["dtype"]]}).to(spec["device"]).eval()
     model.generation_config.eos_token_id = None  # every request runs the full new_tokens, as ignore_eos
-    prompts, new_tokens = spec["prompts"], spec["new_tokens"]
+    prompts, device = spec["prompts"], spec["device"]
 
     def generate(batch: list[list[int]], max_new_tokens: int) -> list[list[int]]:
         width = max(map(len, batch))
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])  # padding side: left
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=device)  # padding side: left
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
         cfg = transformers.GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=0)
         with torch.no_grad():
             out = model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg)
@@ -123,7 +168,7 @@ def prepare_hf(workdir: Path, spec: dict, batch_size: int):
 
     generate([p[:16] for p in prompts[:batch_size]], 4)  # warm-up
 
-    def run() -> list[list[int]]:
+    def run(new_tokens: int) -> list[list[int]]:
         return [out for i in range(0, len(prompts), batch_size)
                 for out in generate(prompts[i:i + batch_size], new_tokens)]
 
@@ -134,20 +179,44 @@ def run_side(side: str, workdir: Path, threads: int) -> None:
     """Worker entry point: run one side once, write its result next to the workload."""
     torch.set_num_threads(threads)
     spec = json.loads((workdir / "workload.json").read_text())
+    if side == "save":
+        counts = save_model(workdir / "model", MODELS[spec["model"]], spec["seed"], spec["device"],
+                            DTYPES[spec["dtype"]])
+        (workdir / "result-save.json").write_text(json.dumps(counts))
+        return
+    device, dtype = spec["device"], DTYPES[spec["dtype"]]
     run, info = prepare_engine(workdir, spec) if side == "engine" else \
         prepare_hf(workdir, spec, int(side.split("-")[1]))
-    probe = matmul_gflops(repeats=3, trials=3)  # how much of the machine this side gets right now
+    result = {}
+    if spec["decode_split"]:  # the same workload generating one token: its prefill
+        start = time.perf_counter()
+        run(1)
+        result["prefill_wall_s"] = time.perf_counter() - start
+    probe = matmul_gflops(*PROBE_SHAPE[device], repeats=3, trials=3, device=device, dtype=dtype)  # this side's share
     load_before = os.getloadavg()[0]
     cpu, start = time.process_time(), time.perf_counter()
-    outputs = run()
+    outputs = run(spec["new_tokens"])
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     if [len(o) for o in outputs] != [spec["new_tokens"]] * len(spec["prompts"]):
         raise SystemExit(f"{side}: expected {spec['new_tokens']} tokens for each of {len(spec['prompts'])} "
                          f"requests, got lengths {sorted({len(o) for o in outputs})}")
-    result = info | {"side": side, "wall_s": wall, "cpu_s": cpu, "outputs": outputs, "matmul_probe_gflops": probe,
-                     "load_1m_before_after": [load_before, os.getloadavg()[0]],
-                     "threads": torch.get_num_threads(), "peak_rss_mb": peak_rss_mb()}
+    result |= info | {"side": side, "wall_s": wall, "cpu_s": cpu, "outputs": outputs, "matmul_probe_gflops": probe,
+                      "load_1m_before_after": [load_before, os.getloadavg()[0]],
+                      "threads": torch.get_num_threads(), "peak_rss_mb": peak_rss_mb()}
+    if device == "cuda":
+        result["peak_gpu_memory_mb"] = torch.cuda.max_memory_allocated() / 2**20
     (workdir / f"result-{side}.json").write_text(json.dumps(result))
+
+
+def measure_bandwidth(device: str, threads: int) -> float:
+    """The device's memory bandwidth, measured in a process of its own: the probe's buffers would
+    otherwise raise this process's peak RSS, which every side started from it inherits (Linux
+    keeps the parent's high-water mark across fork and exec in ru_maxrss)."""
+    code = ("import sys, torch; sys.path.insert(0, sys.argv[1]); from common import memory_gbps; "
+            "torch.set_num_threads(int(sys.argv[3])); print(memory_gbps(sys.argv[2]))")
+    out = subprocess.run([sys.executable, "-c", code, str(Path(__file__).resolve().parent), device, str(threads)],
+                         check=True, capture_output=True, text=True).stdout
+    return float(out.split()[-1])
 
 
 def spawn_side(side: str, workdir: Path, threads: int) -> dict:
@@ -177,50 +246,70 @@ def main() -> None:
                                             "--quick: engine_throughput.quick.json in the temp dir)")
     ap.add_argument("--rounds", type=int, help="run every side this many times, interleaved, and keep each "
                                                "side's fastest (default 2; --quick: 1)")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    ap.add_argument("--model", choices=list(MODELS), default="small", help="the random Llama's shape")
+    ap.add_argument("--decode-split", action=argparse.BooleanOptionalAction, default=None,
+                    help="also time the prefill alone, for decode's fraction of the memory-bandwidth limit "
+                         "(default: on for cuda)")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads, both sides (default: all cores)")
     ap.add_argument("--hf-batch-sizes", type=lambda s: [int(x) for x in s.split(",")],
-                    help="static batch sizes tried for transformers (default 8,16,32,64)")
+                    help="static batch sizes tried for transformers (default 8,16,32,64; cuda: 32,64,128)")
     ap.add_argument("--max-num-tokens", type=int, default=2048, help="engine: tokens per forward pass")
     ap.add_argument("--tokens-per-block", type=int, default=16, help="engine: KV block size")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--side", help=argparse.SUPPRESS)  # worker mode: engine | hf-N
+    ap.add_argument("--side", help=argparse.SUPPRESS)  # worker mode: save | engine | hf-N
     ap.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.side:
         return run_side(args.side, args.workdir, args.threads)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device on this machine")
 
     torch.set_num_threads(args.threads)
-    wl = workloads(args.quick)
+    model_cfg, dtype = MODELS[args.model], DTYPES[args.dtype]
+    element_bytes = torch.empty(0, dtype=dtype).element_size()
+    decode_split = args.decode_split if args.decode_split is not None else args.device == "cuda"
+    wl = workloads(args.quick, args.device)
     batch_sizes = args.hf_batch_sizes or wl["hf_batch_sizes"]
     rounds = args.rounds or (1 if args.quick else 2)
     out = args.out or (Path(tempfile.gettempdir()) / "engine_throughput.quick.json" if args.quick else DEFAULT_OUT)
-    prompts = make_prompts(wl["num_requests"], wl["min_prompt"], wl["max_prompt"], MODEL["vocab_size"], args.seed)
-    prompt_tokens = sum(map(len, prompts))
+    prompts = make_prompts(wl["num_requests"], wl["min_prompt"], wl["max_prompt"], model_cfg["vocab_size"], args.seed)
+    prompt_lens = [len(p) for p in prompts]
+    prompt_tokens = sum(prompt_lens)
     generated_tokens = wl["num_requests"] * wl["new_tokens"]
-    flops = workload_flops(MODEL, [len(p) for p in prompts], wl["new_tokens"])
+    flops = workload_flops(model_cfg, prompt_lens, wl["new_tokens"])
+    dbytes = decode_bytes(model_cfg, prompt_lens, wl["new_tokens"], element_bytes)
     side_names = ["engine"] + [f"hf-{n}" for n in batch_sizes]
 
-    print("measuring float32 matmul throughput ...", flush=True)
-    matmul_before = matmul_gflops()
+    print(f"measuring {args.dtype} matmul throughput and memory bandwidth on {args.device} ...", flush=True)
+    matmul_before = matmul_gflops(*PROBE_SHAPE[args.device], device=args.device, dtype=dtype)
+    bandwidth = measure_bandwidth(args.device, args.threads)
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="engine-throughput-") as tmp:
         workdir = Path(tmp)
-        num_params = save_model(workdir / "model", args.seed)
         (workdir / "workload.json").write_text(json.dumps(
             {"prompts": prompts, "new_tokens": wl["new_tokens"], "max_num_tokens": args.max_num_tokens,
-             "tokens_per_block": args.tokens_per_block}))
+             "tokens_per_block": args.tokens_per_block, "device": args.device, "dtype": args.dtype,
+             "decode_split": decode_split, "model": args.model, "seed": args.seed}))
+        # saved by a worker too: the random model would raise this process's (inherited) peak RSS
+        subprocess.run([sys.executable, str(Path(__file__).resolve()), "--side", "save", "--workdir", str(workdir),
+                        "--threads", str(args.threads)], check=True)
+        num_params = json.loads((workdir / "result-save.json").read_text())
         runs = {name: [] for name in side_names}
         for r in range(rounds):
             print(f"round {r + 1}/{rounds}", flush=True)
             for name in side_names:
                 runs[name].append(spawn_side(name, workdir, args.threads))
-    matmul_after = matmul_gflops()
+    matmul_after = matmul_gflops(*PROBE_SHAPE[args.device], device=args.device, dtype=dtype)
+    bandwidth = max(bandwidth, measure_bandwidth(args.device, args.threads))
     results = [best_of_rounds(runs[name]) for name in side_names]
     # The machine's peak is the best matmul rate seen at any point of the run.
     peak_gflops = max([matmul_before, matmul_after] + [x["matmul_probe_gflops"] for v in runs.values() for x in v])
 
     engine_outputs = results[0]["outputs"]
     limit_s = flops["total"] / (peak_gflops * 1e9)
+    decode_limit_s = dbytes["total"] / (bandwidth * 1e9)
     rows, sides = [], []
     for r in results:
         wall = r["wall_s"]
@@ -237,36 +326,53 @@ def main() -> None:
             "load_1m_before_after": [round(x, 2) for x in r["load_1m_before_after"]],
             "requests_identical_to_engine": sum(a == b for a, b in zip(r["outputs"], engine_outputs)),
         }
-        side |= {k: r[k] for k in ("engine_config", "attn_implementation") if k in r}
+        if "prefill_wall_s" in r:
+            decode_s = wall - r["prefill_wall_s"]  # <= 0 only when load slowed the prefill-only run: unknown
+            side |= {"prefill_wall_s": round(r["prefill_wall_s"], 3), "decode_s": round(decode_s, 3),
+                     "decode_tokens_per_s": round(wl["num_requests"] * (wl["new_tokens"] - 1) / decode_s, 1)
+                     if decode_s > 0 else None,
+                     "decode_fraction_of_bandwidth_limit":
+                         round(decode_limit_s / decode_s, 4) if decode_s > 0 else None}
+        side |= {k: r[k] for k in ("engine_config", "attn_implementation", "decode_attention", "peak_gpu_memory_mb")
+                 if k in r}
         sides.append(side)
         rows.append([side["side"], side["batch_size"], wall, side["cpu_s"], side["generated_tokens_per_s"],
-                     side["total_tokens_per_s"], 100 * side["fraction_of_compute_limit"], side["peak_rss_mb"],
-                     f"{side['requests_identical_to_engine']}/{len(prompts)}"])
+                     side["total_tokens_per_s"], 100 * side["fraction_of_compute_limit"]]
+                    + ([side["decode_tokens_per_s"] or "-", 100 * (side["decode_fraction_of_bandwidth_limit"] or 0)]
+                       if decode_split else [])
+                    + [side["peak_rss_mb"], f"{side['requests_identical_to_engine']}/{len(prompts)}"])
 
     engine, hf = sides[0], sides[1:]
     best_hf = max(hf, key=lambda s: s["generated_tokens_per_s"])
     ratio = engine["generated_tokens_per_s"] / best_hf["generated_tokens_per_s"]
     print()
-    print(format_table(["side", "batch", "wall s", "CPU s", "gen tok/s", "total tok/s", "% of limit", "peak RSS MB",
-                        "same tokens"], rows))
+    print(format_table(["side", "batch", "wall s", "CPU s", "gen tok/s", "total tok/s", "% of compute limit"]
+                       + (["decode tok/s", "% of bandwidth limit"] if decode_split else [])
+                       + ["peak RSS MB", "same tokens"], rows))
     print()
     print(f"engine / best transformers (batch {best_hf['batch_size']}): {ratio:.2f}x "
           f"(target >= {TARGET_RATIO:.1f}x: {'met' if ratio >= TARGET_RATIO else 'NOT met'})")
     print(f"compute limit: {flops['total'] / 1e9:.1f} GFLOP / {peak_gflops:.1f} GFLOP/s = {limit_s:.2f} s; "
           f"best of {rounds} round(s) per side; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    if decode_split:
+        print(f"decode bandwidth limit: {dbytes['total'] / 1e9:.1f} GB / {bandwidth:.0f} GB/s = {decode_limit_s:.3f} s")
 
+    machine = machine_info() | {"torch_threads": args.threads}
+    if args.device == "cuda":
+        machine["gpu"] = torch.cuda.get_device_name()
     report = {
-        "benchmark": "engine_throughput", "issue": 2, "quick": args.quick, "rounds": rounds,
+        "benchmark": "engine_throughput", "issue": 19, "quick": args.quick, "rounds": rounds,
         "started_unix": round(started), "duration_s": round(time.time() - started, 1),
-        "machine": machine_info() | {"torch_threads": args.threads},
-        "model": {"config": MODEL, "parameters": num_params, "dtype": "float32"},
+        "device": args.device, "machine": machine,
+        "model": {"name": args.model, "config": model_cfg, "parameters": num_params, "dtype": args.dtype},
         "workload": {"requests": len(prompts), "prompt_tokens_min_max": [wl["min_prompt"], wl["max_prompt"]],
                      "prompt_tokens": prompt_tokens, "new_tokens_per_request": wl["new_tokens"],
                      "generated_tokens": generated_tokens, "sampling": "greedy, EOS ignored", "seed": args.seed},
         "compute_limit": {"peak_matmul_gflops": round(peak_gflops, 1),
                           "matmul_gflops_before_after": [round(matmul_before, 1), round(matmul_after, 1)],
-                          "matmul_shape": "[2048, 2048] @ [2048, 1024] float32, best of 5 x 10 "
-                                          "(peak: the best rate seen before, during or after the run)",
+                          "matmul_shape": "[{0}, {1}] @ [{1}, {2}] {3}, best of 5 x 10, torch.mm and (CPU) oneDNN "
+                                          "(peak: the best rate seen before, during or after the run)"
+                                          .format(*PROBE_SHAPE[args.device], args.dtype),
                           "workload_gflop": {k: round(v / 1e9, 2) for k, v in flops.items()},
                           "limit_wall_s": round(limit_s, 3),
                           "limit_generated_tokens_per_s": round(generated_tokens / limit_s, 1)},
@@ -275,18 +381,23 @@ def main() -> None:
         "ratio_engine_to_best_transformers": round(ratio, 3),
         "target_ratio": TARGET_RATIO, "target_met": ratio >= TARGET_RATIO,
     }
+    if decode_split:
+        report["decode_bandwidth_limit"] = {
+            "memory_gbps": round(bandwidth, 1), "probe": "copy of a 1 GiB buffer, bytes read + written, best of 5 x 5",
+            "decode_gb": {k: round(v / 1e9, 3) for k, v in dbytes.items()}, "limit_s": round(decode_limit_s, 4)}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {out}")
 
 
-def save_model(path: Path, seed: int) -> dict:
+def save_model(path: Path, model_cfg: dict, seed: int, device: str = "cpu", dtype: torch.dtype = torch.float32) -> dict:
     """Save the random Llama both sides load; return its parameter counts."""
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**MODEL)).eval()
+    with torch.device(device):  # a 1B model initialises in seconds on a GPU
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**model_cfg)).to(dtype).eval()
     model.save_pretrained(str(path))
     total = sum(p.numel() for p in model.parameters())
     embed = model.model.embed_tokens.weight.numel()

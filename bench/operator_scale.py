@@ -37,10 +37,11 @@ import urllib.request
 from collections import Counter
 from pathlib import Path
 
-import psutil
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from common import ProcessSampler  # noqa: E402
 RESULTS = ROOT / "bench" / "results" / "operator_scale.json"
 STATUS_ONLY = {"adpfleet.io/node-agent": "status-only"}
 NAMESPACE = "bench"
@@ -59,41 +60,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-class ProcessSampler:
-    """RSS and CPU of one process, sampled every `interval` seconds in a thread."""
-
-    def __init__(self, pid: int, interval: float = 0.5):
-        self.proc = psutil.Process(pid)
-        self.interval = interval
-        self.samples: list[tuple[float, float, float]] = []  # (monotonic, rss MB, cpu seconds)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def start(self) -> "ProcessSampler":
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                times = self.proc.cpu_times()
-                self.samples.append((time.monotonic(), self.proc.memory_info().rss / 2**20, times.user + times.system))
-            except psutil.Error:
-                return
-            self._stop.wait(self.interval)
-
-    def peak_rss(self, start: float = 0, end: float = float("inf")) -> float:
-        return max((s[1] for s in self.samples if start <= s[0] <= end), default=0.0)
-
-    def cpu_seconds(self, start: float, end: float) -> float:
-        window = [s for s in self.samples if start <= s[0] <= end]
-        return window[-1][2] - window[0][2] if len(window) > 1 else 0.0
 
 
 class PodChangeCounter:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
 from adpfleet.cluster.binaries import BinariesUnavailable
-from adpfleet.cluster.controlplane import ClusterError, ControlPlane
+from adpfleet.cluster.controlplane import ClusterError, ControlPlane, default_state_dir
 
 
 def main(args: argparse.Namespace) -> int:
@@ -18,9 +19,16 @@ def main(args: argparse.Namespace) -> int:
     except (ClusterError, BinariesUnavailable) as exc:
         print(f"adpfleet cluster {args.action}: {exc}", file=sys.stderr)
         if args.action == "up" and plane.state_file.exists():
-            print("What did start is still running: `adpfleet cluster status` shows it, "
-                  "`adpfleet cluster down` stops it.", file=sys.stderr)
+            print(f"What did start is still running: `{command('status', plane)}` shows it, "
+                  f"`{command('down', plane)}` stops it.", file=sys.stderr)
         return 1
+
+
+def command(action: str, plane: ControlPlane) -> str:
+    """The exact command that acts on this cluster: `--state-dir` unless it is the default one."""
+    if plane.dir == default_state_dir().resolve():
+        return f"adpfleet cluster {action}"
+    return f"adpfleet cluster {action} --state-dir {shlex.quote(str(plane.dir))}"
 
 
 def _up(plane: ControlPlane) -> int:
@@ -41,7 +49,7 @@ To use it:
   export KUBECONFIG={report.kubeconfig}
   export PATH={report.binaries.directory}:$PATH   # kubectl and helm of the pinned version
   kubectl get nodes
-Stop it with `adpfleet cluster down`.""")
+Check it with `{command('status', plane)}`; stop it with `{command('down', plane)}`.""")
     return 0
 
 

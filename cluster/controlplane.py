@@ -19,6 +19,7 @@ import contextlib
 import fcntl
 import json
 import os
+import shlex
 import shutil
 import ssl
 import sys
@@ -38,8 +39,16 @@ NODE_NAME = "adpfleet-node"
 POD_MARKER_ENV = "ADPFLEET_CLUSTER"  # set in every pod process to the agent's state directory
 STATE_VERSION = 1
 SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc.cluster.local"
-# Cloud and node-IPAM controllers have nothing to do on one loopback node.
-CONTROLLERS = "*,-node-ipam-controller,-cloud-node-lifecycle-controller,-node-route-controller,-service-lb-controller"
+# Cloud and node-IPAM controllers have nothing to do on one loopback node. Pod addresses are
+# loopback addresses, which the API server refuses in Endpoints and EndpointSlices: their controllers
+# would only retry and warn about every Service, so they do not run (the node agent answers
+# headless Service names through each pod's /etc/hosts instead).
+CONTROLLERS = ",".join(["*", "-node-ipam-controller", "-cloud-node-lifecycle-controller", "-node-route-controller",
+                        "-service-lb-controller", "-endpoints-controller", "-endpointslice-controller",
+                        "-endpointslice-mirroring-controller"])
+# How often the PersistentVolume binder looks again at unbound claims (upstream: 15 s). It binds a
+# claim the moment it sees it, but a claim created just before its volume waits for this pass.
+PV_BINDER_SYNC_PERIOD = "2s"
 # Client certificates: file stem -> (user, group). system:masters bypasses RBAC, which the node
 # agent (binding, status, tokens for every pod) and the admin need; the controller manager gets
 # its own identity, which the default RBAC policy already authorises.
@@ -133,7 +142,7 @@ class ControlPlane:
         """Stop every process of this cluster and remove its state directory. Returns what it did."""
         done: list[str] = []
         if not self.dir.exists():
-            return [f"no local cluster at {self.dir}; nothing to do"]
+            return [f"no local cluster at {self.dir}; nothing to do", *_clusters_elsewhere()]
         with self._locked():
             with contextlib.suppress(ClusterError):
                 self._load_state(for_up=False)
@@ -182,7 +191,8 @@ class ControlPlane:
         if not self.state_file.exists():
             self.state = {}
             if not self.dir.exists() and not for_up:
-                raise ClusterError(f"no local cluster at {self.dir}; start one with `adpfleet cluster up`")
+                raise ClusterError(f"no local cluster at {self.dir}; start one with `adpfleet cluster up`"
+                                   + "".join(f"\n{line}" for line in _clusters_elsewhere()))
             return
         try:
             self.state = json.loads(self.state_file.read_text())
@@ -313,7 +323,7 @@ class ControlPlane:
         return done
 
     def _remove_mountpoints(self) -> list[str]:
-        """Empty directories the agent created on the host as pod mount points (see docs)."""
+        """The files and empty directories the agent created on the host as pod mount points (see docs)."""
         listing = self.agent_dir / "created-mountpoints"
         if not listing.exists():
             return []
@@ -322,9 +332,14 @@ class ControlPlane:
         removed = 0
         for path in sorted(set(listing.read_text().split("\n")) - {""}, key=len, reverse=True):
             with contextlib.suppress(OSError):
-                os.rmdir(path)
+                # A file mount point (e.g. /dev/termination-log) is ours whatever a host process wrote
+                # into it; a directory may have received someone's data: only an empty one goes.
+                if os.path.isfile(path) and not os.path.islink(path):
+                    os.unlink(path)
+                else:
+                    os.rmdir(path)
                 removed += 1
-        return [f"removed {removed} empty mount-point directories"] if removed else []
+        return [f"removed {removed} mount points"] if removed else []
 
     # ---- the components ----
 
@@ -396,7 +411,7 @@ class ControlPlane:
                 "--leader-elect=false", "--use-service-account-credentials=true",
                 f"--service-account-private-key-file={pki.sa_key}", f"--root-ca-file={pki.ca.cert}",
                 f"--cluster-signing-cert-file={pki.ca.cert}", f"--cluster-signing-key-file={pki.ca.key}",
-                f"--controllers={CONTROLLERS}"]
+                f"--controllers={CONTROLLERS}", f"--pvclaimbinder-sync-period={PV_BINDER_SYNC_PERIOD}"]
 
     def _kcm_health(self) -> str | None:
         port = self.state["ports"]["controller_manager"]
@@ -418,6 +433,23 @@ class ControlPlane:
     def _agent_health(self) -> str | None:
         return self._https_ok(f"https://{HOST}:{self.state['ports']['agent']}/healthz",
                               client=self.pki.client("apiserver-kubelet-client"))
+
+
+def running_clusters() -> list[Path]:
+    """The state directories of the local clusters whose node agent runs on this machine (found by
+    the agent's `--state-dir=<cluster>/agent`), so that a command aimed at the wrong directory can
+    say where they are."""
+    found = set()
+    for proc in processes.psutil.process_iter(["cmdline"]):
+        argv = proc.info["cmdline"] or []
+        if "adpfleet.cluster.agent" in argv:
+            found |= {Path(a.removeprefix("--state-dir=")).parent for a in argv if a.startswith("--state-dir=")}
+    return sorted(found)
+
+
+def _clusters_elsewhere() -> list[str]:
+    return [f"  a local cluster runs in {d}: `adpfleet cluster status --state-dir {shlex.quote(str(d))}`"
+            for d in running_clusters()]
 
 
 def _record(raw: dict | None) -> processes.ProcessRecord | None:

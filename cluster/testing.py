@@ -5,8 +5,8 @@ Fixtures:
     k8s_namespace  a fresh namespace per test (its default service account exists), deleted after
 
 Helpers on `LocalCluster`: `apply` (kubectl apply of YAML text, dicts or files), `kubectl`,
-`core` (the official client's CoreV1Api), `wait_for_pod`, `pod_ready`; and `wait_for`, the one
-way tests wait: poll with a deadline, and say what never happened.
+`core` (the official client's CoreV1Api), `wait_for_pod`, `pod_ready`, `pod_events`; and
+`wait_for`, the one way tests wait: poll with a deadline, and say what never happened.
 
 The binaries come from tools/k8s/build.sh (built on first use, minutes); when they cannot be built
 the fixture fails. A skipped Kubernetes test would be no evidence of anything.
@@ -31,8 +31,9 @@ from adpfleet.cluster.controlplane import ControlPlane, UpReport
 
 T = TypeVar("T")
 
-# Tests want to see restarts in seconds, not the kubelet's 10 s → 5 min back-off.
-TEST_AGENT_ARGS = ["--backoff-initial=1", "--backoff-max=8"]
+# Tests want to see restarts in seconds, not the kubelet's 10 s → 5 min back-off; and extended
+# resources beyond GPUs (an RDMA device plugin's, hugepages) to schedule pods that request them.
+TEST_AGENT_ARGS = ["--backoff-initial=1", "--backoff-max=8", "--capacity=rdma/ib=8", "--capacity=hugepages-2Mi=1Gi"]
 
 
 class WaitTimeout(AssertionError):
@@ -137,6 +138,12 @@ class LocalCluster:
             pod = self.core.read_namespaced_pod(name, namespace)
             return pod if check(pod) else None
         return wait_for(attempt, timeout=timeout, what=what or f"pod {namespace}/{name} to be {check.__name__}")
+
+    def pod_events(self, namespace: str, name: str) -> list[tuple[str, str, str]]:
+        """(type, reason, message) of the Events about one pod, oldest first."""
+        items = self.core.list_namespaced_event(namespace, field_selector=f"involvedObject.name={name}").items
+        items.sort(key=lambda e: (e.first_timestamp or e.event_time or e.metadata.creation_timestamp))
+        return [(e.type, e.reason, e.message) for e in items]
 
     def wait_for_pod_gone(self, namespace: str, name: str, *, timeout: float = 30) -> None:
         from kubernetes.client.exceptions import ApiException

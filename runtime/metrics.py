@@ -25,6 +25,8 @@ class RankStats:
         default_factory=lambda: {(p, o): 0 for p in PADDING_PHASES for o in PADDING_OUTCOMES})
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    spec_decode_draft_tokens: int = 0
+    spec_decode_accepted_tokens: int = 0
     requests_finished: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FINISH_REASONS, 0))
     requests_running: int = 0
     requests_waiting: int = 0
@@ -48,6 +50,10 @@ _COUNTERS = [
      "Passes where this rank's batch was empty after scheduling while the fleet had work."),
     ("prompt_tokens", "adpfleet_prompt_tokens_total", "Real prompt tokens processed (never dummies)."),
     ("generation_tokens", "adpfleet_generation_tokens_total", "Real tokens generated (never dummies)."),
+    ("spec_decode_draft_tokens", "adpfleet_spec_decode_draft_tokens_total",
+     "Draft tokens verified by decode steps (speculative decoding; 0 without --draft-tokens)."),
+    ("spec_decode_accepted_tokens", "adpfleet_spec_decode_accepted_tokens_total",
+     "Draft tokens the verification accepted (each saves one decode step)."),
 ]
 _GAUGES = [
     ("requests_running", "adpfleet_requests_running", "Requests admitted (context or generation)."),

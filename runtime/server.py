@@ -1,20 +1,33 @@
 """`adpfleet serve`: the OpenAI-compatible HTTP server in front of the ADP ranks.
 
 FastAPI + uvicorn, as vLLM, SGLang and trtllm-serve use: users and their tooling already know
-its behaviour (SSE streaming, OpenAPI document at /openapi.json, graceful shutdown).
+its behaviour (SSE streaming, `Authorization: Bearer` API keys, graceful shutdown).
 
 Roles: `aggregated` runs whole requests. `context` runs the prompt, answers with the first
 token and `disaggregated_params` (where to pull the held KV), and holds the KV until pulled.
 `generation` takes those params, pulls the KV, and continues the request from the first token.
+
+One request, top to bottom, and what bounds each step (nothing one client sends may kill, wedge
+or pin the server; docs/security.md):
+1. the credential, when the server has one (`auth.BearerAuth`: 401 otherwise);
+2. a place among the waiting requests (`limits.WaitingQueue`: 429 with Retry-After when full);
+3. the body, within `--max-request-bytes` and the read timeout (413; the connection is closed);
+4. preparation off the event loop — parse, validate, render the chat template, tokenize — so
+   /health answers while a large prompt is prepared (4xx naming the parameter);
+5. the ranks, until the answer is complete or the request's deadline (`--request-timeout`: 504,
+   or an error event in a stream) passes; a client that leaves aborts its request and frees its KV.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -22,24 +35,93 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from adpfleet.runtime import metrics
 from adpfleet.runtime.engine.sampling import InvalidRequestError
 from adpfleet.runtime.engine.validation import tokenize
-from adpfleet.runtime.serving import kv_transfer, protocol
+from adpfleet.runtime.executor import kv_transfer
+from adpfleet.runtime.executor.kv_endpoint import parse_endpoint
+from adpfleet.runtime.serving import protocol
+from adpfleet.runtime.serving.auth import INTERNAL, BearerAuth, Credentials, KVPeers
+from adpfleet.runtime.serving.limits import (DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_WAITING_REQUESTS,
+                                             DEFAULT_READ_TIMEOUT_S, Refused, WaitingQueue, error_response,
+                                             parse_json_object, read_body, uvicorn_config)
 
 log = logging.getLogger("adpfleet.server")
 EXIT_GRACE_S = 1.0
 DISCONNECT_POLL_S = 0.5
+PREP_THREADS = 2  # request preparation is mostly CPU under the GIL: more threads would not help
+DEFAULT_REQUEST_TIMEOUT_S = 300.0
+FAULT_INJECTION_ENV = "ADPFLEET_FAULT_INJECTION"
 
 
 class ClientGone(Exception):
     pass
 
 
-def build_app(engine, model_name: str, role: str = "aggregated", fault_injection: bool = False):
+class DeadlineExceeded(Exception):
+    pass
+
+
+@dataclass
+class ServerOptions:
+    """What the server allows, and whom: the security and resource flags of `adpfleet serve`."""
+    credentials: Credentials = field(default_factory=Credentials)
+    kv_peers: KVPeers = field(default_factory=KVPeers)
+    fault_injection: bool = False
+    enable_docs: bool = False
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS
+    request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S
+
+    read_timeout: float = DEFAULT_READ_TIMEOUT_S
+
+    @classmethod
+    def from_args(cls, args) -> "ServerOptions":
+        """From `adpfleet serve`'s flags; an unset limit keeps its default here."""
+        limits = {name: value for name in ("max_request_bytes", "max_waiting_requests", "request_timeout",
+                                           "read_timeout") if (value := getattr(args, name)) is not None}
+        options = cls(Credentials.from_args(args), KVPeers(args.kv_peer) if args.kv_peer else KVPeers(),
+                      args.fault_injection or os.environ.get(FAULT_INJECTION_ENV) == "1", args.enable_docs, **limits)
+        for flag, value in (("--max-request-bytes", options.max_request_bytes),
+                            ("--max-waiting-requests", options.max_waiting_requests),
+                            ("--request-timeout", options.request_timeout), ("--read-timeout", options.read_timeout),
+                            ("--kv-transfer-timeout", args.kv_transfer_timeout)):
+            if not value > 0:
+                raise ValueError(f"{flag} must be positive, got {value}")
+        return options
+
+
+@dataclass
+class Prepared:
+    req: object  # the parsed OpenAI request (protocol.CompletionRequest or ChatCompletionRequest)
+    ereq: object  # the engine's Request
+    fmt: protocol.CompletionFormat
+    max_tokens: int
+
+
+class _Stream(StreamingResponse):
+    """A streamed answer whose generator is closed (aborting the request, leaving its waiting
+    place) however the response ends — also when the client left before the first byte."""
+
+    def __init__(self, body, on_close):
+        super().__init__(body, media_type="text/event-stream")
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+            self.on_close()
+
+
+def build_app(engine, model_name: str, role: str = "aggregated", options: ServerOptions | None = None) -> FastAPI:
     from adpfleet.runtime.serving.engine_client import EngineUnavailable
 
-    app = FastAPI(title="adpfleet", version="0.1.0")
-
-    def error(message: str, status: int, param=None, kind="invalid_request_error", code=None) -> JSONResponse:
-        return JSONResponse(protocol.error_body(message, param, kind, code), status_code=status)
+    options = options or ServerOptions()
+    pages = {} if options.enable_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="adpfleet", version="0.1.0", **pages)
+    app.add_middleware(BearerAuth, credentials=options.credentials)
+    waiting = WaitingQueue(options.max_waiting_requests)
+    prep_pool = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="request-prep")
+    error = error_response
 
     @app.get("/health")
     async def health():
@@ -58,72 +140,116 @@ def build_app(engine, model_name: str, role: str = "aggregated", fault_injection
         return PlainTextResponse(metrics.render(role, engine.group.rank_stats()),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    async def collect(ereq, request: Request):
-        """Run a request to the end; abort it if the client disconnects meanwhile."""
-        async def consume():
-            texts, last = [], None
-            async for out in engine.generate(ereq):
-                texts.append(out.new_text)
-                last = out
-            return "".join(texts), last
+    def check_kv_peer(params, principal: str) -> None:
+        """Only the router (the internal token) vouches for any endpoint; anyone else may name
+        only an allowed KV peer, and nobody else at all when the fleet has an internal token."""
+        if principal == INTERNAL:
+            return
+        if options.credentials.internal_token is not None:
+            raise Refused(403, "'disaggregated_params' are accepted only from the router (the fleet's internal "
+                          "token)", "disaggregated_params", code="forbidden")
+        host, _ = parse_endpoint(params.kv_endpoint)
+        if not options.kv_peers.allows(host):
+            raise Refused(403, f"'disaggregated_params.kv_endpoint': {host} is not an allowed KV peer of this "
+                          "server (see --kv-peer)", "disaggregated_params", code="forbidden")
 
-        task = asyncio.ensure_future(consume())
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                task.cancel()  # the generator's cleanup aborts the request and frees its KV
-                raise ClientGone()
+    def prepare(raw: bytes, model_cls, fmt_cls, principal: str) -> Prepared:
+        """Off the event loop: parse, validate, render the chat template, tokenize."""
+        req = protocol.parse(model_cls, parse_json_object(raw))
+        if req.model is not None and req.model != model_name:
+            raise Refused(404, f"the model '{req.model}' does not exist; this server serves '{model_name}'",
+                          "model", code="model_not_found")
+        req.unsupported()
+        fmt = fmt_cls(model_name)
+        limit = engine.model_config.max_position_embeddings
+        if role == "generation":
+            params = req.disaggregated_params
+            if params is None:
+                raise InvalidRequestError("a generation server continues requests a context server started: "
+                                          "send 'disaggregated_params' (or go through the router)",
+                                          "disaggregated_params")
+            check_kv_peer(params, principal)
+            max_tokens = req.requested_max_tokens(len(params.prompt_token_ids), limit)
+            ereq = engine.make_generation_request(req.sampling_params(max_tokens), params, fmt.id)
+        else:
+            if req.disaggregated_params is not None:
+                raise InvalidRequestError(f"'disaggregated_params' is only for generation servers; this is a "
+                                          f"{role} server", "disaggregated_params")
+            prompt = tokenize(req.prompt_input(engine.tokenizer), engine.tokenizer)
+            max_tokens = req.requested_max_tokens(len(prompt), limit)
+            ereq = engine.make_request(prompt, req.sampling_params(max_tokens), fmt.id)
+            if role == "context":  # the context role runs the prompt and samples only the first token
+                ereq.params.max_tokens = 1
+        return Prepared(req, ereq, fmt, max_tokens)
 
     async def serve(request: Request, model_cls, fmt_cls):
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + options.request_timeout
         try:
-            try:
-                body = json.loads(await request.body())
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise InvalidRequestError(f"the request body is not valid JSON: {e}", None) from None
-            req = protocol.parse(model_cls, body)
-            if req.model is not None and req.model != model_name:
-                return error(f"the model '{req.model}' does not exist; this server serves '{model_name}'",
-                             404, "model", code="model_not_found")
-            req.unsupported()
-            fmt = fmt_cls(model_name)
-            limit = engine.model_config.max_position_embeddings
-            if role == "generation":
-                if req.disaggregated_params is None:
-                    raise InvalidRequestError("a generation server continues requests a context server started: "
-                                              "send 'disaggregated_params' (or go through the router)",
-                                              "disaggregated_params")
-                n = len(req.disaggregated_params.prompt_token_ids)
-                ereq = engine.make_generation_request(req.sampling_params(req.requested_max_tokens(n, limit)),
-                                                      req.disaggregated_params, fmt.id)
-            else:
-                if req.disaggregated_params is not None:
-                    raise InvalidRequestError(f"'disaggregated_params' is only for generation servers; this is a "
-                                              f"{role} server", "disaggregated_params")
-                prompt = tokenize(req.prompt_input(engine.tokenizer), engine.tokenizer)
-                max_tokens = req.requested_max_tokens(len(prompt), limit)
-                # the context role runs the prompt and samples only the first token
-                ereq = engine.make_request(prompt, req.sampling_params(max_tokens), fmt.id)
-                if role == "context":
-                    ereq.params.max_tokens = 1
+            ticket = waiting.enter()
+        except Refused as r:
+            return r.response()
+        try:
+            ok, reason = engine.health()
+            if not ok:
+                ticket.leave()
+                return error(f"server unavailable: {reason}", 503, kind="server_error")
+            raw = await read_body(request, options.max_request_bytes)
+            p = await loop.run_in_executor(prep_pool, prepare, raw, model_cls, fmt_cls, request.state.principal)
+        except Refused as r:
+            ticket.leave()
+            return r.response()
         except InvalidRequestError as e:
+            ticket.leave()
             return error(str(e), 400, e.param)
-        ok, reason = engine.health()
-        if not ok:
-            return error(f"server unavailable: {reason}", 503, kind="server_error")
+        except BaseException:
+            ticket.leave()
+            raise
 
-        if req.stream and role != "context":  # a context server always answers in one piece
-            return StreamingResponse(stream(req, ereq, fmt), media_type="text/event-stream")
+        if p.req.stream and role != "context":  # a context server always answers in one piece
+            return _Stream(stream(p, ticket, deadline), on_close=ticket.leave)
         try:
-            text, last = await collect(ereq, request)
+            text, last = await collect(p.ereq, request, ticket, deadline)
         except EngineUnavailable as e:
             return failure(e)
         except ClientGone:
             return error("client disconnected", 499)
+        except DeadlineExceeded:
+            return error(deadline_message(), 504, kind="server_error", code="deadline_exceeded")
+        finally:
+            ticket.leave()
         if role == "context":
-            return context_body(ereq, fmt, max_tokens, text, last)
-        return fmt.full(text, last.finish_reason, protocol.usage(last.prompt_tokens, last.completion_tokens))
+            return context_body(p.ereq, p.fmt, p.max_tokens, text, last)
+        return p.fmt.full(text, last.finish_reason, protocol.usage(last.prompt_tokens, last.completion_tokens))
+
+    def deadline_message() -> str:
+        return f"the request did not complete within the server's request timeout of {options.request_timeout:g} s"
+
+    async def collect(ereq, request: Request, ticket, deadline: float):
+        """Run a request to the end; abort it if the client disconnects or its deadline passes."""
+        async def consume():
+            texts, last = [], None
+            async with contextlib.aclosing(engine.generate(ereq)) as outputs:
+                async for out in outputs:
+                    ticket.start()
+                    texts.append(out.new_text)
+                    last = out
+            return "".join(texts), last
+
+        loop = asyncio.get_running_loop()
+        task = asyncio.ensure_future(consume())
+        try:
+            while True:
+                left = deadline - loop.time()
+                if left <= 0:
+                    raise DeadlineExceeded()
+                done, _ = await asyncio.wait({task}, timeout=min(DISCONNECT_POLL_S, left))
+                if done:
+                    return task.result()
+                if await request.is_disconnected():
+                    raise ClientGone()
+        finally:
+            task.cancel()  # if still running: the generator's cleanup aborts the request and frees its KV
 
     def failure(e: Exception) -> JSONResponse:
         if str(e).startswith(kv_transfer.FAILED):
@@ -144,38 +270,52 @@ def build_app(engine, model_name: str, role: str = "aggregated", fault_injection
                 "kv_handle": ereq.request_id}
         return body
 
-    async def stream(req, ereq, fmt):
+    async def stream(p: Prepared, ticket, deadline: float):
         last, first = None, True
         try:
-            async for out in engine.generate(ereq):
-                last = out
-                if out.new_text or out.finished:
-                    yield f"data: {json.dumps(fmt.chunk(out.new_text, out.finish_reason, first))}\n\n"
-                    first = False
+            async with contextlib.aclosing(engine.generate(p.ereq)) as outputs:
+                while True:
+                    try:
+                        async with asyncio.timeout_at(deadline):
+                            out = await anext(outputs, None)
+                    except TimeoutError:  # the request was aborted as its wait was cancelled
+                        body = protocol.error_body(deadline_message(), kind="server_error", code="deadline_exceeded")
+                        yield f"data: {json.dumps(body)}\n\n"
+                        return
+                    if out is None:
+                        break
+                    ticket.start()
+                    last = out
+                    if out.new_text or out.finished:
+                        yield f"data: {json.dumps(p.fmt.chunk(out.new_text, out.finish_reason, first))}\n\n"
+                        first = False
         except EngineUnavailable as e:  # the stream already started: end it with an explicit error
             kind = "kv_transfer_failed" if str(e).startswith(kv_transfer.FAILED) else "server_error"
             yield f"data: {json.dumps(protocol.error_body(f'server failed: {e}', kind=kind))}\n\n"
             return
-        if req.include_usage and last is not None:
-            yield f"data: {json.dumps(fmt.usage_chunk(protocol.usage(last.prompt_tokens, last.completion_tokens)))}\n\n"
+        if p.req.include_usage and last is not None:
+            use = protocol.usage(last.prompt_tokens, last.completion_tokens)
+            yield f"data: {json.dumps(p.fmt.usage_chunk(use))}\n\n"
         yield "data: [DONE]\n\n"
 
-    if fault_injection:
+    if options.fault_injection:
         from adpfleet.runtime.executor import faults
 
         @app.post("/faults")
         async def inject(request: Request):
             try:
-                body = json.loads(await request.body())
-                kind, rank = body["kind"], body.get("rank", 0)
+                body = parse_json_object(await read_body(request, options.max_request_bytes))
+                kind, rank = body.get("kind"), body.get("rank", 0)
                 if kind not in faults.KINDS:
                     raise ValueError(f"'kind' must be one of {', '.join(faults.KINDS)}")
                 if kind == "stop-reaping" and role != "context":
                     raise ValueError("stop-reaping applies to context servers only")
-                if not isinstance(rank, int):
+                if not isinstance(rank, int) or isinstance(rank, bool):
                     raise ValueError("'rank' must be an integer")
                 engine.group.inject_fault(kind, rank)
-            except (ValueError, KeyError, TypeError, json.JSONDecodeError) as e:
+            except Refused as r:
+                return r.response()
+            except (ValueError, TypeError) as e:
                 return error(f"bad fault: {e}", 400)
             log.warning("fault injected: %s on rank %d", kind, rank)
             return {"injected": kind, "rank": rank}
@@ -201,6 +341,7 @@ def main(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.dp < 1:
         raise ValueError(f"--dp must be a positive integer, got {args.dp}")
+    options = ServerOptions.from_args(args)  # first: a bad flag costs no model fetch and no model load
     model = resolve_model(args.model, args.cache_dir)  # hf://, s3://, pvc://: fetched or found first
     config = EngineConfig.from_args(args).with_model(model.path)
     server: uvicorn.Server | None = None
@@ -219,13 +360,15 @@ def main(args) -> int:
                           pad_empty_batch=not args.no_pad_empty_batch,
                           collective_timeout_s=args.collective_timeout,
                           kv_host=args.host, kv_port=args.kv_port if args.kv_port is not None else args.port + 1,
-                          kv_lease_s=args.kv_lease, kv_transfer_timeout_s=args.kv_transfer_timeout)
+                          kv_lease_s=args.kv_lease, kv_transfer_timeout_s=args.kv_transfer_timeout,
+                          kv_token=options.credentials.internal_token)
     name = args.served_model_name or model.served_name
-    # the environment variable lets an InferenceFleet's `env` enable it without a new flag
-    fault_injection = args.fault_injection or os.environ.get("ADPFLEET_FAULT_INJECTION") == "1"
-    app = build_app(client, name, args.role, fault_injection=fault_injection)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
-    log.info("serving %s (%s, %d ADP ranks) on http://%s:%d", name, args.role, args.dp, args.host, args.port)
+    app = build_app(client, name, args.role, options)
+    server = uvicorn.Server(uvicorn_config(app, args.host, args.port, options.read_timeout))
+    if options.fault_injection and not options.credentials.required:
+        log.warning("POST /faults is enabled and this server has no API key: anyone who reaches it can stall it")
+    log.info("serving %s (%s, %d ADP ranks) on http://%s:%d%s", name, args.role, args.dp, args.host, args.port,
+             " (API key required)" if options.credentials.required else "")
     try:
         server.run()
     finally:

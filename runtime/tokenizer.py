@@ -54,7 +54,10 @@ class HFTokenizer:
         self._add_bos = bool(tcfg.get("add_bos_token", False))
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        # the batch call releases the GIL (`encode` holds it: 1.5 s for a 3 MiB prompt, during which
+        # the server's event loop, /health included, would stand still); `_fast` skips offsets
+        encode_batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+        ids = encode_batch([text], add_special_tokens=False)[0].ids
         if add_bos and self._add_bos and self.bos_token_id is not None:
             ids = [self.bos_token_id] + ids
         return ids
@@ -63,16 +66,28 @@ class HFTokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
     def apply_chat_template(self, messages: list[dict]) -> str:
-        """Renders the model's own Jinja chat template, as transformers does (sandboxed)."""
+        """Renders the model's own Jinja chat template, as transformers does (sandboxed, with its
+        `raise_exception`); ValueError when the template refuses the messages or breaks."""
+        from jinja2 import TemplateError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         if not self.chat_template:
             raise ValueError("this model has no chat template; use /v1/completions")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise_exception
         bos = self._tok.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
         eos = self._tok.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else ""
-        return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=True, bos_token=bos or "", eos_token=eos or "")
+        try:
+            return env.from_string(self.chat_template).render(
+                messages=messages, add_generation_prompt=True, bos_token=bos or "", eos_token=eos or "")
+        except TemplateError as e:  # raise_exception, the sandbox (SecurityError), undefined names
+            raise ValueError(f"the model's chat template refused the messages: {e}") from None
+
+
+def _raise_exception(message: str):
+    from jinja2 import TemplateError
+
+    raise TemplateError(message)
 
 
 def _read_json(file: Path) -> dict:

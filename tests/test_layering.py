@@ -67,10 +67,6 @@ IMPURE = ("kubernetes", "kopf", "aiohttp", "httpx", "asyncio", "socket", "subpro
 
 KNOWN_VIOLATIONS = {
     # violation -> who is removing it
-    "cycle: adpfleet.cluster.agent.agent, adpfleet.cluster.agent.container, adpfleet.cluster.agent.logserver, "
-    "adpfleet.cluster.agent.pod": "helper 'agent' (issue 12: children get what they need from a leaf module)",
-    "upward: adpfleet.runtime.executor.rank_process -> adpfleet.runtime.serving.kv_transfer":
-        "helper 'serve' (issue 12: the KV transfer code moves next to its only user, executor/)",
     "upward: adpfleet.runtime.executor.offline -> adpfleet.runtime.serving.engine_client":
         "unassigned (found by this test; model_config_for belongs below serving/): the lead",
 }

@@ -22,6 +22,8 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
     p.add_argument("--node-name", default="adpfleet-node")
     p.add_argument("--port", type=int, default=10250, help="log endpoint port (kubelet port)")
     p.add_argument("--gpus", type=int, default=8, help="nvidia.com/gpu capacity to advertise")
+    p.add_argument("--capacity", action="append", default=[], metavar="RESOURCE=QUANTITY",
+                   help="another resource to advertise for scheduling, e.g. rdma/ib=8 or hugepages-2Mi=1Gi")
     p.add_argument("--max-pods", type=int, default=1000)
     p.add_argument("--node-label", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--status-only", action="store_true",
@@ -38,6 +40,7 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
         kubeconfig=a.kubeconfig, state_dir=a.state_dir.resolve(), serving_cert=a.serving_cert,
         serving_key=a.serving_key, client_ca=a.client_ca, node_name=a.node_name, port=a.port, gpus=a.gpus,
         max_pods=a.max_pods, labels=dict(label.split("=", 1) for label in a.node_label),
+        capacity=dict(item.split("=", 1) for item in a.capacity),
         status_only=a.status_only, backoff_initial=a.backoff_initial, backoff_max=a.backoff_max,
         kubelet_version=a.kubelet_version, pass_env=tuple(a.pass_env))
 

@@ -5,8 +5,13 @@ The loop, like the kubelet's for one container:
     ready, or kill → exited → restartPolicy says whether to run again → back-off → start ...
 
 The process is `podinit.py` exec'ing the container's command in a new session, so its process
-group holds everything it forks; stopping sends SIGTERM to the group, waits the grace period,
-then SIGKILLs the group.
+group holds everything it forks; stopping runs the `preStop` hook, sends SIGTERM to the group,
+waits what is left of the grace period, then SIGKILLs the group. When a run ends, the file at its
+`terminationMessagePath` (or, with `FallbackToLogsOnError`, the end of its log) becomes the
+message of its `terminated` state.
+
+A sidecar (an init container with `restartPolicy: Always`) is restarted whatever the pod's policy,
+is probed like a container, and counts as initialized once it has started.
 """
 
 from __future__ import annotations
@@ -21,20 +26,22 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import psutil
 
 from adpfleet.cluster.agent import podenv
 from adpfleet.cluster.agent.events import now_iso
-from adpfleet.cluster.agent.probes import Prober, ProbeTarget
-
-if TYPE_CHECKING:
-    from adpfleet.cluster.agent.pod import PodWorker
+from adpfleet.cluster.agent.probes import Prober, ProbeTarget, run_handler
+from adpfleet.cluster.agent.sandbox import Launch, LogSource, PodSandbox
 
 log = logging.getLogger(__name__)
 PODINIT = str(Path(__file__).with_name("podinit.py"))
 UNKNOWN_EXIT = 255  # the process ended while no agent watched it: its exit code is lost
+# The kubelet's limits: a termination message file is read up to 4096 bytes; the fallback to the
+# log takes its last 80 lines, at most 2048 bytes; after a preStop hook SIGTERM gets at least 2 s.
+MAX_TERMINATION_MESSAGE = 4096
+FALLBACK_LOG_LINES, FALLBACK_LOG_BYTES = 80, 2048
+MIN_GRACE_AFTER_HOOK = 2.0
 
 
 class ContainerProcess:
@@ -73,8 +80,10 @@ class ContainerProcess:
 
 
 class ContainerRunner:
-    def __init__(self, pod: "PodWorker", spec: dict, *, init: bool, previous: dict | None):
-        self.pod, self.spec, self.name, self.init = pod, spec, spec["name"], init
+    def __init__(self, sandbox: PodSandbox, spec: dict, *, init: bool, previous: dict | None):
+        self.sandbox, self.spec, self.name, self.init = sandbox, spec, spec["name"], init
+        self.sidecar = init and spec.get("restartPolicy") == "Always"
+        self._emit = sandbox.event(self.name)
         previous = previous or {}
         self.previous = previous
         self.restart_count = int(previous.get("restartCount", 0))
@@ -88,13 +97,14 @@ class ContainerRunner:
         self.ever_started = self.restart_count > 0 or bool(self.last_state) or "terminated" in self.previous_state
         self.pid: int | None = _pid_of(previous.get("containerID", "")) if "running" in self.previous_state else None
         self.finished = asyncio.Event()   # set when it will not run again
+        self.has_started = asyncio.Event()  # set when a run has started (startup probe passed)
         self.exit_code: int | None = None
         self._kill = asyncio.Event()
         self._kill_grace: float = 0.0
         self._stopping = False
         self._backoff = 0.0
         self._env: dict[str, str] = {}   # of the current process, for exec probes
-        self._cwd = str(pod.work_dir)
+        self._cwd = str(sandbox.dir.work)
 
     # ---- status ----
 
@@ -106,9 +116,26 @@ class ContainerRunner:
             status["containerID"] = f"adpfleet://{self.pid}"
         return status
 
+    @property
+    def initialized(self) -> bool:
+        """For an init container: may the next one start (completed, or a sidecar that started)?"""
+        if self.sidecar:
+            return self.has_started.is_set()
+        return self.finished.is_set() and self.exit_code == 0
+
+    def log_source(self, previous: bool) -> LogSource | None:
+        """The log of the current run (or the previous one), None when there is none."""
+        restart = self.restart_count - (1 if previous else 0)
+        path = self.sandbox.dir.log(self.name, restart)
+        if restart < 0 or not path.exists():
+            return None
+        return LogSource(path, lambda: self.restart_count == restart and "running" in self.state)
+
     def _set(self, state: dict) -> None:
+        if "terminated" in self.state and "terminated" not in state:
+            self.last_state = self.state  # like the kubelet: lastState is the previous run's end
         self.state = state
-        self.pod.changed()
+        self.sandbox.changed()
 
     # ---- the loop ----
 
@@ -116,7 +143,7 @@ class ContainerRunner:
         try:
             await self._run(adopted)
         except Exception as exc:  # noqa: BLE001 - a bug here must show on the pod, not vanish
-            log.exception("container %s of %s/%s", self.name, self.pod.namespace, self.pod.name)
+            log.exception("container %s of %s/%s", self.name, self.sandbox.namespace, self.sandbox.name)
             self._set({"waiting": {"reason": "AgentError", "message": f"node agent error: {exc!r}"}})
             self._finish()
 
@@ -153,11 +180,11 @@ class ContainerRunner:
                 return self._finish()
             delay = self._next_backoff(ran_for)
             if delay:
+                sandbox = self.sandbox
                 message = (f"back-off {delay:g}s restarting failed container={self.name} "
-                           f"pod={self.pod.name}_{self.pod.namespace}({self.pod.uid})")
+                           f"pod={sandbox.name}_{sandbox.namespace}({sandbox.uid})")
                 self._set({"waiting": {"reason": "CrashLoopBackOff", "message": message}})
-                self.pod.events.emit(self.pod.pod, "Warning", "BackOff",
-                                     f"Back-off restarting failed container {self.name}", self.name)
+                self._emit("Warning", "BackOff", f"Back-off restarting failed container {self.name}")
                 await self._sleep_unless_stopped(delay)
                 if self._stopping:
                     break
@@ -184,7 +211,9 @@ class ContainerRunner:
         self.exit_code = UNKNOWN_EXIT
 
     def _should_restart(self, code: int) -> bool:
-        policy = self.pod.pod["spec"].get("restartPolicy", "Always")
+        policy = self.sandbox.restart_policy
+        if self.sidecar:
+            return True
         if self.init:  # init containers run until they succeed, unless the pod never restarts
             return code != 0 and policy != "Never"
         return policy == "Always" or (policy == "OnFailure" and code != 0)
@@ -192,16 +221,16 @@ class ContainerRunner:
     def _next_backoff(self, ran_for: float) -> float:
         """The kubelet's back-off: the first restart is immediate, then initial, doubling, capped;
         a container that ran longer than the cap starts over."""
-        config = self.pod.config
-        if ran_for > config.backoff_max:
+        sandbox = self.sandbox
+        if ran_for > sandbox.backoff_max:
             self._backoff = 0.0
         delay = self._backoff
-        self._backoff = min(config.backoff_max, max(config.backoff_initial, self._backoff * 2))
+        self._backoff = min(sandbox.backoff_max, max(sandbox.backoff_initial, self._backoff * 2))
         return delay
 
     def _finish(self) -> None:
         self.finished.set()
-        self.pod.changed()
+        self.sandbox.changed()
 
     async def _sleep_unless_stopped(self, seconds: float) -> None:
         try:
@@ -212,47 +241,42 @@ class ContainerRunner:
     # ---- one run of the process ----
 
     async def _start(self):
-        pod = self.pod
         try:
-            env = await podenv.container_env(pod.pod, self.spec, pod.ip, pod.node_context, pod.fetch,
-                                             pod.markers(self.name))
-            argv = podenv.command_line(self.spec, env)
-            mounts = pod.mounts_for(self.spec)
+            launch = await self.sandbox.prepare(self.spec)
         except podenv.ContainerConfigError as exc:
             return await self._not_created("CreateContainerConfigError", str(exc))
         except OSError as exc:  # a mount point or subPath that cannot be created
             return await self._not_created("CreateContainerError", str(exc))
         try:
-            return self._launch(env, argv, mounts)
+            return self._launch(launch)
         except OSError as exc:
             return await self._not_created("CreateContainerError", str(exc))
 
     async def _not_created(self, reason: str, message: str) -> None:
         self._set({"waiting": {"reason": reason, "message": message}})
-        self.pod.events.emit(self.pod.pod, "Warning", "Failed", f"Error: {message}", self.name)
+        self._emit("Warning", "Failed", f"Error: {message}")
         await self._sleep_unless_stopped(2.0)  # the kubelet retries on its next sync, too
 
-    def _launch(self, env: dict[str, str], argv: list[str], mounts: list[dict]) -> ContainerProcess:
-        pod = self.pod
-        cwd = Path(self.spec.get("workingDir") or pod.work_dir)
-        pod.ensure_directory(cwd)
-        run_dir = pod.dir / "run"
-        run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # launch specs hold secret values
-        start_error = run_dir / f"{self.name}.start-error"
+    def _launch(self, launch: Launch) -> ContainerProcess:
+        directory = self.sandbox.dir
+        directory.run.mkdir(mode=0o700, parents=True, exist_ok=True)  # launch specs hold secret values
+        start_error = directory.start_error(self.name)
         start_error.unlink(missing_ok=True)
-        launch = run_dir / f"{self.name}.json"
-        launch.write_text(json.dumps({"argv": argv, "env": env, "cwd": str(cwd), "mounts": mounts,
-                                      "startErrorFile": str(start_error)}))
-        log_path = pod.log_path(self.name, self.restart_count)
+        spec = directory.run / f"{self.name}.json"
+        spec.write_text(json.dumps({"argv": launch.argv, "env": launch.env, "cwd": str(launch.cwd),
+                                    "mounts": launch.mounts, "hostname": launch.hostname,
+                                    "startErrorFile": str(start_error)}))
+        log_path = directory.log(self.name, self.restart_count)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as out:
-            proc = subprocess.Popen([sys.executable, "-I", "-S", PODINIT, str(launch)], env=env, cwd=str(cwd),
-                                    stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
+            proc = subprocess.Popen([sys.executable, "-I", "-S", PODINIT, str(spec)], env=launch.env,
+                                    cwd=str(launch.cwd), stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                                    start_new_session=True)
         self.pid = proc.pid
         self.ready = False
-        self._env, self._cwd = env, str(cwd)
+        self._env, self._cwd = launch.env, str(launch.cwd)
         self._set({"running": {"startedAt": now_iso()}})
-        pod.events.emit(pod.pod, "Normal", "Started", f"Started container {self.name}", self.name)
+        self._emit("Normal", "Started", f"Started container {self.name}")
         return ContainerProcess(proc.pid, proc)
 
     async def _supervise(self, handle, started_monotonic: float) -> int:
@@ -261,7 +285,11 @@ class ContainerRunner:
         probers = self._start_probers(handle, started_monotonic, resumed)
         exited = asyncio.ensure_future(handle.wait())
         killed = asyncio.ensure_future(self._kill.wait())
+        post_start = (asyncio.ensure_future(self._post_start(handle))
+                      if (self.spec.get("lifecycle") or {}).get("postStart") else None)
         await asyncio.wait({exited, killed}, return_when=asyncio.FIRST_COMPLETED)
+        if post_start:
+            post_start.cancel()
         if not exited.done():
             await self._terminate(handle, exited, self._kill_grace)
         killed.cancel()
@@ -274,7 +302,24 @@ class ContainerRunner:
             self._kill.clear()  # a liveness kill is spent; the back-off must not see it
         return code
 
+    async def _post_start(self, handle) -> None:
+        ok, message = await run_handler(self.spec["lifecycle"]["postStart"], self._hook_target(handle),
+                                        self.sandbox.probe_session, self.sandbox.grace_period)
+        if not ok:
+            self._emit("Warning", "FailedPostStartHook", f"PostStartHook failed: {message}")
+            self.request_kill(self.sandbox.grace_period)
+
     async def _terminate(self, handle, exited: asyncio.Future, grace: float) -> None:
+        pre_stop = (self.spec.get("lifecycle") or {}).get("preStop")
+        if pre_stop:
+            began = time.monotonic()
+            hook = asyncio.ensure_future(run_handler(pre_stop, self._hook_target(handle), self.sandbox.probe_session,
+                                                     grace))
+            await asyncio.wait({hook, exited}, timeout=grace, return_when=asyncio.FIRST_COMPLETED)
+            if hook.done() and not hook.result()[0]:
+                self._emit("Warning", "FailedPreStopHook", f"PreStopHook failed: {hook.result()[1]}")
+            hook.cancel()
+            grace = max(grace - (time.monotonic() - began), MIN_GRACE_AFTER_HOOK)
         _kill_group(handle.pid, signal.SIGTERM)
         try:
             await asyncio.wait_for(asyncio.shield(exited), grace)
@@ -284,71 +329,88 @@ class ContainerRunner:
 
     def _record_exit(self, code: int, adopted: bool) -> None:
         running = self.state.get("running", {})
-        start_error = self.pod.dir / "run" / f"{self.name}.start-error"
+        start_error = self.sandbox.dir.start_error(self.name)
         terminated = {"exitCode": code, "startedAt": running.get("startedAt"), "finishedAt": now_iso(),
                       "reason": "Completed" if code == 0 else "Error", "containerID": f"adpfleet://{self.pid}"}
+        message = self._termination_message(code)
         if start_error.exists():
             failure = json.loads(start_error.read_text())
             terminated.update(reason=failure["reason"], message=failure["message"])
-            self.pod.events.emit(self.pod.pod, "Warning", "Failed", f"Error: {failure['message']}", self.name)
+            self._emit("Warning", "Failed", f"Error: {failure['message']}")
         elif adopted:
-            terminated.update(reason="Unknown", message="the process was started by a previous node agent, "
-                                                        "so its exit code is unknown")
+            terminated.update(reason="Unknown", message=message or "the process was started by a previous node "
+                                                                   "agent, so its exit code is unknown")
+        elif message:
+            terminated["message"] = message
         self.exit_code = code
-        self.ready = self.init and code == 0
+        self.ready = self.init and not self.sidecar and code == 0
         self.started = False
-        self.last_state = {"terminated": terminated}
         self._set({"terminated": terminated})
+
+    def _termination_message(self, code: int) -> str:
+        try:
+            with open(self.sandbox.dir.termination_log(self.name), "rb") as f:
+                message = f.read(MAX_TERMINATION_MESSAGE)
+        except OSError:
+            message = b""
+        if not message and code != 0 and self.spec.get("terminationMessagePolicy") == "FallbackToLogsOnError":
+            try:
+                lines = self.sandbox.dir.log(self.name, self.restart_count).read_bytes().splitlines(keepends=True)
+            except OSError:
+                lines = []
+            message = b"".join(lines[-FALLBACK_LOG_LINES:])[-FALLBACK_LOG_BYTES:]
+        return message.decode(errors="replace")
+
+    def _hook_target(self, handle) -> ProbeTarget:
+        named_ports = {p["name"]: p["containerPort"] for p in self.spec.get("ports") or [] if p.get("name")}
+        return ProbeTarget(pod_ip=self.sandbox.ip, ports=named_ports, env=self._env, cwd=self._cwd, pid=handle.pid,
+                           private_mounts=self.sandbox.private_mounts)
 
     # ---- probes ----
 
     def _start_probers(self, handle, started_monotonic: float, resumed: bool) -> list[asyncio.Task]:
-        spec, pod = self.spec, self.pod
-        if self.init:
+        if self.init and not self.sidecar:
             return []
-        named_ports = {p["name"]: p["containerPort"] for p in spec.get("ports") or [] if p.get("name")}
-        self._target = ProbeTarget(pod_ip=pod.ip, ports=named_ports, env=self._env, cwd=self._cwd,
-                                   pid=handle.pid, private_mounts=pod.private_mounts)
+        self._target = self._hook_target(handle)
         self._started_monotonic = started_monotonic
         self._probe_tasks: list[asyncio.Task] = []
-        if "startupProbe" in spec and not resumed:
-            self._spawn_prober("startup", spec["startupProbe"])
+        if "startupProbe" in self.spec and not resumed:
+            self._spawn_prober("startup", self.spec["startupProbe"])
         else:
             self._on_started()
         return self._probe_tasks
 
     def _spawn_prober(self, kind: str, probe: dict) -> None:
-        prober = Prober(kind, probe, self._target, self.pod.probe_session, self._on_probe)
+        prober = Prober(kind, probe, self._target, self.sandbox.probe_session, self._on_probe)
         self._probe_tasks.append(asyncio.ensure_future(prober.run(self._started_monotonic)))
 
     def _on_started(self) -> None:
         self.started = True
+        self.has_started.set()
         if "livenessProbe" in self.spec:
             self._spawn_prober("liveness", self.spec["livenessProbe"])
         if "readinessProbe" in self.spec:
             self._spawn_prober("readiness", self.spec["readinessProbe"])
         else:
             self.ready = True
-        self.pod.changed()
+        self.sandbox.changed()
 
     async def _on_probe(self, kind: str, ok: bool, message: str) -> None:
-        events, pod = self.pod.events, self.pod.pod
         if kind == "readiness":
             self.ready = ok
             if not ok:
-                events.emit(pod, "Warning", "Unhealthy", f"Readiness probe failed: {message}", self.name)
-            self.pod.changed()
+                self._emit("Warning", "Unhealthy", f"Readiness probe failed: {message}")
+            self.sandbox.changed()
             return
         if ok:
             if kind == "startup" and not self.started:
                 self._on_started()
             return
         label = "Liveness" if kind == "liveness" else "Startup"
-        events.emit(pod, "Warning", "Unhealthy", f"{label} probe failed: {message}", self.name)
-        events.emit(pod, "Normal", "Killing",
-                    f"Container {self.name} failed {kind} probe, will be restarted", self.name)
+        self._emit("Warning", "Unhealthy", f"{label} probe failed: {message}")
+        self._emit("Normal", "Killing", f"Container {self.name} failed {kind} probe, will be restarted")
         probe = self.spec[f"{kind}Probe"]
-        self.request_kill(float(probe.get("terminationGracePeriodSeconds") or self.pod.grace_period()))
+        self.request_kill(float(probe.get("terminationGracePeriodSeconds") or self.sandbox.grace_period))
 
     # ---- commands from the pod ----
 

@@ -13,6 +13,9 @@ from adpfleet.cluster.agent.kubeapi import ApiError, KubeApi
 
 log = logging.getLogger(__name__)
 COMPONENT = "adpfleet-node-agent"
+# The reason of the Warning events that say what of a pod the local cluster ignores or does in
+# its own way (runtimeClassName, pod affinity, spread constraints, another schedulerName, ...).
+NOT_SUPPORTED_LOCALLY = "NotSupportedLocally"
 
 
 def now_iso() -> str:

@@ -7,14 +7,15 @@ from __future__ import annotations
 import asyncio
 import ssl
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Callable
 
 from aiohttp import web
 
-if TYPE_CHECKING:
-    from adpfleet.cluster.agent.agent import NodeAgent
+from adpfleet.cluster.agent.sandbox import LogSource
 
 FOLLOW_POLL = 0.25
+# (namespace, pod, container, previous) -> the log; LookupError saying what is missing
+FindLog = Callable[[str, str, str, bool], LogSource]
 
 
 def tls_context(cert: Path, key: Path, client_ca: Path) -> ssl.SSLContext:
@@ -24,25 +25,21 @@ def tls_context(cert: Path, key: Path, client_ca: Path) -> ssl.SSLContext:
     return ctx
 
 
-def build_app(agent: "NodeAgent") -> web.Application:
+def build_app(healthy: Callable[[], bool], find_log: FindLog) -> web.Application:
     async def healthz(_request: web.Request) -> web.Response:
-        if agent.healthy:
+        if healthy():
             return web.Response(text="ok")
         return web.Response(status=503, text="the node agent has not finished starting")
 
     async def container_logs(request: web.Request) -> web.StreamResponse:
         ns, pod, container = (request.match_info[k] for k in ("namespace", "pod", "container"))
-        worker = agent.worker_by_name(ns, pod)
-        runner = next((r for r in worker.all_runners() if r.name == container), None) if worker else None
-        if runner is None:
-            raise web.HTTPNotFound(text=f"container {container!r} of pod {ns}/{pod} is not on this node")
         query = request.query
-        restart = runner.restart_count - (1 if query.get("previous") == "true" else 0)
-        path = worker.log_path(container, restart)
-        if restart < 0 or not path.exists():
-            raise web.HTTPNotFound(text=f"no {'previous ' if restart < runner.restart_count else ''}log for "
-                                        f"container {container!r} in pod {ns}/{pod}")
-        data = path.read_bytes()
+        try:
+            source = find_log(ns, pod, container, query.get("previous") == "true")
+        except LookupError as exc:
+            raise web.HTTPNotFound(text=str(exc)) from None
+        data = source.path.read_bytes()
+        size = len(data)
         if "tailLines" in query:
             lines = data.splitlines(keepends=True)
             data = b"".join(lines[-int(query["tailLines"]):]) if int(query["tailLines"]) else b""
@@ -52,7 +49,7 @@ def build_app(agent: "NodeAgent") -> web.Application:
         await response.prepare(request)
         await response.write(data)
         if query.get("follow") == "true":
-            await _follow(response, path, path.stat().st_size, runner, restart)
+            await _follow(response, source, size)
         await response.write_eof()
         return response
 
@@ -67,22 +64,23 @@ def build_app(agent: "NodeAgent") -> web.Application:
     return app
 
 
-async def _follow(response: web.StreamResponse, path: Path, offset: int, runner, restart: int) -> None:
+async def _follow(response: web.StreamResponse, source: LogSource, offset: int) -> None:
     """Stream what the container writes until this run of it ends."""
-    with open(path, "rb") as f:
+    with open(source.path, "rb") as f:
         f.seek(offset)
         while True:
             chunk = f.read(65536)
             if chunk:
                 await response.write(chunk)
                 continue
-            if runner.restart_count != restart or "running" not in runner.state:
+            if not source.writing():
                 return
             await asyncio.sleep(FOLLOW_POLL)
 
 
-async def serve(agent: "NodeAgent", host: str, port: int, ctx: ssl.SSLContext) -> web.AppRunner:
-    runner = web.AppRunner(build_app(agent), access_log=None)
+async def serve(healthy: Callable[[], bool], find_log: FindLog, host: str, port: int,
+                ctx: ssl.SSLContext) -> web.AppRunner:
+    runner = web.AppRunner(build_app(healthy, find_log), access_log=None)
     await runner.setup()
     await web.TCPSite(runner, host, port, ssl_context=ctx).start()
     return runner

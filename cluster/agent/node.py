@@ -21,13 +21,14 @@ STATUS_EVERY = 60.0
 HOST_IP = "127.0.0.1"
 
 
-def capacity(gpus: int, max_pods: int) -> dict[str, str]:
+def capacity(gpus: int, max_pods: int, extra: dict[str, str] | None = None) -> dict[str, str]:
     return {"cpu": str(os.cpu_count() or 1),
             "memory": f"{psutil.virtual_memory().total // 1024}Ki",
             "ephemeral-storage": f"{psutil.disk_usage('/').total // 1024}Ki",
             "pods": str(max_pods),
             # Advertised only, for scheduling: pods run as processes whatever the hardware.
-            "nvidia.com/gpu": str(gpus)}
+            "nvidia.com/gpu": str(gpus),
+            **(extra or {})}
 
 
 def _os_image() -> str:
@@ -42,13 +43,13 @@ def _os_image() -> str:
 
 class NodeRegistration:
     def __init__(self, api: KubeApi, name: str, *, labels: dict[str, str], gpus: int, max_pods: int,
-                 port: int, kubelet_version: str):
+                 port: int, kubelet_version: str, extra_capacity: dict[str, str] | None = None):
         self.api, self.name, self.port = api, name, port
         self.labels = {"kubernetes.io/hostname": name, "kubernetes.io/os": "linux",
                        "kubernetes.io/arch": {"x86_64": "amd64", "aarch64": "arm64"}.get(platform.machine(),
                                                                                         platform.machine()),
                        **labels}
-        self.capacity = capacity(gpus, max_pods)
+        self.capacity = capacity(gpus, max_pods, extra_capacity)
         self.kubelet_version = kubelet_version
         self.node: dict = {}
 

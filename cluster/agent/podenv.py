@@ -1,7 +1,8 @@
 """A container's environment and command line, as the kubelet builds them.
 
 Order: the agent's base variables (PATH with this Python's bin first, HOME, HOSTNAME, the
-`kubernetes` Service variables pointing at the loopback apiserver), then `envFrom`, then `env` in
+`kubernetes` Service variables pointing at the loopback apiserver, and what the adpfleet images
+set — `IMAGE_ENV`, since the local node runs this Python instead of an image), then `envFrom`, then `env` in
 order, each value `$(VAR)`-expanded against what came before; finally `command` and `args` are
 expanded against the result.
 """
@@ -16,7 +17,7 @@ import sys
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
-from adpfleet.cluster.agent import quantity
+from adpfleet.cluster.agent import hosts, quantity
 
 Fetch = Callable[[str, str], Awaitable[dict | None]]  # (kind, name) -> object or None
 _ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
@@ -53,17 +54,28 @@ def expand(text: str, env: dict[str, str]) -> str:
     return "".join(out)
 
 
+def image_env() -> dict[str, str]:
+    """The variables docker/runtime.Dockerfile bakes in, pointing at this machine: the C++ kernels
+    `./scripts/setup` built (a pod's HOME is its own scratch volume, so without this every server
+    would compile them again) and one intra-op thread per rank."""
+    kernels = os.environ.get("ADPFLEET_KERNEL_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "adpfleet",
+                                                                     "kernels")
+    return {"ADPFLEET_KERNEL_DIR": kernels, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+            "PYTHONDONTWRITEBYTECODE": "1"}
+
+
 def base_env(pod: dict, node: NodeContext) -> dict[str, str]:
     bin_dir = os.path.join(sys.prefix, "bin")  # so `adpfleet serve` resolves in pods
     env = {
         "PATH": f"{bin_dir}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
         "HOME": os.environ.get("HOME", "/root"),
-        "HOSTNAME": pod["metadata"]["name"],
+        "HOSTNAME": hosts.pod_hostname(pod),
         # No kube-proxy: in-cluster clients reach the apiserver on loopback directly.
         "KUBERNETES_SERVICE_HOST": node.apiserver_host,
         "KUBERNETES_SERVICE_PORT": str(node.apiserver_port),
         "KUBERNETES_SERVICE_PORT_HTTPS": str(node.apiserver_port),
         "KUBERNETES_PORT": f"tcp://{node.apiserver_host}:{node.apiserver_port}",
+        **image_env(),
     }
     env.update({k: os.environ[k] for k in node.pass_env if k in os.environ})
     return env

@@ -1,11 +1,12 @@
-"""The launcher of one container process: private mount namespace, bind mounts, exec.
+"""The launcher of one container process: private mount and UTS namespaces, bind mounts, the
+pod's hostname, exec.
 
 Run as `python podinit.py SPEC.json`. The spec says: argv, env, cwd, the mounts (source, target,
-readOnly) and where to report an exec failure. The
+readOnly), the hostname (or null: keep the host's) and where to report an exec failure. The
 launcher replaces itself with the container's command, so the container's pid is the launcher's
 pid and its process group is the one the agent created. Standard library only: it must start fast.
 
-`python podinit.py --check` exits 0 when private mount namespaces work here (root or
+`python podinit.py --check` exits 0 when private mount and UTS namespaces work here (root or
 CAP_SYS_ADMIN), else prints why and exits 1.
 """
 
@@ -14,7 +15,7 @@ import json
 import os
 import sys
 
-CLONE_NEWNS = 0x00020000
+CLONE_NEWNS, CLONE_NEWUTS = 0x00020000, 0x04000000
 MS_RDONLY, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 32, 4096, 16384, 1 << 18
 EXIT_START_ERROR = 128  # what containerd reports for a container that could not start
 
@@ -32,10 +33,15 @@ def _mount(source, target, flags):
            f"mount {source or ''} {target}")
 
 
-def enter_private_mount_namespace() -> None:
-    _check(_libc.unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
+def enter_private_namespaces() -> None:
+    _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWUTS), "unshare(CLONE_NEWNS | CLONE_NEWUTS)")
     # Without this, our bind mounts would propagate back to the host's shared mounts.
     _mount(None, "/", MS_REC | MS_PRIVATE)
+
+
+def set_hostname(name: str) -> None:
+    raw = name.encode()
+    _check(_libc.sethostname(raw, len(raw)), f"sethostname {name}")
 
 
 def bind(source: str, target: str, read_only: bool) -> None:
@@ -47,7 +53,7 @@ def bind(source: str, target: str, read_only: bool) -> None:
 def main(argv: list) -> None:
     if argv[1:] == ["--check"]:
         try:
-            enter_private_mount_namespace()
+            enter_private_namespaces()
         except OSError as exc:
             print(exc)
             sys.exit(1)
@@ -56,10 +62,12 @@ def main(argv: list) -> None:
         spec = json.load(f)
     command = spec["argv"][0]
     try:
-        if spec["mounts"]:
-            enter_private_mount_namespace()
+        if spec["mounts"] or spec.get("hostname"):
+            enter_private_namespaces()
             for m in spec["mounts"]:
                 bind(m["source"], m["target"], m["readOnly"])
+            if spec.get("hostname"):
+                set_hostname(spec["hostname"])
         os.chdir(spec["cwd"])
     except OSError as exc:
         _fail(spec, f"setting up the container: {exc}")

@@ -1,4 +1,5 @@
-"""Startup, liveness and readiness probes with the kubelet's timing and thresholds.
+"""Startup, liveness and readiness probes with the kubelet's timing and thresholds, and the
+lifecycle hooks (postStart, preStop), which run the same handlers once.
 
 A `Prober` runs one probe of one container: it waits `initialDelaySeconds`, probes every
 `periodSeconds` with `timeoutSeconds`, and reports a change only after `successThreshold`
@@ -72,7 +73,7 @@ async def _tcp(spec: dict, target: ProbeTarget):
 
 
 async def _exec(command: list[str], target: ProbeTarget, timeout: float):
-    argv = (["nsenter", f"--target={target.pid}", "--mount", "--"] if target.private_mounts else []) + command
+    argv = (["nsenter", f"--target={target.pid}", "--mount", "--uts", "--"] if target.private_mounts else []) + command
     proc = await asyncio.create_subprocess_exec(*argv, env=target.env, cwd=target.cwd, start_new_session=True,
                                                 stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
                                                 stderr=asyncio.subprocess.STDOUT)
@@ -85,6 +86,15 @@ async def _exec(command: list[str], target: ProbeTarget, timeout: float):
     if proc.returncode == 0:
         return True, ""
     return False, f"command exited with {proc.returncode}: {out.decode(errors='replace').strip()[:200]}"
+
+
+async def run_handler(handler: dict, target: ProbeTarget, session: aiohttp.ClientSession,
+                      timeout: float) -> tuple[bool, str]:
+    """A lifecycle hook (postStart, preStop): exec, httpGet or sleep, bounded by `timeout`."""
+    if "sleep" in handler:
+        await asyncio.sleep(min(float(handler["sleep"]["seconds"]), timeout))
+        return True, ""
+    return await probe_once({**handler, "timeoutSeconds": timeout}, target, session)
 
 
 class Prober:

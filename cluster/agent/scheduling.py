@@ -11,28 +11,42 @@ from adpfleet.cluster.agent import quantity
 # Taints the node lifecycle controller sets when the node agent stops heartbeating. The agent is
 # also the scheduler, so while it schedules it is alive: these never block a binding.
 _LIFECYCLE_TAINT_PREFIX = "node.kubernetes.io/"
+DEFAULT_SCHEDULER = "default-scheduler"
 
 
 def pod_requests(pod: dict) -> dict[str, float]:
-    """Effective requests: the sum over containers, at least the largest init container."""
+    """Effective requests, the scheduler's formula: the containers and the sidecars (init containers
+    with `restartPolicy: Always`) together, at least what any init container needs beside the
+    sidecars started before it; plus the pod's overhead."""
     spec = pod["spec"]
-
-    def total(containers: list[dict]) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for c in containers:
-            resources = c.get("resources") or {}
-            # Defaulting copies limits into missing requests; extended resources only have limits.
-            for name, value in {**(resources.get("limits") or {}), **(resources.get("requests") or {})}.items():
-                out[name] = out.get(name, 0.0) + quantity.parse(value)
-        return out
-
-    requests = total(spec.get("containers") or [])
+    requests = _sum(spec.get("containers") or [])
+    sidecars: dict[str, float] = {}
+    peak_init: dict[str, float] = {}
     for init in spec.get("initContainers") or []:
-        for name, value in total([init]).items():
-            requests[name] = max(requests.get(name, 0.0), value)
-    for name, value in (spec.get("overhead") or {}).items():
-        requests[name] = requests.get(name, 0.0) + quantity.parse(value)
-    return requests
+        own = _sum([init])
+        if init.get("restartPolicy") == "Always":
+            sidecars = _add(sidecars, own)
+            own = {}
+        for name, value in _add(sidecars, own).items():
+            peak_init[name] = max(peak_init.get(name, 0.0), value)
+    requests = _add(requests, sidecars)
+    for name, value in peak_init.items():
+        requests[name] = max(requests.get(name, 0.0), value)
+    return _add(requests, {k: quantity.parse(v) for k, v in (spec.get("overhead") or {}).items()})
+
+
+def _sum(containers: list[dict]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for c in containers:
+        resources = c.get("resources") or {}
+        # Defaulting copies limits into missing requests; extended resources only have limits.
+        out = _add(out, {k: quantity.parse(v)
+                         for k, v in {**(resources.get("limits") or {}), **(resources.get("requests") or {})}.items()})
+    return out
+
+
+def _add(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    return {k: a.get(k, 0.0) + b.get(k, 0.0) for k in {**a, **b}}
 
 
 def is_terminal(pod: dict) -> bool:
@@ -43,7 +57,7 @@ def unschedulable_reason(pod: dict, node: dict, bound_pods: list[dict]) -> str |
     reasons = []
     labels = node["metadata"].get("labels") or {}
     selector = pod["spec"].get("nodeSelector") or {}
-    if any(labels.get(k) != v for k, v in selector.items()) or not _affinity_matches(pod, labels):
+    if any(labels.get(k) != v for k, v in selector.items()) or not _affinity_matches(pod, node):
         reasons.append("node(s) didn't match Pod's node affinity/selector")
     untolerated = [t for t in node["spec"].get("taints") or []
                    if t["effect"] in ("NoSchedule", "NoExecute")
@@ -79,14 +93,23 @@ def _tolerated(taint: dict, tolerations: list[dict]) -> bool:
     return False
 
 
-def _affinity_matches(pod: dict, labels: dict) -> bool:
+def _affinity_matches(pod: dict, node: dict) -> bool:
     required = (((pod["spec"].get("affinity") or {}).get("nodeAffinity") or {})
-                .get("requiredDuringSchedulingIgnoredDuringExecution") or {})
-    terms = required.get("nodeSelectorTerms") or []
-    if not terms:
-        return True
-    return any(all(_expression_matches(e, labels) for e in term.get("matchExpressions") or [])
-               for term in terms)
+                .get("requiredDuringSchedulingIgnoredDuringExecution"))
+    return required is None or node_selector_matches(required, node)
+
+
+def node_selector_matches(selector: dict, node: dict) -> bool:
+    """A NodeSelector (pod node affinity, PersistentVolume node affinity): the terms are ORed, the
+    requirements of a term ANDed; a term with no requirement matches nothing, like the API says."""
+    labels = node["metadata"].get("labels") or {}
+    fields = {"metadata.name": node["metadata"].get("name", "")}
+    for term in selector.get("nodeSelectorTerms") or []:
+        expressions, field_terms = term.get("matchExpressions") or [], term.get("matchFields") or []
+        if (expressions or field_terms) and all(_expression_matches(e, labels) for e in expressions) \
+                and all(_expression_matches(f, fields) for f in field_terms):
+            return True
+    return False
 
 
 def _expression_matches(expr: dict, labels: dict) -> bool:
@@ -106,3 +129,28 @@ def _expression_matches(expr: dict, labels: dict) -> bool:
             return False
         return diff > 0 if op == "Gt" else diff < 0
     return False
+
+
+def label_selector_matches(selector: dict | None, labels: dict) -> bool:
+    """A LabelSelector (matchLabels and matchExpressions ANDed); no selector matches everything."""
+    if not selector:
+        return True
+    return (all(labels.get(k) == v for k, v in (selector.get("matchLabels") or {}).items())
+            and all(_expression_matches(e, labels) for e in selector.get("matchExpressions") or []))
+
+
+def ignored_constraints(pod: dict) -> list[str]:
+    """What of the pod's scheduling spec one local node cannot honour (each becomes an Event)."""
+    spec = pod["spec"]
+    ignored = []
+    scheduler = spec.get("schedulerName") or DEFAULT_SCHEDULER
+    if scheduler != DEFAULT_SCHEDULER:
+        ignored.append(f'schedulerName "{scheduler}": no such scheduler runs in the local cluster; '
+                       "the node agent scheduled the pod in its place")
+    affinity = spec.get("affinity") or {}
+    for kind in ("podAffinity", "podAntiAffinity"):
+        if affinity.get(kind):
+            ignored.append(f"affinity.{kind} is not evaluated: the local cluster has one node")
+    if spec.get("topologySpreadConstraints"):
+        ignored.append("topologySpreadConstraints are not evaluated: the local cluster has one node")
+    return ignored

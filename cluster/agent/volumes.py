@@ -1,9 +1,13 @@
-"""A pod's volumes, materialised as directories under `<pod dir>/volumes/<name>`.
+"""A pod's volumes, materialised as directories under `<pod dir>/volumes/<name>` (or found on the
+host: hostPath, and the hostPath or local PersistentVolume a claim is bound to).
 
 The launcher (`podinit.py`) later bind-mounts them at each container's mountPaths. Supported:
 emptyDir, configMap, secret, downwardAPI, projected (serviceAccountToken, configMap, secret,
-downwardAPI) and hostPath. ConfigMap and Secret contents are written when the pod starts and not
-refreshed; service-account tokens are refreshed at 80 % of their lifetime, like the kubelet does.
+downwardAPI), hostPath and persistentVolumeClaim (bound to a PersistentVolume with a `hostPath` or
+`local` source; `readOnly: true` on the volume makes every mount of it read-only). ConfigMap and
+Secret contents are written when the pod starts and not refreshed; service-account tokens are
+refreshed at 80 % of their lifetime, like the kubelet does. Any other type (csi, ephemeral, nfs,
+image, ...) gets an empty directory in its place and a `NotSupportedLocally` event: the pod runs.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ from pathlib import Path
 from adpfleet.cluster.agent import podenv
 from adpfleet.cluster.agent.kubeapi import ApiError, KubeApi
 
-SUPPORTED = ("emptyDir", "configMap", "secret", "downwardAPI", "projected", "hostPath")
+SUPPORTED = ("emptyDir", "configMap", "secret", "downwardAPI", "projected", "hostPath", "persistentVolumeClaim")
+API_FED = ("configMap", "secret", "downwardAPI", "projected")  # always mounted read-only, like the kubelet
 
 
 class VolumeError(Exception):
@@ -37,10 +42,12 @@ class TokenFile:
 class PodVolumes:
     paths: dict[str, Path] = field(default_factory=dict)
     tokens: list[TokenFile] = field(default_factory=list)
-    kinds: dict[str, str] = field(default_factory=dict)
+    read_only_volumes: set[str] = field(default_factory=set)
+    substituted: list[str] = field(default_factory=list)  # what stands in for an unsupported volume
 
-    def api_fed(self, name: str) -> bool:
-        return self.kinds.get(name) in ("configMap", "secret", "downwardAPI", "projected")
+    def read_only(self, name: str) -> bool:
+        """Every mount of the volume is read-only, whatever the mount says."""
+        return name in self.read_only_volumes
 
 
 async def materialise(pod: dict, pod_dir: Path, api: KubeApi, fetch: podenv.Fetch, pod_ip: str,
@@ -49,21 +56,23 @@ async def materialise(pod: dict, pod_dir: Path, api: KubeApi, fetch: podenv.Fetc
     for volume in pod["spec"].get("volumes") or []:
         name = volume["name"]
         kind = next((k for k in volume if k != "name"), "unknown")
-        result.kinds[name] = kind
+        if kind in API_FED:
+            result.read_only_volumes.add(name)
         if kind == "hostPath":
-            host = Path(volume["hostPath"]["path"])
-            if volume["hostPath"].get("type") == "DirectoryOrCreate":
-                host.mkdir(parents=True, exist_ok=True)
-            if not host.exists():
-                raise VolumeError(f"volume {name}: hostPath {host} does not exist")
-            result.paths[name] = host
+            result.paths[name] = _host_path(name, volume["hostPath"])
             continue
-        if kind not in SUPPORTED:
-            raise VolumeError(f"volume {name}: {kind} volumes are not supported by the adpfleet node "
-                              f"agent (supported: {', '.join(SUPPORTED)})")
+        if kind == "persistentVolumeClaim":
+            result.paths[name] = await _claimed_path(api, pod["metadata"]["namespace"], name, volume[kind])
+            if volume[kind].get("readOnly"):
+                result.read_only_volumes.add(name)
+            continue
         target = pod_dir / "volumes" / name
         target.mkdir(parents=True, exist_ok=True)
         result.paths[name] = target
+        if kind not in SUPPORTED:
+            result.substituted.append(f"volume {name!r}: {kind} volumes are not supported by the local node "
+                                      f"agent; an empty directory stands in for it (supported: {', '.join(SUPPORTED)})")
+            continue
         spec = volume[kind]
         if kind == "emptyDir":
             continue
@@ -76,6 +85,54 @@ async def materialise(pod: dict, pod_dir: Path, api: KubeApi, fetch: podenv.Fetc
                 await refresh_token(api, pod, token)
                 result.tokens.append(token)
     return result
+
+
+def _host_path(volume: str, source: dict) -> Path:
+    """A hostPath source (of a volume or a PersistentVolume), with the kubelet's type checks."""
+    host, kind = Path(source["path"]), source.get("type") or ""
+    if kind == "DirectoryOrCreate":
+        host.mkdir(parents=True, exist_ok=True)
+    elif kind == "FileOrCreate" and not host.exists():
+        host.parent.mkdir(parents=True, exist_ok=True)
+        host.touch()
+    if not host.exists():
+        raise VolumeError(f"volume {volume}: hostPath {host} does not exist")
+    if kind in ("Directory", "DirectoryOrCreate") and not host.is_dir():
+        raise VolumeError(f"volume {volume}: hostPath {host} is not a directory")
+    if kind in ("File", "FileOrCreate") and not host.is_file():
+        raise VolumeError(f"volume {volume}: hostPath {host} is not a file")
+    return host
+
+
+async def _claimed_path(api: KubeApi, namespace: str, volume: str, source: dict) -> Path:
+    """The host directory of the PersistentVolume the claim is bound to."""
+    claim_name = source["claimName"]
+    try:
+        claim = await api.get(f"/api/v1/namespaces/{namespace}/persistentvolumeclaims/{claim_name}")
+    except ApiError as exc:
+        if exc.status == 404:
+            raise VolumeError(f'volume {volume}: persistentvolumeclaim "{claim_name}" not found') from None
+        raise
+    phase = (claim.get("status") or {}).get("phase", "Pending")
+    if phase != "Bound":
+        raise VolumeError(f'volume {volume}: persistentvolumeclaim "{claim_name}" is not bound (phase {phase})')
+    pv_name = claim["spec"]["volumeName"]
+    pv = await api.get(f"/api/v1/persistentvolumes/{pv_name}")
+    spec = pv["spec"]
+    if "hostPath" in spec:
+        return _host_path(volume, spec["hostPath"])
+    if "local" in spec:
+        path = Path(spec["local"]["path"])
+        if not path.exists():
+            raise VolumeError(f"volume {volume}: local volume {pv_name}: path {path} does not exist")
+        return path
+    source_kind = next((k for k in spec if k not in _PV_SPEC_FIELDS), "unknown")
+    raise VolumeError(f'volume {volume}: persistentvolume "{pv_name}" has a {source_kind} source; the local '
+                      "node agent mounts only hostPath and local volumes")
+
+
+_PV_SPEC_FIELDS = {"accessModes", "capacity", "claimRef", "mountOptions", "nodeAffinity",
+                   "persistentVolumeReclaimPolicy", "storageClassName", "volumeMode", "volumeAttributesClassName"}
 
 
 async def refresh_token(api: KubeApi, pod: dict, token: TokenFile) -> None:
@@ -146,3 +203,19 @@ def _write(directory: Path, files: dict[str, tuple[bytes, int | None]], default_
         tmp.write_bytes(content)
         os.chmod(tmp, mode if mode is not None else default_mode)
         tmp.replace(path)  # atomic: a reader sees the old or the new token, never half of one
+
+
+def ensure_host_path(path: Path, *, is_file: bool, ledger: Path) -> None:
+    """Create a missing mount point (or working directory) on the host and list what was created in
+    `ledger`, so that `cluster down` can remove it again."""
+    if path.exists() or path.is_symlink():
+        return
+    missing = [p for p in [*reversed(path.parents), path] if not p.exists()]
+    for p in missing[:-1]:
+        p.mkdir(exist_ok=True)
+    if is_file:
+        missing[-1].touch()
+    else:
+        missing[-1].mkdir(exist_ok=True)
+    with open(ledger, "a") as out:
+        out.writelines(f"{p}\n" for p in missing)

@@ -39,8 +39,10 @@ class AttentionMetadata:
     context_lens: list[int] = field(default_factory=list)  # prefills: tokens already cached
     prefill_slots: list[torch.Tensor | None] = field(default_factory=list)
     slot_mapping: torch.Tensor | None = None  # [num_tokens]
-    decode_slots: torch.Tensor | None = None  # [num_decodes, max_seq_len]
-    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, decode_query_len, max_seq_len]
+    tokens_per_block: int = 16
+    # decodes: where each request's K/V lives, read in place by the attention backend
+    decode_block_tables: torch.Tensor | None = None  # int32 [num_decodes, max blocks], null-block padded
+    decode_seq_lens: torch.Tensor | None = None  # int32 [num_decodes], this pass's query tokens included
 
     @property
     def num_reqs(self) -> int:
@@ -56,7 +58,8 @@ class AttentionMetadata:
 
 
 def dummy_decode(decode_query_len: int) -> SeqChunk:
-    return SeqChunk([0] * decode_query_len, 0, [NULL_BLOCK], is_decode=True)
+    # one null-block entry per token covers every position, whatever the block size
+    return SeqChunk([0] * decode_query_len, 0, [NULL_BLOCK] * decode_query_len, is_decode=True)
 
 
 def build(chunks: list[SeqChunk], tokens_per_block: int, decode_query_len: int = 1,
@@ -76,7 +79,7 @@ def build(chunks: list[SeqChunk], tokens_per_block: int, decode_query_len: int =
         full, rest = divmod(pad_to_tokens - actual, decode_query_len)
         decodes += [dummy_decode(decode_query_len) for _ in range(full)]
         if rest:
-            prefills.append(SeqChunk([0] * rest, 0, [NULL_BLOCK], is_decode=False))
+            prefills.append(SeqChunk([0] * rest, 0, [NULL_BLOCK] * rest, is_decode=False))
 
     bs = tokens_per_block
     ids, pos, slots = [], [], []
@@ -90,7 +93,7 @@ def build(chunks: list[SeqChunk], tokens_per_block: int, decode_query_len: int =
         num_prefills=len(prefills), num_prefill_tokens=sum(len(c.token_ids) for c in prefills),
         num_decodes=len(decodes), num_decode_tokens=len(decodes) * decode_query_len,
         decode_query_len=decode_query_len, num_actual_reqs=len(chunks), num_actual_tokens=actual,
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device))
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device), tokens_per_block=bs)
     loc = 0
     for c in prefills:
         meta.query_start_loc.append(loc)
@@ -100,20 +103,20 @@ def build(chunks: list[SeqChunk], tokens_per_block: int, decode_query_len: int =
         loc += len(c.token_ids)
     meta.query_start_loc.append(loc)
     if decodes:
-        seq_lens = torch.tensor([c.start_pos + decode_query_len for c in decodes], device=device)
-        max_len = int(seq_lens.max())
-        meta.decode_slots = _slots([c.block_table for c in decodes], max_len, bs, device)
-        key_pos = torch.arange(max_len, device=device)
-        q_pos = seq_lens[:, None] - decode_query_len + torch.arange(decode_query_len, device=device)
-        meta.decode_mask = (key_pos[None, None, :] <= q_pos[:, :, None]).unsqueeze(1)
+        seq_lens = [c.start_pos + decode_query_len for c in decodes]
+        meta.decode_block_tables = _block_table([c.block_table for c in decodes], -(-max(seq_lens) // bs), device)
+        meta.decode_seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     return (torch.tensor(ids, dtype=torch.long, device=device),
             torch.tensor(pos, dtype=torch.long, device=device), meta)
 
 
+def _block_table(block_tables: list[list[int]], width: int, device, dtype=torch.int32) -> torch.Tensor:
+    """The block tables as one tensor [len(block_tables), width], padded with the null block."""
+    return torch.tensor([(bt + [NULL_BLOCK] * width)[:width] for bt in block_tables], dtype=dtype, device=device)
+
+
 def _slots(block_tables: list[list[int]], length: int, bs: int, device) -> torch.Tensor:
     """Cache slots of positions 0..length-1 for each block table, [len(block_tables), length]."""
-    width = -(-length // bs)
-    table = torch.tensor([(bt + [NULL_BLOCK] * width)[:width] for bt in block_tables],
-                         dtype=torch.long, device=device)
+    table = _block_table(block_tables, -(-length // bs), device, torch.long)
     p = torch.arange(length, device=device)
     return table[:, p // bs] * bs + p % bs

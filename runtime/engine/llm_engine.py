@@ -1,7 +1,8 @@
 """The engine of one rank: add requests, step, abort; `generate` runs them to completion.
 
-One `step()` is: fetch pending requests (up to max_num_active_requests), schedule, forward,
-sample, update request states (next chunk, new token, stop checks), free what finished.
+One `step()` is: fetch pending requests (up to max_num_active_requests), schedule (and draft,
+when speculative decoding is on), forward, sample and verify, update request states (next
+chunk, new tokens, stop checks), free what finished, release held KV that was pulled or expired.
 The ADP executor drives the same phases in lockstep across ranks.
 """
 
@@ -22,6 +23,7 @@ from adpfleet.runtime.engine.sampling import SamplingParams
 from adpfleet.runtime.engine.validation import make_request
 from adpfleet.runtime.metrics import RankStats
 from adpfleet.runtime.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from adpfleet.runtime.engine.spec_decode import NgramDrafter
 from adpfleet.runtime.model.loader import load_model
 from adpfleet.runtime.model.parallel import SINGLE, ParallelContext
 from adpfleet.runtime.tokenizer import load_tokenizer
@@ -53,6 +55,8 @@ class LLMEngine:
             config.max_num_tokens, config.max_batch_size, config.decode_query_len))
         # context role: finished prompts keep their KV for the generation server (see KVHold)
         self.kv_hold = kv_hold(self.kv) if kv_hold else None
+        self.drafter = NgramDrafter(config.draft_tokens, config.prompt_lookup_min,
+                                    config.prompt_lookup_max) if config.draft_tokens else None
         self.runner = ModelRunner(self.model, config.kv_blocks, config.tokens_per_block, config.device)
         self.pending: collections.deque[Request] = collections.deque()
         self.active: list[Request] = []  # fetched: waiting for KV, in context, or generating
@@ -84,10 +88,6 @@ class LLMEngine:
         return False
 
     @property
-    def has_work(self) -> bool:
-        return bool(self.pending or self.active)
-
-    @property
     def num_active_real(self) -> int:
         return sum(1 for r in self.active if not r.is_dummy)
 
@@ -95,17 +95,24 @@ class LLMEngine:
     def fetch(self) -> list[RequestOutput]:
         """Move pending requests onto the rank (up to max_num_active_requests) and place the
         generation-only ones whose KV has arrived; returns the outputs of their first tokens."""
-        while self.pending and len(self.active) < self.config.max_num_active_requests:
+        while self.pending and self.num_active_real < self.config.max_num_active_requests:
             self.active.append(self.pending.popleft())
             self.stats.requests_fetched += 1
-        return [self._place_prefilled(r) for r in list(self.active)
-                if r.kv_payload is not None and r.state is RequestState.WAITING and self.kv.can_reserve(r)]
+        outputs = []
+        for r in list(self.active):
+            if (r.kv_payload is not None and r.state is RequestState.WAITING
+                    and self.kv.can_reserve(r, self.scheduler.capacity.kv_tokens(r))):
+                try:
+                    outputs.append(self._place_prefilled(r))
+                except (RuntimeError, ValueError) as e:  # this request's pulled KV, not the rank, is broken
+                    outputs.append(self.fail(r, f"placing the pulled KV failed: {e}"))
+        return outputs
 
     def _place_prefilled(self, req: Request) -> RequestOutput:
         """Admit a request whose prompt KV was pulled from a context server: copy the KV into
         its blocks and continue from the first token the context server sampled."""
         n = req.num_prompt_tokens
-        self.kv.reserve(req)
+        self.kv.reserve(req, self.scheduler.capacity.kv_tokens(req))
         self.kv.grow(req, n)
         slots = torch.tensor([self.kv.slot(req, p) for p in range(n)], dtype=torch.long)
         k_cache, v_cache = self.runner.kv_cache
@@ -123,10 +130,10 @@ class LLMEngine:
         waiting = [r for r in self.active if r.state is RequestState.WAITING and r.remote_kv is None]
         running = [r for r in self.active if r.state in (RequestState.CONTEXT, RequestState.GENERATION)]
         batch, _ = self.scheduler.schedule(waiting, running)
+        if self.drafter is not None:
+            for req in batch.generation:
+                self.drafter.propose(req)
         return batch
-
-    def empty_batch(self) -> ScheduledBatch:
-        return ScheduledBatch(decode_query_len=self.config.decode_query_len)
 
     def step(self) -> list[RequestOutput]:
         outputs = self.fetch()
@@ -136,10 +143,14 @@ class LLMEngine:
             logits = self.runner.forward(batch)
             self.stats.forward_steps += 1
             outputs += self.update(batch, self.runner.sample(batch, logits))
-            if self.kv_hold is not None:
-                self.kv_hold.reap()
+        self.release_held_kv()
         self.refresh_gauges()
         return outputs
+
+    def release_held_kv(self) -> None:
+        """Context role: free the KV of held prompts that were pulled or whose lease expired."""
+        if self.kv_hold is not None:
+            self.kv_hold.reap()
 
     def refresh_gauges(self) -> None:
         s = self.stats
@@ -149,32 +160,40 @@ class LLMEngine:
         s.kv_cache_blocks_used = self.kv.num_used_blocks
         s.kv_transfers_in_flight = self.kv_hold.blocks_in_flight if self.kv_hold else 0
 
-    def update(self, batch: ScheduledBatch, sampled: dict[Request, int]) -> list[RequestOutput]:
+    def update(self, batch: ScheduledBatch, sampled: dict[Request, list[int]]) -> list[RequestOutput]:
         """Advance every request of a pass that ran; emit outputs; free what finished."""
         outputs = []
-        progress = 0
+        prompt_tokens = 0
         for req, n in batch.context:
             req.num_computed_tokens += n
-            progress += 0 if req.is_dummy else n
-        self.stats.prompt_tokens += progress
+            if not req.is_dummy:
+                prompt_tokens += n
+                if req.remaining_prompt_tokens == 0:
+                    req.state = RequestState.GENERATION
+        drafts = batch.decode_query_len - 1
         for req in batch.generation:
-            req.num_computed_tokens += batch.decode_query_len
-        for req in batch.requests:
             if req.is_dummy:
                 continue
-            if req.state is RequestState.CONTEXT and req.remaining_prompt_tokens == 0:
-                req.state = RequestState.GENERATION
-            token = sampled.get(req)
-            if token is None:
+            # the query's last token and its accepted drafts now have their K/V in the cache;
+            # the rejected drafts' K/V is rolled back
+            req.num_computed_tokens += len(sampled[req])
+            if drafts:
+                self.stats.spec_decode_draft_tokens += drafts
+                self.stats.spec_decode_accepted_tokens += len(sampled[req]) - 1
+                self.kv.shrink(req, req.num_computed_tokens)
+        self.stats.prompt_tokens += prompt_tokens
+        failed = []
+        for req in batch.requests:
+            if req not in sampled:
                 continue
-            out = self._append_token(req, token)
-            progress += 1
-            self.stats.generation_tokens += 1
+            if req.error is not None:  # its sampling failed: it ends here, the batch goes on
+                failed.append(self.fail(req, req.error))
+                continue
+            outputs.append(self._append_tokens(req, sampled[req]))
             self._finish_if_done(req)
-            outputs.append(out)
-        if progress:
+        if prompt_tokens or outputs:
             self.stats.last_progress_timestamp = time.time()
-        return outputs
+        return outputs + failed
 
     def _finish_if_done(self, req: Request) -> None:
         if not req.is_finished:
@@ -196,6 +215,19 @@ class LLMEngine:
         self.stats.requests_finished["error"] += 1
         return RequestOutput(req.request_id, [], "", True, "error", req.num_prompt_tokens,
                              len(req.output_token_ids), error=error)
+
+    def _append_tokens(self, req: Request, tokens: list[int]) -> RequestOutput:
+        """Append a pass's tokens up to the first that finishes the request; one output for all."""
+        new_ids, text = [], ""
+        for token in tokens:
+            out = self._append_token(req, token)
+            new_ids.append(token)
+            text += out.new_text
+            if out.finished:
+                break
+        self.stats.generation_tokens += len(new_ids)
+        return RequestOutput(req.request_id, new_ids, text, out.finished, out.finish_reason,
+                             req.num_prompt_tokens, len(req.output_token_ids))
 
     def _append_token(self, req: Request, token: int) -> RequestOutput:
         p = req.params

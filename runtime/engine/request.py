@@ -32,10 +32,14 @@ class Request:
     finish_reason: str | None = None
     output_text: str = ""
     dummy_phase: str | None = None  # padding dummies: "pre_schedule" / "post_schedule"
+    # speculative decoding: the drafts the next decode step verifies, and the prompt-lookup index
+    draft_token_ids: list[int] = field(default_factory=list)
+    prompt_lookup: object = None
     # generation role: where the prompt's KV is held (context server) and, once pulled, the KV
     remote_kv: tuple[str, str] | None = None  # (endpoint, handle)
     first_token_id: int | None = None
     kv_payload: object = None
+    error: str | None = None  # set when something failed for this request alone; the engine fails it
     _generator: torch.Generator | None = None
 
     @property
@@ -63,9 +67,13 @@ class Request:
     def is_finished(self) -> bool:
         return self.state is RequestState.FINISHED
 
-    def token_at(self, position: int) -> int:
-        n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 
     def generator(self) -> torch.Generator | None:
         if self.params.seed is None:

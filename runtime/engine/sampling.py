@@ -15,6 +15,14 @@ class InvalidRequestError(ValueError):
         self.param = param
 
 
+SEED_RANGE = (-2**63, 2**63 - 1)  # int64, as OpenAI documents it and vLLM checks it
+# Below this temperature a request samples greedily (the limit of temperature -> 0): dividing
+# logits by a smaller one overflows float32 into inf/NaN (vLLM clamps the same range to 1e-2).
+MIN_TEMPERATURE = 1e-2
+# Stop strings are checked for every request on every token of the lockstep batch: bounded.
+MAX_STOP_STRINGS, MAX_STOP_LENGTH, MAX_STOP_TOKEN_IDS = 16, 256, 256
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
@@ -38,37 +46,49 @@ class SamplingParams:
             bad("top_k", f"must be a non-negative integer, got {self.top_k!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            bad("seed", f"must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
+            bad("seed", f"must be a 64-bit signed integer, got {self.seed!r}")
         if not all(isinstance(s, str) and s for s in self.stop):
             bad("stop", "must be a list of non-empty strings")
+        if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LENGTH for s in self.stop):
+            bad("stop", f"takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_LENGTH} characters")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be a list of non-negative integers")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            bad("stop_token_ids", f"takes at most {MAX_STOP_TOKEN_IDS} token ids")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < MIN_TEMPERATURE
 
 
 class Sampler:
-    """Picks one token per row of logits. Greedy rows are batched; sampled rows use their own
-    generator so a seeded request draws the same tokens whatever it is batched with."""
+    """Draws tokens for sampled (non-greedy) requests from their own generator, so a seeded request
+    draws the same tokens whatever it is batched with. (Greedy rows are one batched argmax, in
+    `ModelRunner.sample`.) A draw that fails sets the request's `error`: the engine fails that
+    request alone, and the token returned in its place is never emitted."""
 
-    def __call__(self, logits: torch.Tensor, requests) -> list[int]:
-        out = logits.argmax(dim=-1).tolist()
-        for row, req in enumerate(requests):
-            p = req.params
-            if p.greedy:
-                continue
-            x = logits[row].float() / p.temperature
-            if p.top_k and p.top_k < x.numel():
-                kth = torch.topk(x, p.top_k).values[-1]
-                x = x.masked_fill(x < kth, float("-inf"))
-            probs = torch.softmax(x, dim=-1)
-            if p.top_p < 1.0:
-                sorted_p, idx = probs.sort(descending=True)
-                drop = sorted_p.cumsum(0) - sorted_p > p.top_p  # keep the smallest prefix reaching top_p
-                sorted_p[drop] = 0
-                probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
-            out[row] = int(torch.multinomial(probs.cpu(), 1, generator=req.generator()).item())
-        return out
+    @staticmethod
+    def sample(row: torch.Tensor, req) -> int:
+        """One draw from a row of logits under the request's temperature, top-k and top-p."""
+        try:
+            return Sampler._draw(row, req)
+        except (RuntimeError, ValueError) as e:  # e.g. a seed torch refuses, probabilities not finite
+            req.error = f"sampling failed: {e}"
+            return int(row.argmax())
+
+    @staticmethod
+    def _draw(row: torch.Tensor, req) -> int:
+        p = req.params
+        x = row.float() / p.temperature
+        if p.top_k and p.top_k < x.numel():
+            kth = torch.topk(x, p.top_k).values[-1]
+            x = x.masked_fill(x < kth, float("-inf"))
+        probs = torch.softmax(x, dim=-1)
+        if p.top_p < 1.0:
+            sorted_p, idx = probs.sort(descending=True)
+            drop = sorted_p.cumsum(0) - sorted_p > p.top_p  # keep the smallest prefix reaching top_p
+            sorted_p[drop] = 0
+            probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
+        return int(torch.multinomial(probs.cpu(), 1, generator=req.generator()).item())

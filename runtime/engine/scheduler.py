@@ -1,9 +1,11 @@
 """Admission and batching: a capacity scheduler (guaranteed no evict) and a micro-batch scheduler.
 
 The capacity scheduler admits waiting requests in arrival order while the KV blocks for their
-prompt + max_tokens fit, and stops at the first that does not (head-of-line, as upstream).
+prompt + max_tokens (+ the draft lookahead) fit, and stops at the first that does not
+(head-of-line, as upstream).
 The micro-batch scheduler then fills the batch: generation requests first (one decode step
-each), then prompt chunks, within `max_num_tokens` tokens and `max_batch_size` requests.
+of 1 + draft tokens each), then prompt chunks, within `max_num_tokens` tokens and
+`max_batch_size` requests.
 Scheduling allocates the blocks the batch will write (tentatively): `revert` gives them back if
 the pass does not run.
 """
@@ -42,21 +44,23 @@ class ScheduledBatch:
     def is_empty(self) -> bool:
         return not self.context and not self.generation
 
-    @property
-    def num_real_requests(self) -> int:
-        return sum(1 for r in self.requests if not r.is_dummy)
-
 
 class CapacityScheduler:
-    def __init__(self, kv: KVCacheManager):
+    def __init__(self, kv: KVCacheManager, lookahead_tokens: int = 0):
         self.kv = kv
+        self.lookahead_tokens = lookahead_tokens
+
+    def kv_tokens(self, req: Request) -> int:
+        """The KV a request can ever write: prompt + max_tokens, plus the draft positions its last
+        decode query writes past its final token."""
+        return req.max_total_tokens + self.lookahead_tokens
 
     def admit(self, waiting: list[Request]) -> list[Request]:
         admitted = []
         for req in waiting:
-            if not self.kv.can_reserve(req):
+            if not self.kv.can_reserve(req, self.kv_tokens(req)):
                 break  # head-of-line: later requests wait behind it
-            self.kv.reserve(req)
+            self.kv.reserve(req, self.kv_tokens(req))
             req.state = RequestState.CONTEXT
             admitted.append(req)
         return admitted
@@ -92,7 +96,7 @@ class Scheduler:
     def __init__(self, kv: KVCacheManager, config: SchedulerConfig):
         self.kv = kv
         self.config = config
-        self.capacity = CapacityScheduler(kv)
+        self.capacity = CapacityScheduler(kv, lookahead_tokens=config.decode_query_len - 1)
         self.micro = MicroBatchScheduler(config)
 
     def schedule(self, waiting: list[Request], running: list[Request]) -> tuple[ScheduledBatch, list[Request]]:
@@ -106,9 +110,9 @@ class Scheduler:
         return batch, admitted
 
     def revert(self, batch: ScheduledBatch) -> None:
-        """Undo the tentative allocations of a batch that did not run. The post-schedule dummy is
-        skipped: it joined after scheduling, the scheduler never grew it, and shrinking it would
-        corrupt it (the padding code rolls it back as a whole)."""
+        """Undo the tentative allocations of a batch that did not run. Padding dummies are skipped:
+        the scheduler never grew them (padding allocated them), and the padding code rolls them
+        back as a whole."""
         for req in batch.requests:
-            if req.dummy_phase != "post_schedule":
+            if not req.is_dummy:
                 self.kv.shrink(req, req.num_computed_tokens)

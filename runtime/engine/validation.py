@@ -39,9 +39,9 @@ def make_request(prompt, params: SamplingParams, request_id: str, tokenizer, mod
             f"this model's maximum context length is {limit} tokens; the prompt has {len(ids)} "
             f"and max_tokens asks for {params.max_tokens} more",
             "prompt" if len(ids) >= limit else "max_tokens")
-    capacity = engine_config.kv_blocks * engine_config.tokens_per_block
+    capacity = engine_config.max_request_tokens  # what one request can ever get on a rank
     if len(ids) + params.max_tokens > capacity:
         raise InvalidRequestError(
-            f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds this server's "
-            f"KV cache of {capacity} tokens per rank", "max_tokens")
+            f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the {capacity} "
+            f"tokens of KV cache one request can have on a rank of this server", "max_tokens")
     return Request(request_id, ids, params)

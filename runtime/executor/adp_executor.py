@@ -1,14 +1,16 @@
-"""The ADP executor loop of one rank, in the order of DESIGN.md §1:
+"""The ADP executor loop of one rank, in the order of docs/adp.md:
 
-  1. fetch new requests (and learn, in one all-gather, whether the fleet has work)
+  1. fetch new requests, and learn in one all-gather whether the fleet has work (and whether
+     some rank asked it to stop); an idle fleet goes straight to 7
   2. pre-schedule padding
-  3. schedule()
+  3. schedule() (and draft, with speculative decoding)
   4. post-schedule padding
   5. the can_queue vote: one all-gather of every rank's batch size and token count
-  6. if every rank has a batch: forward (padded to the largest token count), sample, advance
-     request states, respond, free; reap finished KV transfers; tear the dummy down
-     otherwise: roll back the tentative allocations and the dummy
-  7. on every rank regardless: refresh the stats that are shipped with the responses.
+  6. if every rank has a batch: forward (padded to the largest token count), sample and verify,
+     advance request states, respond, free; otherwise roll back the tentative allocations.
+     Either way the dummy goes (torn down or rolled back)
+  7. on every pass — ran, vetoed or idle: release held KV that was pulled or whose lease expired,
+     refresh the stats that are shipped with the responses.
 
 Collectives per pass: the fetch all-gather and the vote (plus the model's own when the forward
 runs). Padding adds none.
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 
 from adpfleet.runtime.engine.llm_engine import LLMEngine, RequestOutput
 from adpfleet.runtime.engine.request import Request
+from adpfleet.runtime.engine.scheduler import ScheduledBatch
 from adpfleet.runtime.executor.padding import Padding
 
 
@@ -32,12 +35,11 @@ class PassResult:
 
 
 class ADPExecutor:
-    def __init__(self, engine: LLMEngine, comm, pad_empty_batch: bool = True, fill_gate=None):
+    def __init__(self, engine: LLMEngine, comm, pad_empty_batch: bool = True):
         self.engine = engine
         self.comm = comm
         self.adp = comm.world_size > 1
         self.padding = Padding(engine, self.adp, pad_empty_batch)
-        self.fill_gate = fill_gate or (lambda: False)  # True while forwards are held on purpose
 
     def step(self, new_requests: list[Request] = (), stop: bool = False) -> PassResult:
         e, stats = self.engine, self.engine.stats
@@ -49,40 +51,36 @@ class ADPExecutor:
         result.fleet_has_work = any(row[0] for row in fleet)
         result.stop = any(row[1] for row in fleet)
         stats.iterations += 1
-        if not result.fleet_has_work:
-            if e.kv_hold is not None:  # an idle context server still hands its held KV back
-                e.kv_hold.reap()
-            e.refresh_gauges()
-            return result
-        gate_held = self.fill_gate()
-        # 2. pre-schedule padding
-        self.padding.pre_schedule_pad(result.fleet_has_work, gate_held)
-        # 3. schedule
-        batch = e.schedule_batch() if not gate_held else e.empty_batch()
-        if batch.is_empty:
-            stats.empty_batch_iterations += 1
-        # 4. post-schedule padding
-        self.padding.post_schedule_pad(batch, gate_held)
-        # 5. the can_queue vote (+ the token count every rank pads its forward to)
-        if self.adp:
-            votes = self.comm.all_gather_ints([len(batch.requests), batch.num_tokens])
-            can_queue = all(size > 0 for size, _ in votes)
-            pad_to = max(tokens for _, tokens in votes)
-        else:
-            can_queue, pad_to = not batch.is_empty, None
-        # 6.
-        if can_queue:
-            logits = e.runner.forward(batch, pad_to)
-            stats.forward_steps += 1
-            result.outputs += e.update(batch, e.runner.sample(batch, logits))
-            if e.kv_hold is not None:
-                e.kv_hold.reap()
-            result.ran = True
-        else:
-            if self.adp and any(size > 0 for size, _ in votes):
-                stats.forward_vetoed += 1
-            e.scheduler.revert(batch)
-        self.padding.finish_pass(ran=can_queue)
-        # 7.
+        if result.fleet_has_work:
+            # 2. pre-schedule padding
+            self.padding.pre_schedule_pad()
+            # 3. schedule
+            batch = e.schedule_batch()
+            if batch.is_empty:
+                stats.empty_batch_iterations += 1
+            # 4. post-schedule padding
+            self.padding.post_schedule_pad(batch)
+            # 5. the can_queue vote (+ the token count every rank pads its forward to)
+            can_queue, pad_to = self._vote(batch)
+            # 6.
+            if can_queue:
+                logits = e.runner.forward(batch, pad_to)
+                stats.forward_steps += 1
+                result.outputs += e.update(batch, e.runner.sample(batch, logits))
+                result.ran = True
+            else:
+                e.scheduler.revert(batch)
+            self.padding.finish_pass(ran=can_queue)
+        # 7. on every pass
+        e.release_held_kv()
         e.refresh_gauges()
         return result
+
+    def _vote(self, batch: ScheduledBatch) -> tuple[bool, int | None]:
+        if not self.adp:
+            return not batch.is_empty, None
+        votes = self.comm.all_gather_ints([len(batch.requests), batch.num_tokens])
+        can_queue = all(size > 0 for size, _ in votes)
+        if not can_queue and any(size > 0 for size, _ in votes):
+            self.engine.stats.forward_vetoed += 1
+        return can_queue, max(tokens for _, tokens in votes)

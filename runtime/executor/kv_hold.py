@@ -1,9 +1,15 @@
 """The context server's KV hold: a finished prompt keeps its KV blocks until a generation server
 has pulled them, or until its lease expires.
 
-Completions are reaped in the lockstep phase after a forward, as upstream does. So while every
-pass is vetoed, nothing is released: a rank that is starved because its blocks are held for
-transfers stays starved — the condition under which the ADP stall lasts forever.
+`reap()` runs at one fixed point of every executor pass (step 7), whether the forward ran, was
+vetoed, or the fleet was idle: no release waits for a forward. (Upstream reaps only after a
+forward, so while every pass is vetoed nothing is released and a rank starved by held blocks
+stays starved — one way the ADP stall lasts forever.)
+
+Every hold ends within two leases of its start: pulled, or expired `lease_s` after it began. A
+transfer may start reading the blocks only while the lease runs; it delays the expiry (the
+blocks must not be reused under it), but by at most `lease_s` from its own start, so neither an
+abandoned transfer nor a string of retried ones can pin the KV for longer.
 """
 
 from __future__ import annotations
@@ -45,19 +51,19 @@ class Held:
     request: Request
     since: float
     deadline: float
-    transferring: bool = False  # a transfer is reading its blocks: never free them under it
+    transfer_deadline: float | None = None  # a transfer is reading its blocks: not freed before this
 
 
 class KVHold:
-    def __init__(self, kv: KVCacheManager, puller, lease_s: float = 60.0):
-        self.kv, self.puller, self.lease_s = kv, puller, lease_s
+    def __init__(self, kv: KVCacheManager, puller, lease_s: float = 60.0, clock=time.monotonic):
+        self.kv, self.puller, self.lease_s, self.clock = kv, puller, lease_s, clock
         self.held: dict[str, Held] = {}
         self.pulled = 0
         self.expired = 0
         self._lock = threading.Lock()  # the transfer server's threads read `held` too
 
     def hold(self, request: Request) -> None:
-        now = time.monotonic()
+        now = self.clock()
         with self._lock:
             self.held[request.request_id] = Held(request, now, now + self.lease_s)
 
@@ -70,16 +76,18 @@ class KVHold:
             with self._lock:
                 self.puller.complete(request_id)
                 if request_id in self.held:
-                    self.held[request_id].transferring = False
+                    self.held[request_id].transfer_deadline = None
 
     def lookup(self, request_id: str):
         """For the transfer server: (block table, token count) of a held prompt, and what to call
-        once the generation server confirmed it has every byte. None when not held."""
+        once the generation server confirmed it has every byte. None when not held, or when its
+        lease has run out."""
+        now = self.clock()
         with self._lock:
             h = self.held.get(request_id)
-            if h is None:
+            if h is None or now >= h.deadline:  # gone, or its lease ran out: too late to start
                 return None
-            h.transferring = True
+            h.transfer_deadline = now + self.lease_s
             req = h.request
             where = (list(req.block_table), req.num_computed_tokens)
         return where, lambda: self.puller_complete(request_id)
@@ -90,13 +98,13 @@ class KVHold:
 
     def reap(self) -> list[str]:
         """Free the KV of every pulled or expired request; returns their ids."""
-        now = time.monotonic()
+        now = self.clock()
         done = []
         with self._lock:
             for rid, h in list(self.held.items()):
                 if self.puller.pulled(rid, h.since, now):
                     self.pulled += 1
-                elif now >= h.deadline and not h.transferring:
+                elif now >= h.deadline and (h.transfer_deadline is None or now >= h.transfer_deadline):
                     self.expired += 1
                 else:
                     continue

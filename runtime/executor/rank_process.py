@@ -4,6 +4,12 @@ It talks to the server process over a pipe: it receives ("add", Request), ("abor
 ("transfer_done", id) and ("stop",), and sends ("ready",), ("out", outputs), ("stats", RankStats)
 and ("error", text). A stop is agreed through the fetch all-gather, so every rank leaves the
 loop on the same pass and no peer is left waiting in a collective.
+
+What fails one request fails that request only: its KV pull (any exception, on the pull's own
+thread), its sampling or the placement of its pulled KV (caught by the engine where the request
+is known) end it with an error output, and the loop goes on. Only what escapes a pass — a
+collective that failed, a CUDA error, a bug that leaves the pass half done — ends the rank: its
+state, and its peers' position in the lockstep, are then unknown, so the server is restarted.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from datetime import timedelta
 
 from adpfleet.runtime.config import EngineConfig
 from adpfleet.runtime.executor import faults
+from adpfleet.runtime.executor.kv_transfer import KVLayout
 from adpfleet.runtime.model.parallel import CALLS
 
 IDLE_WAIT_S = 0.02  # how long an idle rank waits for new requests before the next lockstep pass
@@ -40,7 +47,8 @@ class RankSpec:
     kv_lease_s: float = 60.0
     kv_host: str = "127.0.0.1"  # context role: where this rank serves its held KV
     kv_port: int = 0  # rank r listens on kv_port + r; 0: any free port
-    kv_transfer_timeout_s: float = 30.0  # generation role: a pull slower than this fails the request
+    kv_transfer_timeout_s: float = 30.0  # both ends: a transfer not done by then ends (and fails the request)
+    kv_token: str | None = None  # the fleet's internal token: pullers prove they hold it (see kv_transfer)
     threads: int = 1
 
 
@@ -79,23 +87,26 @@ def _build(spec: RankSpec):
 
 
 def _start_kv_server(spec: RankSpec, engine):
-    from adpfleet.runtime.serving.kv_transfer import KVTransferServer
+    from adpfleet.runtime.executor.kv_transfer import KVTransferServer
 
     k_cache, v_cache = engine.runner.kv_cache
     port = spec.kv_port + spec.rank if spec.kv_port else 0
     return KVTransferServer(spec.kv_host, port, k_cache, v_cache, engine.kv_hold.lookup,
-                            spec.config.tokens_per_block)
+                            spec.config.tokens_per_block, token=spec.kv_token,
+                            transfer_timeout_s=spec.kv_transfer_timeout_s)
 
 
-def _pull(request, timeout: float, arrived: queue.SimpleQueue) -> None:
-    """Generation role, on its own thread: fetch the prompt's KV, then hand the request to the loop."""
-    from adpfleet.runtime.serving.kv_transfer import FAILED, KVTransferError, fetch
+def _pull(request, spec: RankSpec, layout, arrived: queue.SimpleQueue) -> None:
+    """Generation role, on its own thread: fetch the prompt's KV (checked against this rank's
+    model and the request's prompt), then hand the request to the loop."""
+    from adpfleet.runtime.executor.kv_transfer import FAILED, fetch
 
     endpoint, handle = request.remote_kv
     try:
-        request.kv_payload = fetch(endpoint, handle, timeout)
+        request.kv_payload = fetch(endpoint, handle, spec.kv_transfer_timeout_s, layout,
+                                   request.num_prompt_tokens, spec.kv_token)
         arrived.put((request, None))
-    except KVTransferError as e:
+    except Exception as e:  # noqa: BLE001 - whatever the peer did, it fails this request, never the rank
         arrived.put((request, f"{FAILED} (from {endpoint}): {e}"))
 
 
@@ -104,6 +115,7 @@ def run_rank(spec: RankSpec, conn) -> None:
     try:
         engine, executor, puller = _build(spec)
         kv_server = _start_kv_server(spec, engine) if spec.role == "context" else None
+        layout = KVLayout.of(engine.runner.kv_cache[0])
         arrived: queue.SimpleQueue = queue.SimpleQueue()  # generation role: requests whose KV came
         conn.send(("ready", spec.rank, kv_server.endpoint if kv_server else None))
         stop = False
@@ -117,7 +129,7 @@ def run_rank(spec: RankSpec, conn) -> None:
                 wait = 0
                 msg = conn.recv()
                 if msg[0] == "add" and msg[1].remote_kv is not None:
-                    threading.Thread(target=_pull, args=(msg[1], spec.kv_transfer_timeout_s, arrived),
+                    threading.Thread(target=_pull, args=(msg[1], spec, layout, arrived), name="kv-pull",
                                      daemon=True).start()
                 elif msg[0] == "add":
                     new.append(msg[1])
@@ -128,8 +140,11 @@ def run_rank(spec: RankSpec, conn) -> None:
                 elif msg[0] == "stop":
                     stop = True
                 elif msg[0] == "fault":
-                    frozen |= msg[1] == "freeze"
-                    faults.apply(msg[1], engine)
+                    try:
+                        faults.apply(msg[1], engine)
+                        frozen |= msg[1] == "freeze"
+                    except ValueError as e:  # a fault that does not apply here is refused, not fatal
+                        logging.getLogger(__name__).warning("fault refused: %s", e)
             if frozen:  # injected: stop stepping; the peers wait in their next collective
                 time.sleep(0.1)
                 continue

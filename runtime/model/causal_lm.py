@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from adpfleet.runtime.model.config import ModelConfig
-from adpfleet.runtime.model.layers import DecoderLayer, RMSNorm, RotaryEmbedding
+from adpfleet.runtime.model.layers import DecoderLayer, Linear, RMSNorm, RotaryEmbedding
 from adpfleet.runtime.model.parallel import SINGLE, ParallelContext
 
 
@@ -26,7 +26,7 @@ class CausalLM(nn.Module):
         self.cfg = cfg
         self.par = par
         self.model = DecoderModel(cfg, par)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
@@ -41,8 +41,9 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, kv_cache) -> torch.Tensor:
         """Packed tokens [T] -> final hidden states [T, hidden]."""
         x = self.model.embed_tokens(input_ids)
+        rope = self.rotary(positions)  # once per pass, for every layer
         for layer in self.model.layers:
-            x = layer(x, positions, meta, kv_cache, self.rotary)
+            x = layer(x, meta, kv_cache, rope)
         return self.model.norm(x)
 
     @torch.inference_mode()

@@ -15,6 +15,31 @@ from adpfleet.runtime.model.weights import (column_parallel_loader, expert_loade
                                             row_parallel_loader, set_loader)
 
 
+# oneDNN's float32 GEMM (torch's mkldnn linear) uses AVX-512 where MKL's does not (AMD): measured
+# 1.7-2.4x MKL's throughput on the benchmark model's shapes there (docs/benchmarks.md).
+_ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias): through oneDNN for float32 on the CPU, torch's default elsewhere."""
+    if _ONEDNN_LINEAR and x.dtype == torch.float32 and x.device.type == "cpu" and x.numel():
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose product goes through `linear` (every projection of every model family)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension as Hugging Face computes it: normalised in float32, cast
+    back, then scaled by the weight (hidden states, and per-head q/k norms alike)."""
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -22,14 +47,27 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+class Rope:
+    """The cos/sin of one pass's positions, gathered once and applied in every layer."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor):
+        self.cos, self.sin = cos, sin  # [T, 1, head_dim]
+
+    def __call__(self, *xs: torch.Tensor) -> list[torch.Tensor]:
+        out = []
+        for x in xs:
+            half = x.shape[-1] // 2
+            rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+            out.append((x.float() * self.cos + rotated.float() * self.sin).to(x.dtype))
+        return out
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotary position embedding (rotate-half layout, as Hugging Face Llama)."""
+    """Rotary position embedding (rotate-half layout, as Hugging Face Llama): `rotary(positions)`
+    is the Rope of a pass."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float):
         super().__init__()
@@ -40,15 +78,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> list[torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1)
-        out = []
-        for x in xs:
-            half = x.shape[-1] // 2
-            rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-            out.append((x.float() * cos + rotated.float() * sin).to(x.dtype))
-        return out
+    def forward(self, positions: torch.Tensor) -> Rope:
+        return Rope(self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
 
 
 class Attention(nn.Module):
@@ -59,24 +90,24 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         # q, k and v projections stacked into one matmul (the loader fills the three row ranges).
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         for p in self.qkv_proj.parameters():
             set_loader(p, packed_loader({"q": self.q_size, "k": self.kv_size, "v": self.kv_size}))
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:  # Qwen3: each head of q and k normalised before RoPE
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, x, positions, meta, kv_cache, rotary):
+    def forward(self, x, meta, kv_cache, rope: Rope):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+        q, k = rope(q, k)
         k_cache, v_cache = kv_cache[0][self.layer_idx], kv_cache[1][self.layer_idx]
         o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(o.reshape(-1, self.q_size))
@@ -90,8 +121,8 @@ class MLP(nn.Module):
         self.par = par
         lo, hi = par.shard(cfg.intermediate_size, "intermediate_size")
         self.local = hi - lo
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.local, bias=False)
-        self.down_proj = nn.Linear(self.local, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.local, bias=False)
+        self.down_proj = Linear(self.local, cfg.hidden_size, bias=False)
         set_loader(self.gate_up_proj.weight, column_parallel_loader(cfg.intermediate_size, lo, hi, ("gate", "up")))
         set_loader(self.down_proj.weight, row_parallel_loader(cfg.intermediate_size, lo, hi))
 
@@ -112,7 +143,7 @@ class MoE(nn.Module):
         self.num_experts = cfg.num_local_experts
         self.first_expert, last = par.shard(cfg.num_local_experts, "num_local_experts")
         n_local, inter = last - self.first_expert, cfg.intermediate_size
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_local_experts, bias=False)
+        self.gate = Linear(cfg.hidden_size, cfg.num_local_experts, bias=False)
         self.gate_up = nn.Parameter(torch.empty(n_local, 2 * inter, cfg.hidden_size))
         self.down = nn.Parameter(torch.empty(n_local, cfg.hidden_size, inter))
         set_loader(self.gate_up, expert_loader(self.num_experts, self.first_expert, last, ("gate", "up")))
@@ -129,8 +160,8 @@ class MoE(nn.Module):
             token_idx, slot = torch.where(experts == self.first_expert + local)
             if token_idx.numel() == 0:
                 continue
-            gate, up = F.linear(x[token_idx], self.gate_up[local]).split(self.inter, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down[local]) * weights[token_idx, slot, None]
+            gate, up = linear(x[token_idx], self.gate_up[local]).split(self.inter, dim=-1)
+            y = linear(F.silu(gate) * up, self.down[local]) * weights[token_idx, slot, None]
             out.index_add_(0, token_idx, y)
         return self.par.reduce_to_local(out)
 
@@ -143,6 +174,6 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MoE(cfg, par) if cfg.is_moe else MLP(cfg, par)
 
-    def forward(self, x, positions, meta, kv_cache, rotary):
-        x = x + self.self_attn(self.input_layernorm(x), positions, meta, kv_cache, rotary)
+    def forward(self, x, meta, kv_cache, rope: Rope):
+        x = x + self.self_attn(self.input_layernorm(x), meta, kv_cache, rope)
         return x + self.mlp(self.post_attention_layernorm(x))

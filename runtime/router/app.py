@@ -18,6 +18,9 @@ from adpfleet.runtime.router.metrics import CONTENT_TYPE, RouterMetrics
 from adpfleet.runtime.router.pipeline import Answer, Relay, Router
 from adpfleet.runtime.router.policy import error_body
 from adpfleet.runtime.router.pool import ROLES, ServerPool
+from adpfleet.runtime.serving.auth import BearerAuth, Credentials
+from adpfleet.runtime.serving.limits import (DEFAULT_MAX_REQUEST_BYTES, DEFAULT_READ_TIMEOUT_S, Refused,
+                                             parse_json_object, read_body, uvicorn_config)
 
 log = logging.getLogger("adpfleet.router")
 
@@ -35,14 +38,21 @@ class RouterConfig:
     first_token_timeout: float | None = None
     health_interval: float = 2.0
     cooldown: float = 5.0
+    credentials: Credentials = field(default_factory=Credentials)
+    enable_docs: bool = False
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    read_timeout: float = DEFAULT_READ_TIMEOUT_S
 
     @classmethod
     def from_args(cls, args) -> "RouterConfig":
+        limits = {name: value for name in ("max_request_bytes", "read_timeout")
+                  if (value := getattr(args, name)) is not None}
         config = cls(context=args.context, generation=args.generation, aggregated=args.aggregated,
                      kube_namespace=args.kube_namespace, kube_selector=args.kube_selector,
                      server_port=args.server_port, request_timeout=args.request_timeout,
                      max_attempts=args.max_attempts, first_token_timeout=args.first_token_timeout,
-                     health_interval=args.health_interval)
+                     health_interval=args.health_interval, credentials=Credentials.from_args(args),
+                     enable_docs=args.enable_docs, **limits)
         config.validate()
         return config
 
@@ -64,7 +74,8 @@ class RouterConfig:
         elif bool(self.context) != bool(self.generation):
             raise ValueError("disaggregated serving needs both --context and --generation servers")
         static_endpoints(self.context, self.generation, self.aggregated)  # URLs parse
-        for name, value in (("--request-timeout", self.request_timeout), ("--health-interval", self.health_interval)):
+        for name, value in (("--request-timeout", self.request_timeout), ("--health-interval", self.health_interval),
+                            ("--max-request-bytes", self.max_request_bytes), ("--read-timeout", self.read_timeout)):
             if not value > 0:
                 raise ValueError(f"{name} must be positive, got {value}")
         if self.first_token_timeout is not None and not self.first_token_timeout > 0:
@@ -139,7 +150,8 @@ def build_app(config: RouterConfig, *, kube_api_client=None) -> FastAPI:
                                       api_client=kube_api_client).start()
         else:
             pool.set_endpoints(static_endpoints(config.context, config.generation, config.aggregated))
-        prober = asyncio.create_task(probe_forever(pool, http, config.health_interval))
+        prober = asyncio.create_task(probe_forever(pool, http, config.health_interval,
+                                                   config.credentials.upstream_headers(None)))
         try:
             yield
         finally:
@@ -148,7 +160,10 @@ def build_app(config: RouterConfig, *, kube_api_client=None) -> FastAPI:
                 discovery.stop()
             await http.aclose()
 
-    app = FastAPI(title="adpfleet router", version="0.1.0", lifespan=lifespan)
+    pages = {} if config.enable_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="adpfleet router", version="0.1.0", lifespan=lifespan, **pages)
+    # clients hold the API key; the internal token is only what the router sends to its servers
+    app.add_middleware(BearerAuth, credentials=Credentials(api_key=config.credentials.api_key))
     app.state.pool, app.state.metrics = pool, metrics
 
     def reject(message: str, param: str | None, status: int = 400) -> JSONResponse:
@@ -157,13 +172,13 @@ def build_app(config: RouterConfig, *, kube_api_client=None) -> FastAPI:
 
     async def route(request: Request, path: str):
         router: Router = state["router"]
-        raw = await request.body()
         try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            return reject(f"the request body is not valid JSON: {e}", None)
-        if not isinstance(body, dict):
-            return reject("the request body must be a JSON object", None)
+            raw = await read_body(request, config.max_request_bytes)
+            # a large body takes a while to parse: off the event loop, so /health and streams go on
+            body = await asyncio.to_thread(parse_json_object, raw) if len(raw) > 65536 else parse_json_object(raw)
+        except Refused as r:
+            metrics.requests.labels(str(r.status)).inc()
+            return r.response()
         if "disaggregated_params" in body:
             return reject("unrecognized request argument supplied: 'disaggregated_params' (set by the router)",
                           "disaggregated_params")
@@ -173,7 +188,8 @@ def build_app(config: RouterConfig, *, kube_api_client=None) -> FastAPI:
             return reject("'stream_options': Input should be an object", "stream_options")
         deadline = asyncio.get_running_loop().time() + config.request_timeout
         try:
-            outcome = await until_disconnect(request, router.prepare(path, body, deadline))
+            upstream = config.credentials.upstream_headers(request.headers.get("authorization"))
+            outcome = await until_disconnect(request, router.prepare(path, body, deadline, upstream))
         except ClientGone:
             metrics.requests.labels("client_closed").inc()
             return Response(status_code=499)
@@ -182,7 +198,7 @@ def build_app(config: RouterConfig, *, kube_api_client=None) -> FastAPI:
         answer: Answer = outcome
         metrics.requests.labels(str(answer.status)).inc()
         content = answer.body if isinstance(answer.body, bytes) else json.dumps(answer.body).encode()
-        return Response(content, status_code=answer.status, media_type="application/json")
+        return Response(content, status_code=answer.status, media_type="application/json", headers=answer.headers)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -193,13 +209,14 @@ def build_app(config: RouterConfig, *, kube_api_client=None) -> FastAPI:
         return await route(request, "/v1/chat/completions")
 
     @app.get("/v1/models")
-    async def models():
+    async def models(request: Request):
         http: httpx.AsyncClient = state["router"].http
+        upstream = config.credentials.upstream_headers(request.headers.get("authorization"))
         now = time.monotonic()
         servers = [ep for role in ROLES for ep in pool.usable(role, now)] or pool.endpoints()
         for ep in servers:
             try:
-                resp = await http.get(ep.url + "/v1/models", timeout=5.0)
+                resp = await http.get(ep.url + "/v1/models", timeout=5.0, headers=upstream)
             except httpx.HTTPError:
                 continue
             if resp.status_code == 200:
@@ -229,12 +246,12 @@ def build_app(config: RouterConfig, *, kube_api_client=None) -> FastAPI:
     return app
 
 
-async def probe_forever(pool: ServerPool, http: httpx.AsyncClient, interval: float) -> None:
+async def probe_forever(pool: ServerPool, http: httpx.AsyncClient, interval: float, headers: dict) -> None:
     """GET /health on every known server each interval; a server answering non-200 (or not at
     all) gets no new work until it answers 200 again."""
     async def probe(ep) -> bool:
         try:
-            return (await http.get(ep.url + "/health", timeout=max(interval, 1.0))).status_code == 200
+            return (await http.get(ep.url + "/health", timeout=max(interval, 1.0), headers=headers)).status_code == 200
         except httpx.HTTPError:
             return False
     while True:
@@ -256,6 +273,7 @@ def main(args) -> int:
     app = build_app(config)
     source = (f"pods '{config.kube_selector}' in namespace {config.kube_namespace}" if config.uses_kubernetes
               else "static server list")
-    log.info("router on http://%s:%d (%s)", args.host, args.port, source)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    log.info("router on http://%s:%d (%s)%s", args.host, args.port, source,
+             " (API key required)" if config.credentials.api_key else "")
+    uvicorn.Server(uvicorn_config(app, args.host, args.port, config.read_timeout)).run()
     return 0

@@ -13,15 +13,18 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
+from urllib.parse import urlsplit
 from dataclasses import dataclass, field
 
 import httpx
 
+from adpfleet.runtime.executor.kv_endpoint import parse_endpoint
 from adpfleet.runtime.router import sse
 from adpfleet.runtime.router.metrics import RouterMetrics
-from adpfleet.runtime.router.policy import (Failure, error_body, failure_from_status, final_error,
+from adpfleet.runtime.router.policy import (OVERLOADED, Failure, error_body, failure_from_status, final_error,
                                              is_client_error, servers_to_avoid, should_retry)
 from adpfleet.runtime.router.pool import Endpoint, ServerPool
+from adpfleet.runtime.serving.limits import RETRY_AFTER_S
 
 log = logging.getLogger("adpfleet.router")
 
@@ -31,6 +34,7 @@ class Answer:
     """A complete answer: a JSON body (dict, or the server's bytes passed through unchanged)."""
     status: int
     body: dict | bytes
+    headers: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -58,6 +62,7 @@ class AttemptFailed(Exception):
 @dataclass
 class _Attempt:
     """Where one attempt is, so a timeout can be blamed on the server it was waiting for."""
+    headers: dict  # what every request to a server carries (its credential)
     context: Endpoint | None = None
     waiting_on: Endpoint | None = None
 
@@ -76,15 +81,16 @@ class Router:
         self.first_token_timeout = first_token_timeout
 
     # -- the attempts ------------------------------------------------------------------------
-    async def prepare(self, path: str, body: dict, deadline: float) -> Answer | Relay:
-        """Attempts until one succeeds, a server rejects the input (4xx), or none is left."""
+    async def prepare(self, path: str, body: dict, deadline: float, headers: dict | None = None) -> Answer | Relay:
+        """Attempts until one succeeds, a server rejects the input (4xx), or none is left.
+        `headers` go to every server (the credential, see auth.Credentials.upstream_headers)."""
         loop = asyncio.get_running_loop()
         failures: list[Failure] = []
         avoid: set[Endpoint] = set()
         for attempt in range(1, self.max_attempts + 1):
             if attempt > 1:
                 self.metrics.retries.inc()
-            state = _Attempt()
+            state = _Attempt(headers or {})
             limit = deadline if not self.first_token_timeout else min(deadline, loop.time() + self.first_token_timeout)
             try:
                 async with asyncio.timeout_at(limit):
@@ -100,14 +106,14 @@ class Router:
                                       state.waiting_on)
             failures.append(failure)
             self.metrics.errors.labels(failure.reason).inc()
-            if failure.server is not None and failure.reason not in ("kv_transfer_failed", "deadline"):
+            if failure.server is not None and failure.reason not in ("kv_transfer_failed", "deadline", "overloaded"):
                 self.pool.report_failure(failure.server, time.monotonic())
             log.warning("attempt %d/%d failed: %s", attempt, self.max_attempts, failure.describe())
             if not should_retry(failure, attempt, self.max_attempts, False, deadline - loop.time()):
                 break
             avoid |= servers_to_avoid(failure, state.context)
         status, err = final_error(failures, deadline_passed=loop.time() >= deadline)
-        return Answer(status, err)
+        return Answer(status, err, {"Retry-After": str(RETRY_AFTER_S)} if status == OVERLOADED else {})
 
     async def _attempt(self, state: _Attempt, path: str, body: dict, avoid: set[Endpoint]) -> Answer | Relay:
         stream = bool(body.get("stream"))
@@ -139,6 +145,9 @@ class Router:
         if not isinstance(params, dict):
             raise AttemptFailed(Failure("bad_response", "the context server answered without "
                                         "'disaggregated_params' (is it running with --role context?)", ctx))
+        if not _kv_on_host(params.get("kv_endpoint"), ctx):  # the generation server trusts what the router sends
+            raise AttemptFailed(Failure("bad_response", "the context server named a KV endpoint on another host: "
+                                        f"{str(params.get('kv_endpoint'))[:80]!r}", ctx))
         gen = self._pick("generation", avoid)
         return await self._answer_from(state, gen, path, {**body, "disaggregated_params": params}, stream)
 
@@ -161,7 +170,7 @@ class Router:
         state.waiting_on = server
         self._acquire(server)
         try:
-            resp = await self.http.post(server.url + path, json=body)
+            resp = await self.http.post(server.url + path, json=body, headers=state.headers)
             return resp.status_code, resp.content
         except httpx.HTTPError as e:
             raise AttemptFailed(_transport_failure(server, e)) from None
@@ -186,7 +195,8 @@ class Router:
         resp: httpx.Response | None = None
         relay: Relay | None = None
         try:
-            resp = await self.http.send(self.http.build_request("POST", server.url + path, json=body), stream=True)
+            resp = await self.http.send(self.http.build_request("POST", server.url + path, json=body,
+                                                                headers=state.headers), stream=True)
             if resp.status_code != 200:
                 raw = await resp.aread()
                 if is_client_error(resp.status_code):
@@ -268,6 +278,15 @@ class Router:
     async def finish(self, relay: Relay) -> None:
         await relay.close()
         self.metrics.requests.labels(relay.outcome).inc()
+
+
+def _kv_on_host(endpoint, ctx: Endpoint) -> bool:
+    """Whether a KV endpoint is on the context server that announced it (and well formed)."""
+    try:
+        host, _ = parse_endpoint(endpoint)
+    except ValueError:
+        return False
+    return host == urlsplit(ctx.url).hostname
 
 
 def _json_object(raw: bytes) -> dict | None:

@@ -16,6 +16,7 @@ REASONS = (
     "connect_error",       # could not connect / send to a server
     "server_error",        # a server answered 5xx (or closed the connection before answering)
     "kv_transfer_failed",  # the generation server could not pull the KV from the context server
+    "overloaded",          # a server answered 429 (its waiting requests are at their limit): tried elsewhere
     "bad_response",        # a 200 that breaks the contract (not JSON, no disaggregated_params, ...)
     "attempt_timeout",     # no first token within --first-token-timeout: tried elsewhere
     "deadline",            # the request's --request-timeout passed
@@ -38,20 +39,26 @@ class Failure:
         return f"{where}: {self.message}"
 
 
+OVERLOADED = 429  # the one 4xx that is the server's state, not the client's input
+
+
 def is_client_error(status: int) -> bool:
-    """A 4xx is the client's problem on every server alike: passed through, never retried."""
-    return 400 <= status < 500
+    """A 4xx is the client's problem on every server alike: passed through, never retried — but a
+    429 says only that this server is full, so another one is tried."""
+    return 400 <= status < 500 and status != OVERLOADED
 
 
 def failure_from_status(server: Endpoint, status: int, body: bytes) -> Failure:
-    """A non-2xx, non-4xx answer: which failure it is, with the server's own message if it sent one."""
+    """A non-2xx answer that is not the client's fault: which failure it is, with the server's own
+    message if it sent one."""
     kind, message = None, body[:300].decode("utf-8", "replace").strip()
     try:
         err = json.loads(body).get("error") or {}
         kind, message = err.get("type"), err.get("message") or message
     except (ValueError, AttributeError):
         pass
-    reason = "kv_transfer_failed" if kind == "kv_transfer_failed" else "server_error"
+    reason = ("overloaded" if status == OVERLOADED else
+              "kv_transfer_failed" if kind == "kv_transfer_failed" else "server_error")
     return Failure(reason, f"HTTP {status}: {message or '(no body)'}", server, status)
 
 
@@ -76,6 +83,9 @@ def final_error(failures: list[Failure], deadline_passed: bool) -> tuple[int, di
     if deadline_passed:
         status, code = 504, "deadline_exceeded"
         message = f"the request did not complete within its deadline ({detail})"
+    elif failures and all(f.reason == "overloaded" for f in failures):  # the client should come back shortly
+        status, code = OVERLOADED, "overloaded"
+        message = f"every server tried is at its limit of waiting requests; retry shortly ({detail})"
     elif failures and failures[-1].reason == "no_server":
         status, code = 503, "no_server"
         message = failures[-1].message

@@ -11,9 +11,10 @@ import time
 import uuid
 from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from adpfleet.runtime.engine.sampling import InvalidRequestError, SamplingParams
+from adpfleet.runtime.executor.kv_endpoint import HANDLE_PATTERN, parse_endpoint
 
 
 class _Strict(BaseModel):
@@ -25,12 +26,19 @@ class StreamOptions(_Strict):
 
 
 class DisaggregatedParams(_Strict):
-    """What a context server returns and a generation server needs to continue the request."""
-    ctx_request_id: str
+    """What a context server returns and a generation server needs to continue the request. The
+    endpoint and handle go onto a socket: only HOST:PORT and a plain handle pass."""
+    ctx_request_id: str = Field(max_length=128)
     first_token_id: int
     prompt_token_ids: list[int]
     kv_endpoint: str
-    kv_handle: str
+    kv_handle: str = Field(pattern=HANDLE_PATTERN)
+
+    @field_validator("kv_endpoint")
+    @classmethod
+    def _endpoint(cls, value: str) -> str:
+        parse_endpoint(value)  # ValueError: a 400 naming disaggregated_params.kv_endpoint
+        return value
 
 
 class _Common(_Strict):
@@ -132,10 +140,11 @@ class ChatCompletionRequest(_Common):
             ("top_logprobs", self.top_logprobs is None, "top_logprobs are not supported")]
 
     def prompt_input(self, tokenizer) -> str:
+        messages = [{"role": m.role, "content": m.text()} for m in self.messages]
         try:
-            return tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in self.messages])
-        except ValueError as e:
-            raise InvalidRequestError(str(e), "messages") from None
+            return tokenizer.apply_chat_template(messages)
+        except ValueError as e:  # no template, or the template refused these messages
+            raise InvalidRequestError(f"'messages': {e}", "messages") from None
 
     def requested_max_tokens(self, prompt_len: int, limit: int) -> int:
         asked = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -19,9 +19,9 @@ from adpfleet.cluster.testing import TEST_AGENT_ARGS, wait_for
 pytestmark = pytest.mark.k8s
 
 
-def cli(*args: str) -> subprocess.CompletedProcess:
+def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "adpfleet", "cluster", *args], capture_output=True, text=True,
-                          timeout=180)
+                          timeout=180, env=env)
 
 
 def processes_of(state_dir) -> list[psutil.Process]:
@@ -41,6 +41,14 @@ def test_up_status_crash_recovery_and_down_leave_nothing_behind(tmp_path):
         assert first.returncode == 0, first.stderr
         assert f"export KUBECONFIG={state}/kubeconfig" in first.stdout
         assert "apiserver ready in" in first.stdout
+        # The commands it prints act on this cluster, not on the default directory.
+        assert f"`adpfleet cluster status --state-dir {state}`" in first.stdout
+        assert f"`adpfleet cluster down --state-dir {state}`" in first.stdout
+        elsewhere = {k: v for k, v in os.environ.items() if k != "ADPFLEET_CLUSTER_DIR"}
+        elsewhere["XDG_STATE_HOME"] = str(tmp_path / "empty-state-home")
+        lost = cli("status", env=elsewhere)
+        assert lost.returncode == 1
+        assert f"a local cluster runs in {state}: `adpfleet cluster status --state-dir {state}`" in lost.stderr
 
         again = cli("up", f"--state-dir={state}")
         assert again.returncode == 0 and "already up" in again.stdout

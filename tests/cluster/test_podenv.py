@@ -50,6 +50,18 @@ def test_path_starts_with_this_pythons_bin_and_the_apiserver_is_on_loopback():
     assert (env["KUBERNETES_SERVICE_HOST"], env["KUBERNETES_SERVICE_PORT"]) == ("127.0.0.1", "6443")
 
 
+def test_pods_get_the_images_environment_with_this_machines_kernels_and_their_own_env_wins(monkeypatch, tmp_path):
+    # The runtime image sets ADPFLEET_KERNEL_DIR; a pod's HOME is its scratch volume, so without it
+    # every server here would compile the kernels in its first decode and look hung meanwhile.
+    monkeypatch.setenv("ADPFLEET_KERNEL_DIR", str(tmp_path))
+    env = build({"name": "c", "env": [{"name": "OMP_NUM_THREADS", "value": "4"}]})
+    assert env["ADPFLEET_KERNEL_DIR"] == str(tmp_path)
+    assert env["OMP_NUM_THREADS"] == "4"
+    monkeypatch.delenv("ADPFLEET_KERNEL_DIR")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert build({"name": "c"})["ADPFLEET_KERNEL_DIR"] == str(tmp_path / ".cache" / "adpfleet" / "kernels")
+
+
 def test_config_map_and_secret_references_are_read_and_missing_ones_are_config_errors():
     objects = {("ConfigMap", "cfg"): {"data": {"mode": "fast", "bad key": "x"}},
                ("Secret", "s"): {"data": {"token": "c2VjcmV0"}}}

@@ -2,7 +2,7 @@
 
 from adpfleet.cluster.agent import quantity
 from adpfleet.cluster.agent.addresses import AddressPool
-from adpfleet.cluster.agent.scheduling import unschedulable_reason
+from adpfleet.cluster.agent.scheduling import ignored_constraints, pod_requests, unschedulable_reason
 
 NODE = {"metadata": {"labels": {"kubernetes.io/hostname": "adpfleet-node", "gpu": "h100"}},
         "spec": {},
@@ -69,3 +69,40 @@ def test_two_clusters_on_one_machine_hand_out_different_pod_addresses():
     a, b = AddressPool("/tmp/cluster-a"), AddressPool("/home/u/.local/state/adpfleet/cluster")
     assert a.allocate("pod-1") != b.allocate("pod-1")
     assert AddressPool("/tmp/cluster-a").allocate("x") == AddressPool("/tmp/cluster-a").allocate("y")  # stable
+
+
+def test_node_affinity_match_fields_select_the_node_by_name_and_an_empty_term_matches_nothing():
+    node = {**NODE, "metadata": {**NODE["metadata"], "name": "adpfleet-node"}}
+
+    def affinity(*terms):
+        return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": list(terms)}}}
+    by_name = {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["adpfleet-node"]}]}
+    other_name = {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["gpu-7"]}]}
+    assert unschedulable_reason(pod(affinity=affinity(by_name)), node, []) is None
+    assert "node affinity/selector" in unschedulable_reason(pod(affinity=affinity(other_name)), node, [])
+    assert "node affinity/selector" in unschedulable_reason(pod(affinity=affinity({})), node, [])
+    either = affinity(other_name, {"matchExpressions": [{"key": "gpu", "operator": "Exists"}]})
+    assert unschedulable_reason(pod(affinity=either), node, []) is None
+
+
+def test_sidecars_hold_their_requests_beside_the_containers_and_during_later_init_containers():
+    def container(cpu, **extra):
+        return {"name": f"c{cpu}", "resources": {"requests": {"cpu": str(cpu)}}, **extra}
+    spec = {"containers": [container(1)],
+            "initContainers": [container(2, restartPolicy="Always"), container(3)]}
+    # Containers + sidecar = 3; the second init container runs beside the sidecar: 2 + 3 = 5.
+    assert pod_requests({"spec": spec})["cpu"] == 5
+    spec["initContainers"][1] = container(0.5)
+    assert pod_requests({"spec": spec})["cpu"] == 3
+
+
+def test_what_one_node_cannot_honour_is_named_not_refused():
+    spec = {"schedulerName": "volcano", "topologySpreadConstraints": [{"maxSkew": 1}],
+            "affinity": {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [{}]}}}
+    p = pod(**spec)
+    assert unschedulable_reason(p, NODE, []) is None
+    ignored = ignored_constraints(p)
+    assert any('schedulerName "volcano"' in m for m in ignored)
+    assert any("podAntiAffinity" in m for m in ignored)
+    assert any("topologySpreadConstraints" in m for m in ignored)
+    assert ignored_constraints(pod()) == []

@@ -57,7 +57,7 @@ def tokens_for(prompt: str, max_tokens: int, stop: list[str]) -> tuple[list[str]
 def build(role: str, host: str, port: int) -> FastAPI:
     app = FastAPI()
     cfg = {"token_delay": 0.0, "fail_status": None, "hang": False, "kv_hang": False, "kv_timeout": 5.0,
-           "kv_fail": False, "kv_fail_in_stream": False, "healthy": True}
+           "kv_fail": False, "kv_fail_in_stream": False, "healthy": True, "kv_host": None}
     received: list[dict] = []
     active = [0]  # streams being sent
     held: dict[str, float] = {}
@@ -144,7 +144,8 @@ def build(role: str, host: str, port: int) -> FastAPI:
                 held[handle] = time.time()
                 extra["disaggregated_params"] = {"ctx_request_id": rid, "first_token_id": 3,
                                                  "prompt_token_ids": list(range(n_prompt)),
-                                                 "kv_endpoint": f"{host}:{port}", "kv_handle": handle}
+                                                 "kv_endpoint": f"{cfg['kv_host'] or host}:{port}",
+                                                 "kv_handle": handle}
         usage = {"prompt_tokens": n_prompt, "completion_tokens": len(pieces), "total_tokens": n_prompt + len(pieces)}
         kind = "chat.completion" if chat else "text_completion"
 

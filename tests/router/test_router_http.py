@@ -133,6 +133,9 @@ def test_requests_spread_over_generation_servers(disagg, fresh_fakes):
     (b'{"prompt": "x", "stream": "yes"}', "stream", "boolean"),
     (b'{"prompt": "x", "stream": true, "stream_options": "usage"}', "stream_options", "object"),
     (b'{"prompt": "x", "disaggregated_params": {}}', "disaggregated_params", "disaggregated_params"),
+    (b'{"prompt": "x", "stop": ' + b"[" * 1500 + b"]" * 1500 + b"}", None, "nested deeper"),  # too deep to parse
+    (b'{"prompt": "x", "stop": ' + b"[" * 100 + b"]" * 100 + b"}", "stop", "nested deeper"),
+    (b'{"prompt": "x", "model": "\\ud800"}', "model", "not valid Unicode"),
 ])
 def test_the_router_itself_refuses_bodies_it_cannot_route(disagg, fresh_fakes, content, param, what):
     r = httpx.post(disagg.url + "/v1/completions", content=content, headers={"content-type": "application/json"})
@@ -163,7 +166,42 @@ def test_the_openai_client_sees_the_servers_4xx_as_its_own_error_class(disagg):
         client(disagg).completions.create(model="fake", prompt="x", max_tokens=0)
 
 
+def test_a_body_over_the_limit_is_413_before_it_is_read(fresh_fakes, start_router):
+    router = start_router("--aggregated", fresh_fakes["agg"].url, "--max-request-bytes", "1000")
+    r = httpx.post(router.url + "/v1/completions", json={"prompt": "x" * 2000})
+    assert r.status_code == 413 and "1000" in r.json()["error"]["message"]
+    chunked = httpx.post(router.url + "/v1/completions", content=iter([b'{"prompt": "', b"x" * 600, b"x" * 600, b'"}']))
+    assert chunked.status_code == 413
+    assert fresh_fakes["agg"].received() == []
+
+
 # -- failures before any token: retried --------------------------------------------------------
+def test_a_generation_server_answering_429_is_retried_on_the_other_without_a_cooldown(disagg, fresh_fakes):
+    fresh_fakes["gen1"].configure(fail_status=429)
+    for stream in (False, True, False, True):
+        out = client(disagg).completions.create(model="fake", prompt="full", max_tokens=3, stream=stream)
+        assert len(("".join(ch.choices[0].text for ch in out) if stream else out.choices[0].text).split()) == 3
+    assert disagg.metric("adpfleet_router_errors_total", reason="overloaded") >= 1
+    assert disagg.metric("adpfleet_router_servers", role="generation", usable="true") == 2  # no cooldown
+
+
+def test_when_every_server_is_full_the_client_gets_429_with_retry_after(disagg, fresh_fakes):
+    for name in ("gen1", "gen2"):
+        fresh_fakes[name].configure(fail_status=429)
+    r = httpx.post(disagg.url + "/v1/completions", json={"prompt": "x", "max_tokens": 3})
+    assert r.status_code == 429 and r.headers["retry-after"] == "1"
+    assert r.json()["error"]["code"] == "overloaded" and "retry shortly" in r.json()["error"]["message"]
+    with pytest.raises(openai.RateLimitError):
+        client(disagg).completions.create(model="fake", prompt="x", max_tokens=3)
+
+
+def test_a_kv_endpoint_on_another_host_than_its_context_server_is_never_passed_on(disagg, fresh_fakes):
+    fresh_fakes["ctx"].configure(kv_host="10.9.8.7")  # a context server naming someone else's port
+    r = httpx.post(disagg.url + "/v1/completions", json={"prompt": "x", "max_tokens": 3})
+    assert r.status_code == 503 and "KV endpoint on another host" in r.json()["error"]["message"]
+    assert all_received(fresh_fakes, "gen1", "gen2") == []
+
+
 def test_a_generation_server_answering_503_is_retried_on_the_other(disagg, fresh_fakes):
     fresh_fakes["gen1"].configure(fail_status=503)
     c = client(disagg)
@@ -334,3 +372,23 @@ def test_metrics_count_requests_and_in_flight_per_server(disagg, fresh_fakes):
     client(disagg).completions.create(model="fake", prompt="x", max_tokens=2)
     assert disagg.metric("adpfleet_router_requests_total", status="200") == 1
     assert disagg.metric("adpfleet_router_errors_total", reason="deadline") == 0  # every reason exists at 0
+
+
+# -- authentication --------------------------------------------------------------------------
+def test_with_an_api_key_every_path_but_health_and_metrics_needs_it(fresh_fakes, start_router, log_dir):
+    key_file = log_dir / "router-key"
+    key_file.write_text("router-key\n")  # as a mounted Secret: the trailing newline is not part of it
+    router = start_router("--aggregated", fresh_fakes["agg"].url, "--api-key-file", str(key_file))
+    for method, path in (("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
+                         ("GET", "/docs"), ("GET", "/openapi.json")):
+        for header in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Bearer router-ke"},
+                       {"Authorization": "Basic router-key"}):
+            r = httpx.request(method, router.url + path, headers=header, json={"prompt": "x"})
+            assert r.status_code == 401, (path, header)
+            assert r.json()["error"]["code"] == "invalid_api_key" and r.headers["www-authenticate"] == "Bearer"
+    assert httpx.get(router.url + "/health").status_code == 200 and httpx.get(router.url + "/metrics").status_code == 200
+    assert httpx.get(router.url + "/docs", headers={"Authorization": "Bearer router-key"}).status_code == 404
+    out = openai.OpenAI(base_url=router.url + "/v1", api_key="router-key", max_retries=0).completions.create(
+        model="fake", prompt="with the key", max_tokens=3)
+    assert len(out.choices[0].text.split()) == 3
+    assert fresh_fakes["agg"].received()[-1]["prompt"] == "with the key"

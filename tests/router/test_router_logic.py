@@ -125,10 +125,21 @@ def test_static_endpoints_keep_roles():
 
 
 # -- retry policy ----------------------------------------------------------------------------
-@pytest.mark.parametrize("status, retried", [(400, False), (404, False), (422, False), (429, False), (499, False),
+@pytest.mark.parametrize("status, retried", [(400, False), (404, False), (422, False), (429, True), (499, False),
                                              (500, True), (502, True), (503, True)])
-def test_only_non_4xx_failures_are_retried(status, retried):
+def test_only_non_4xx_failures_and_429_are_retried(status, retried):
     assert is_client_error(status) is not retried
+
+
+def test_a_429_is_an_overloaded_server_and_every_attempt_429_is_a_429_for_the_client():
+    body = json.dumps({"error": {"message": "at its limit of 8 waiting requests", "type": "invalid_request_error"}})
+    f = failure_from_status(G1, 429, body.encode())
+    assert f.reason == "overloaded" and "limit of 8" in f.message
+    assert should_retry(f, 1, 3, False, 10)
+    status, err = final_error([f, failure_from_status(G2, 429, b"")], deadline_passed=False)
+    assert status == 429 and err["error"]["code"] == "overloaded"
+    status, _ = final_error([f, Failure("connect_error", "refused", G2)], deadline_passed=False)
+    assert status == 503  # not every server was merely full
 
 
 def test_kv_transfer_failure_is_recognized_from_the_error_type():
@@ -154,6 +165,7 @@ def test_a_failed_kv_pull_avoids_both_sides_next_time():
     ("no_server", 1, False, 10, False),
     ("attempt_timeout", 1, False, 10, True),
     ("kv_transfer_failed", 1, False, 10, True),
+    ("overloaded", 1, False, 10, True),
 ])
 def test_should_retry(reason, attempt, token_sent, left, expected):
     assert should_retry(Failure(reason, "x", G1), attempt, 3, token_sent, left) is expected

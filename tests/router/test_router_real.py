@@ -15,19 +15,13 @@ GREEDY = dict(model="tiny", temperature=0, extra_body={"ignore_eos": True})
 
 
 @pytest.fixture(scope="module")
-def fleet(log_dir):
-    servers = {"ctx": serve("context", log_dir), "gen": serve("generation", log_dir),
-               "agg": serve("aggregated", log_dir)}
-    router = None
+def fleet(log_dir, server_trio):
+    servers = {"ctx": server_trio["context"], "gen": server_trio["generation"], "agg": server_trio["aggregated"]}
+    router = RouterProcess(log_dir, "--context", servers["ctx"].url, "--generation", servers["gen"].url)
     try:
-        for s in servers.values():
-            s.wait_healthy(180)
-        router = RouterProcess(log_dir, "--context", servers["ctx"].url, "--generation", servers["gen"].url)
         yield router.wait_healthy(), servers
     finally:
-        for p in [router, *servers.values()]:
-            if p is not None:
-                p.stop()
+        router.stop()
 
 
 @pytest.fixture

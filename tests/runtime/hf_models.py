@@ -47,9 +47,11 @@ def save_hf_model(model_type: str, path, seed: int = 0, max_shard_size: str | No
     return model
 
 
-def chunked_logits(model, prompt: list[int], chunk: int, decode: list[int] = (), tokens_per_block: int = 4):
-    """Our model's logits for every position: the prompt in chunks of `chunk` tokens, then each
-    token of `decode` as a paged decode step. Returns [len(prompt) + len(decode), vocab]."""
+def chunked_logits(model, prompt: list[int], chunk: int, decode: list[int] = (), tokens_per_block: int = 4,
+                   decode_query_len: int = 1):
+    """Our model's logits for every position: the prompt in chunks of `chunk` tokens, then
+    `decode` as paged decode steps of `decode_query_len` tokens each (a step with draft tokens:
+    the query block is causal within itself). Returns [len(prompt) + len(decode), vocab]."""
     kv = KVCacheManager(num_blocks=64, tokens_per_block=tokens_per_block)
     cache = model.allocate_kv_cache((kv.num_blocks + 1) * tokens_per_block)
     req = Request("r", list(prompt), SamplingParams(max_tokens=len(decode) + 1))
@@ -58,13 +60,16 @@ def chunked_logits(model, prompt: list[int], chunk: int, decode: list[int] = (),
         piece = prompt[start:start + chunk]
         kv.grow(req, start + len(piece))
         rows.append(_run(model, cache, SeqChunk(piece, start, req.block_table, False), tokens_per_block))
-    for i, tok in enumerate(decode):
+    assert len(decode) % decode_query_len == 0
+    for i in range(0, len(decode), decode_query_len):
         pos = len(prompt) + i
-        kv.grow(req, pos + 1)
-        rows.append(_run(model, cache, SeqChunk([tok], pos, req.block_table, True), tokens_per_block))
+        kv.grow(req, pos + decode_query_len)
+        step = SeqChunk(list(decode[i:i + decode_query_len]), pos, req.block_table, True)
+        rows.append(_run(model, cache, step, tokens_per_block, decode_query_len))
     return torch.cat(rows)
 
 
-def _run(model, cache, chunk: SeqChunk, tokens_per_block: int) -> torch.Tensor:
-    ids, pos, meta = attention_metadata.build([chunk], tokens_per_block)
+def _run(model, cache, chunk: SeqChunk, tokens_per_block: int, decode_query_len: int = 1) -> torch.Tensor:
+    device = next(model.parameters()).device
+    ids, pos, meta = attention_metadata.build([chunk], tokens_per_block, decode_query_len, device=device)
     return model.compute_logits(model(ids, pos, meta, cache))

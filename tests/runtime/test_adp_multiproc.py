@@ -15,27 +15,32 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 PROMPTS = ["The quick brown fox", "a", "ADP ranks step in lockstep; " * 6, "0123456789" * 3, "zz"]
 
 
-@pytest.mark.parametrize("model", ["tiny", "tiny-dense"])
-def test_two_ranks_generate_the_same_greedy_tokens_as_one(model):
+@pytest.mark.parametrize("model, draft_tokens", [("tiny", 0), ("tiny-dense", 0), ("tiny", 2)])
+def test_two_ranks_generate_the_same_greedy_tokens_as_one(model, draft_tokens):
+    """Also with speculative decoding on the two ranks (and not on the one): expert-parallel MoE
+    collectives with multi-token decode queries and 3-token padding dummies."""
     single = LLMEngine(EngineConfig(model=model, kv_blocks=64))
     expected = [r.output_token_ids for r in single.generate(PROMPTS, SamplingParams(max_tokens=12, ignore_eos=True))]
-    ranks = Ranks(2, model, kv_blocks=64, max_num_tokens=48)
+    ranks = Ranks(2, model, kv_blocks=64, max_num_tokens=48, draft_tokens=draft_tokens)
     try:
         ids = [ranks.submit(p, max_tokens=12, ignore_eos=True) for p in PROMPTS]
         assert ranks.wait(ids, 120)
         assert [ranks.tokens[i] for i in ids] == expected
         # both ranks did real work: the router spread the requests
         assert ranks.stats(0).prompt_tokens > 0 and ranks.stats(1).prompt_tokens > 0
+        if draft_tokens:
+            assert sum(ranks.stats(r).spec_decode_accepted_tokens for r in (0, 1)) > 0
     finally:
         ranks.close()
 
 
-def starving_fleet(pad: bool) -> tuple[Ranks, str, list[str]]:
+def starving_fleet(pad: bool, pull_after_s: float = 0.2) -> tuple[Ranks, str, list[str]]:
     """Two context ranks with 8 blocks of 16 tokens each. Rank 0 ends up holding 7 blocks for a
-    transfer and is handed a request that needs 4; rank 1 has a long prompt to chunk through and
-    then starves the same way. One block stays free on each rank: the dummy must be affordable."""
+    transfer (pulled `pull_after_s` after it was held) and is handed a request that needs 4; rank 1
+    has a long prompt to chunk through and then starves the same way. One block stays free on
+    each rank: the dummy must be affordable."""
     ranks = Ranks(2, "tiny", role="context", pad_empty_batch=pad, kv_blocks=8, tokens_per_block=16,
-                  max_num_tokens=32, transfer="simulated", transfer_latency_s=0.2)
+                  max_num_tokens=32, transfer="simulated", transfer_latency_s=pull_after_s)
     ranks.group.wait_ready(120)
     held = ranks.submit([7] * 100, rank=0, max_tokens=1)
     assert ranks.wait([held], 60)  # its 7 blocks now wait to be pulled
@@ -66,7 +71,9 @@ def test_with_padding_the_starved_rank_recovers_and_everything_completes():
 
 
 def test_without_padding_the_fleet_stalls_with_work_pending():
-    ranks, starved, work = starving_fleet(pad=False)
+    # held until its lease (60 s): vetoed passes still release held KV, so only a hold that is
+    # not pulled keeps rank 0 starved — and, without padding, every rank frozen
+    ranks, starved, work = starving_fleet(pad=False, pull_after_s=3600)
     try:
         # the empty batch on rank 0 vetoes every pass, everywhere
         assert wait_for(lambda: ranks.stats(0).empty_batch_iterations >= 50, 30)
@@ -77,7 +84,7 @@ def test_without_padding_the_fleet_stalls_with_work_pending():
         assert after == before  # no progress at all...
         assert ranks.stats(1).forward_vetoed > vetoed  # ...while rank 1 keeps being vetoed
         assert ranks.stats(1).requests_running + ranks.stats(1).requests_waiting > 0  # with work pending
-        assert ranks.stats(0).kv_transfers_in_flight == 7  # the held blocks are never reaped
+        assert ranks.stats(0).kv_transfers_in_flight == 7  # the held blocks wait for their pull
         assert sum(n for (phase, _), n in ranks.stats(0).padding_dummies.items() if phase == "post_schedule") == 0
     finally:
         ranks.close()

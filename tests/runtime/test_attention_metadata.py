@@ -44,3 +44,13 @@ def test_backend_runs_a_consistent_padded_batch():
     q, k = torch.randn(2, 2, 4), torch.randn(2, 1, 4)
     out = paged_attention(q, k, k.clone(), torch.zeros(8, 1, 4), torch.zeros(8, 1, 4), meta, 0.5)
     assert out.shape == q.shape and torch.isfinite(out).all()
+
+
+def test_padding_dummies_with_a_query_longer_than_a_block_read_only_the_null_block():
+    # 1 + 5 draft tokens per step with 4-token blocks: a dummy's query spans two (null) blocks
+    _, _, meta = attention_metadata.build([], tokens_per_block=4, decode_query_len=6, pad_to_tokens=15)
+    assert (meta.num_decodes, meta.num_tokens) == (2, 15)  # 2 dummy decodes + a 3-token dummy prefill
+    assert meta.slot_mapping.lt(4).all() and meta.decode_block_tables.eq(0).all()
+    q, k = torch.randn(15, 2, 4), torch.randn(15, 1, 4)
+    out = paged_attention(q, k, k.clone(), torch.zeros(8, 1, 4), torch.zeros(8, 1, 4), meta, 0.5)
+    assert torch.isfinite(out).all()

@@ -8,6 +8,7 @@ from safetensors.torch import save_file
 
 from adpfleet.runtime.config import EngineConfig
 from adpfleet.runtime.engine.llm_engine import LLMEngine
+from adpfleet.runtime.engine.request import Request
 from adpfleet.runtime.engine.sampling import InvalidRequestError, SamplingParams
 from adpfleet.runtime.model.config import ModelLoadError
 from adpfleet.runtime.model.loader import load_model
@@ -105,3 +106,91 @@ def test_a_bad_request_is_refused_alone_and_the_engine_keeps_serving(engine, pro
     assert err.value.param == param
     [ok] = engine.generate(["still serving"], SamplingParams(max_tokens=3))
     assert ok.finish_reason in ("length", "stop") and ok.output_token_ids
+
+
+@pytest.mark.parametrize("params, param", [
+    (SamplingParams(seed=2**64), "seed"),
+    (SamplingParams(seed=2**63), "seed"),
+    (SamplingParams(seed=-2**63 - 1), "seed"),
+    (SamplingParams(stop=[f"s{i}" for i in range(100_000)]), "stop"),
+    (SamplingParams(stop=["x" * 10_000]), "stop"),
+    (SamplingParams(stop_token_ids=list(range(100_000))), "stop_token_ids"),
+])
+def test_parameters_a_rank_could_not_survive_are_refused_up_front(engine, params, param):
+    with pytest.raises(InvalidRequestError) as err:
+        engine.add_request("hello", params)
+    assert err.value.param == param
+
+
+def test_the_int64_seed_bounds_are_accepted(engine):
+    for seed in (2**63 - 1, -2**63):
+        [r] = engine.generate(["seeded"], SamplingParams(max_tokens=2, temperature=1.0, seed=seed, ignore_eos=True))
+        assert len(r.output_token_ids) == 2
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-3, 0.0099])
+def test_a_temperature_below_the_smallest_samples_greedily(engine, temperature):
+    greedy, tiny = engine.generate(["x", "x"], [SamplingParams(max_tokens=8, ignore_eos=True),
+                                                SamplingParams(max_tokens=8, ignore_eos=True, temperature=temperature)])
+    assert tiny.output_token_ids == greedy.output_token_ids
+
+
+def test_a_request_whose_sampling_fails_fails_alone_and_the_batch_goes_on(engine):
+    # past validation (as a bug or an unforeseen input would be): torch refuses this seed in the rank
+    bad = Request("doomed", engine.tokenizer.encode("doomed"), SamplingParams(max_tokens=6, temperature=1.0,
+                                                                               seed=2**64))
+    engine.pending.append(bad)
+    good = engine.add_request("bystander", SamplingParams(max_tokens=6, ignore_eos=True))
+    outputs = []
+    while not good.is_finished:
+        outputs += engine.step()
+    [failed] = [o for o in outputs if o.request_id == "doomed"]
+    assert failed.finish_reason == "error" and "sampling failed" in failed.error
+    assert len(good.output_token_ids) == 6
+    assert engine.kv.num_used_blocks == 0 and not engine.active
+
+
+@pytest.mark.parametrize("content, match", [("raise", "roles must alternate"), ("escape", "unsafe")])
+def test_a_chat_template_that_refuses_the_messages_is_a_bad_request_naming_messages(tmp_path, content, match):
+    from chat_model import save_chat_model
+
+    from adpfleet.runtime.model.config import ModelConfig
+    from adpfleet.runtime.serving.protocol import ChatCompletionRequest
+    from adpfleet.runtime.tokenizer import load_tokenizer
+
+    path = save_chat_model(tmp_path / "model")
+    tokenizer = load_tokenizer(str(path), ModelConfig.from_dir(str(path)))
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": content}])
+    with pytest.raises(InvalidRequestError, match=match) as err:
+        req.prompt_input(tokenizer)
+    assert err.value.param == "messages"
+    ok = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}]).prompt_input(tokenizer)
+    assert ok == "user: hi\nassistant:"
+
+
+def test_pulled_kv_that_cannot_be_placed_fails_its_request_alone(engine):
+    from adpfleet.runtime.executor.kv_transfer import KVPayload
+
+    prompt = engine.tokenizer.encode("pulled")
+    req = Request("misfit", prompt, SamplingParams(max_tokens=4))
+    req.remote_kv, req.first_token_id = ("127.0.0.1:1", "h"), 65
+    req.kv_payload = KVPayload(torch.zeros(2, 3, 1, 1), torch.zeros(2, 3, 1, 1))  # not this model's shape
+    engine.pending.append(req)
+    [out] = engine.fetch()
+    assert out.request_id == "misfit" and out.finish_reason == "error" and "placing the pulled KV" in out.error
+    assert engine.kv.num_used_blocks == 0 and req not in engine.active
+    [ok] = engine.generate(["still serving"], SamplingParams(max_tokens=3))
+    assert ok.output_token_ids
+
+
+def test_a_rank_may_name_its_gpu_and_a_bad_device_is_named():
+    # rank processes run on "cuda:<rank % GPUs>"; the CLI's "cuda" and "cpu" stay the only words
+    with pytest.raises(ValueError, match="must be cpu or cuda, got 'tpu'"):
+        EngineConfig(device="tpu").validate()
+    with pytest.raises(ValueError, match="must be cpu or cuda, got 'cuda:x'"):
+        EngineConfig(device="cuda:x").validate()
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA device"):
+            EngineConfig(device="cuda:0").validate()
+    else:
+        EngineConfig(device="cuda:0").validate()

@@ -14,18 +14,8 @@ PROMPTS = ["Disaggregated serving", "x", "The prompt runs on one server and deco
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
-    logs = tmp_path_factory.mktemp("disagg")
-    servers = {role: Server("--model", "tiny", "--dp", "2", "--role", role, "--kv-blocks", "64",
-                            "--kv-lease", "30", log_path=logs / f"{role}.log")
-               for role in ("aggregated", "context", "generation")}
-    try:
-        for s in servers.values():
-            s.wait_healthy()
-        yield servers
-    finally:
-        for s in servers.values():
-            s.stop()
+def fleet(server_trio):
+    return server_trio
 
 
 def post(server, path, body, timeout=60):
@@ -81,6 +71,15 @@ def test_an_unreachable_context_server_fails_the_generation_request_explicitly(f
                                                       "disaggregated_params": params})
     assert r.status_code == 502 and r.json()["error"]["type"] == "kv_transfer_failed"
     assert httpx.get(fleet["generation"].url + "/health").status_code == 200
+
+
+@pytest.mark.parametrize("host", ["10.1.2.3", "169.254.169.254", "example.com"])
+def test_a_direct_request_may_name_only_an_allowed_kv_peer(fleet, host):
+    params = {"ctx_request_id": "x", "first_token_id": 65, "prompt_token_ids": [256, 65, 66],
+              "kv_endpoint": f"{host}:8001", "kv_handle": "h"}
+    r = post(fleet["generation"], "/v1/completions", {"prompt": "x", "max_tokens": 4, "disaggregated_params": params})
+    assert r.status_code == 403 and r.json()["error"]["param"] == "disaggregated_params"
+    assert "not an allowed KV peer" in r.json()["error"]["message"]
 
 
 def test_a_handle_pulled_twice_is_refused_the_second_time(fleet):

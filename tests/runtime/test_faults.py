@@ -6,7 +6,8 @@ import time
 import httpx
 import pytest
 
-from adpfleet.runtime.serving.kv_transfer import fetch
+from adpfleet.runtime.executor.kv_transfer import KVLayout, fetch
+from adpfleet.runtime.model.tiny import tiny_config
 
 from servers import Server, metric, wait_until
 
@@ -70,6 +71,7 @@ def test_a_starved_rank_without_padding_vetoes_the_fleet(tmp_path):
 
 
 def test_stop_reaping_keeps_pulled_kv_held(tmp_path):
+    cfg = tiny_config("tiny")
     s = Server("--model", "tiny", "--role", "context", "--fault-injection", "--kv-blocks", "64",
                log_path=tmp_path / "s.log")
     try:
@@ -77,7 +79,8 @@ def test_stop_reaping_keeps_pulled_kv_held(tmp_path):
         assert httpx.post(s.url + "/faults", json={"kind": "stop-reaping"}).status_code == 200
         r = httpx.post(s.url + "/v1/completions", json={"prompt": "held " * 20, "max_tokens": 8}, timeout=60).json()
         p = r["disaggregated_params"]
-        payload = fetch(p["kv_endpoint"], p["kv_handle"], timeout=10)  # pulled, acknowledged...
+        layout = KVLayout(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, "float32")
+        payload = fetch(p["kv_endpoint"], p["kv_handle"], 10, layout, len(p["prompt_token_ids"]))  # pulled, acked...
         assert payload.k.shape[1] == len(p["prompt_token_ids"])
         time.sleep(1.0)
         assert metric(s, "adpfleet_kv_transfers_in_flight") > 0  # ...and still held

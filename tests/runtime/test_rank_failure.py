@@ -51,3 +51,24 @@ def wait_gone(procs, timeout):
             return True
         time.sleep(0.1)
     return False
+
+
+def test_a_request_that_fails_inside_its_rank_fails_alone_and_the_rank_keeps_serving():
+    from adpfleet.runtime.engine.request import Request
+    from adpfleet.runtime.engine.sampling import SamplingParams
+    from adpfleet.runtime.executor.offline import OfflineRanks
+
+    ranks = OfflineRanks(1, "tiny", kv_blocks=16)
+    try:
+        # past the server's validation, as an unforeseen input would be: torch refuses the seed in the rank
+        ranks.group.submit(Request("doomed", [256, 100, 101], SamplingParams(max_tokens=4, temperature=1.0,
+                                                                            seed=2**64)))
+        ok = ranks.submit("bystander", max_tokens=4, ignore_eos=True)
+        assert ranks.wait(["doomed", ok], 120)
+        assert ranks.done["doomed"].finish_reason == "error" and "sampling failed" in ranks.done["doomed"].error
+        assert ranks.done[ok].finish_reason == "length"
+        assert ranks.group.health() == (True, "ok") and ranks.group.procs[0].is_alive()
+        again = ranks.submit("after", max_tokens=2, ignore_eos=True)
+        assert ranks.wait([again], 60) and ranks.done[again].finish_reason == "length"
+    finally:
+        ranks.close()

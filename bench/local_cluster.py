@@ -1,23 +1,30 @@
-"""Numbers for docs/cluster.md: `python -m adpfleet.cluster.measure [--json FILE]`.
+"""The local cluster's numbers for docs/cluster.md.
+
+    .venv/bin/python bench/local_cluster.py [--window 60] [--json bench/results/local_cluster.json]
 
 Starts a fresh local cluster in a temporary directory and measures: control-plane start (to
 /readyz), pod create-to-Ready latency of a trivial HTTP server (with and without a readiness
-probe), the node agent's steady-state CPU with 20 idle pods, and how long 300 status-only pods
-(50 fleets × 6) take to be Ready. Prints a table and writes JSON; stops the cluster at the end.
+probe), the CPU and RSS of the node agent and of each control-plane component over one window with
+20 idle pods, and how long 300 status-only pods (50 fleets × 6) take to be Ready. Prints a table
+and writes JSON; stops the cluster at the end.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-import psutil
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from common import ProcessSampler, format_table  # noqa: E402
 
-from adpfleet.cluster.testing import http_server_pod, pod_manifest, pod_ready, start_cluster, wait_for
+from adpfleet.cluster.testing import http_server_pod, pod_manifest, pod_ready, start_cluster, wait_for  # noqa: E402
 
 
 def create_to_ready(cluster, ns: str, manifest: dict) -> float:
@@ -27,16 +34,6 @@ def create_to_ready(cluster, ns: str, manifest: dict) -> float:
     return time.monotonic() - started
 
 
-def cpu_percent(pid: int, seconds: float) -> float:
-    """Average CPU of one process over `seconds`, in percent of one core."""
-    proc = psutil.Process(pid)
-    before, start = proc.cpu_times(), time.monotonic()
-    time.sleep(seconds)  # a measurement window, not a wait for a condition
-    after = proc.cpu_times()
-    used = (after.user + after.system) - (before.user + before.system)
-    return 100.0 * used / (time.monotonic() - start)
-
-
 def all_ready(cluster, ns: str, count: int) -> bool:
     pods = cluster.core.list_namespaced_pod(ns).items
     return len(pods) == count and all(pod_ready(p) for p in pods)
@@ -44,7 +41,7 @@ def all_ready(cluster, ns: str, count: int) -> bool:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "local_cluster.json")
     parser.add_argument("--window", type=float, default=60.0, help="CPU sampling window (s)")
     args = parser.parse_args()
     from kubernetes import client
@@ -73,10 +70,15 @@ def main() -> None:
             wait_for(lambda: all_ready(cluster, "idle", 20), timeout=180, what="20 idle pods Ready", interval=1)
             wait_for(lambda: not core.list_namespaced_pod("latency").items, timeout=60, what="latency pods gone")
             components = cluster.plane.state["components"]
-            results["agent_cpu_percent_20_idle_pods"] = cpu_percent(components["node-agent"]["pid"], args.window)
-            results["agent_rss_mib"] = psutil.Process(components["node-agent"]["pid"]).memory_info().rss / 2**20
-            for name in ("kube-apiserver", "etcd", "kube-controller-manager"):
-                results[f"{name}_cpu_percent_same_time"] = cpu_percent(components[name]["pid"], 10)
+            window_start = time.monotonic()
+            samplers = {name: ProcessSampler(record["pid"], interval=args.window / 10).start()
+                        for name, record in components.items()}
+            time.sleep(args.window)  # a measurement window, not a wait for a condition
+            for name, sampler in samplers.items():
+                sampler.stop()
+                sampler.sample()
+                results[f"{name}_cpu_percent_20_idle_pods"] = sampler.cpu_percent(window_start, time.monotonic())
+                results[f"{name}_rss_mib"] = sampler.peak_rss()
 
             started = time.monotonic()
             ghost = {"annotations": {"adpfleet.io/node-agent": "status-only"}}
@@ -87,11 +89,10 @@ def main() -> None:
         finally:
             cluster.plane.down()
 
-    width = max(map(len, results))
-    for key, value in results.items():
-        print(f"{key:<{width}}  {value:8.2f}")
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+    print(format_table(["measurement", "value"], [[k, round(v, 2)] for k, v in results.items()]))
+    results["machine"] = {"cpu_count": os.cpu_count(), "load_average_1_5_15": [round(x, 2) for x in os.getloadavg()],
+                          "window_s": args.window}
+    args.json.write_text(json.dumps(results, indent=2) + "\n")
 
 
 if __name__ == "__main__":

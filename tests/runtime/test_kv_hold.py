@@ -1,0 +1,79 @@
+"""The context server's KV hold: every hold ends within two leases — pulled, or at its lease, or
+one lease after the last transfer that began reading it (while the lease ran)."""
+
+from adpfleet.runtime.engine.kv_cache import KVCacheManager
+from adpfleet.runtime.engine.request import Request
+from adpfleet.runtime.engine.sampling import SamplingParams
+from adpfleet.runtime.executor.kv_hold import KVHold, LedgerPuller
+
+
+class Clock:
+    now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def held(lease_s=10.0, blocks=2):
+    kv, clock, puller = KVCacheManager(8, 4), Clock(), LedgerPuller()
+    hold = KVHold(kv, puller, lease_s, clock=clock)
+    req = Request("r", [1] * (4 * blocks), SamplingParams(max_tokens=1), num_computed_tokens=4 * blocks)
+    kv.grow(req, 4 * blocks)
+    hold.hold(req)
+    return hold, kv, clock
+
+
+def test_a_pulled_hold_is_freed_at_the_next_reap():
+    hold, kv, _ = held()
+    assert hold.reap() == [] and kv.num_used_blocks == 2
+    hold.puller_complete("r")
+    assert hold.reap() == ["r"] and kv.num_used_blocks == 0 and hold.pulled == 1
+
+
+def test_an_unpulled_hold_expires_at_its_lease():
+    hold, kv, clock = held(lease_s=10)
+    clock.now += 9.9
+    assert hold.reap() == []
+    clock.now += 0.1
+    assert hold.reap() == ["r"] and kv.num_used_blocks == 0 and hold.expired == 1
+
+
+def test_a_transfer_reading_the_blocks_delays_the_expiry():
+    hold, kv, clock = held(lease_s=10)
+    clock.now += 8
+    (table, tokens), on_done = hold.lookup("r")
+    assert tokens == 8 and len(table) == 2
+    clock.now += 5  # past the lease, but the transfer is still reading
+    assert hold.reap() == [] and kv.num_used_blocks == 2
+    on_done()
+    assert hold.reap() == ["r"] and hold.pulled == 1
+
+
+def test_an_abandoned_transfer_cannot_pin_the_kv_forever():
+    hold, kv, clock = held(lease_s=10)
+    clock.now += 8
+    hold.lookup("r")  # ...and the puller never confirms
+    clock.now += 9.9  # one lease from the transfer's start, not yet
+    assert hold.reap() == []
+    clock.now += 0.1
+    assert hold.reap() == ["r"] and kv.num_used_blocks == 0 and hold.expired == 1
+
+
+def test_a_transfer_cannot_start_once_the_lease_has_run_out():
+    hold, kv, clock = held(lease_s=10)
+    clock.now += 10  # expired, not reaped yet
+    assert hold.lookup("r") is None
+    assert hold.reap() == ["r"]
+
+
+def test_retried_transfers_cannot_pin_the_kv_past_two_leases():
+    hold, kv, clock = held(lease_s=10)
+    for _ in range(9):  # a transfer starts every pass, none confirms
+        clock.now += 1
+        hold.lookup("r")
+    clock.now += 1
+    assert hold.lookup("r") is None  # the lease ran out at 110: no new transfer
+    clock.now = 118.9  # one lease after the last transfer began (at 109), not yet
+    assert hold.reap() == []
+    clock.now = 119
+    assert hold.reap() == ["r"] and kv.num_used_blocks == 0  # within two leases of the hold
