@@ -206,13 +206,14 @@ def parsed(uri: str):
 
 
 def test_downloads_are_summed_and_named_server_by_server():
-    pods = [server_pod(pod_body({"running": {}})),
-            server_pod({**pod_body({"running": {}}), "metadata": {"name": "demo-generation-0", "uid": "u2"}})]
-    report = model_report(parsed("hf://acme/tiny"), pods, {"demo-context-0": (52_400_000, 104_900_000)})
-    assert report.status == {"source": "hf://acme/tiny", "phase": "Downloading", "bytesDone": 52_400_000,
-                             "bytesTotal": 104_900_000, "progress": "52.4 MB of 104.9 MB (50%)"}
+    pods = [server_pod({**pod_body({"running": {}}), "metadata": {"name": name, "uid": name}})
+            for name in ("demo-context-0", "demo-generation-0", "demo-generation-1")]
+    report = model_report(parsed("hf://acme/tiny"), pods, {"demo-context-0": (52_400_000, 104_900_000),
+                                                           "demo-generation-0": (10_000_000, 104_900_000)})
+    assert report.status == {"source": "hf://acme/tiny", "phase": "Downloading", "bytesDone": 62_400_000,
+                             "bytesTotal": 209_800_000, "progress": "62.4 MB of 209.8 MB (30%)"}
     assert report.downloading == ("downloading hf://acme/tiny: demo-context-0 52.4 MB of 104.9 MB (50%), "
-                                  "demo-generation-0 starting")
+                                  "demo-generation-0 10.0 MB of 104.9 MB (10%), demo-generation-1 starting")
     assert report.problems == []
 
 
@@ -392,3 +393,10 @@ def test_the_status_patch_removes_what_a_nested_object_no_longer_has():
     after = {"model": {"source": "hf://a/b", "phase": "Available"}, "readyRoles": "2/2"}
     assert merge_patch(before, after) == {"model": {"source": "hf://a/b", "phase": "Available", "bytesDone": None,
                                                     "bytesTotal": None}, "readyRoles": "2/2", "gone": None}
+
+
+def test_a_pass_reads_no_log_when_the_source_downloads_nothing():
+    api = FakeApi(claims={"store"})
+    reconcile(api, observation({"uri": "pvc://store/tiny"}, [("context", pod_body({"running": {}})),
+                                                             ("generation", pod_body({"running": {}}))]))
+    assert not [c for c in api.calls if c[0] == "log"] and api.last_status["model"]["phase"] == "Pending"

@@ -91,7 +91,7 @@ URIS = [
     "hf://org/repo@-x", "hf://org/repo@a@b", "hf://@main",
     "s3://", "s3://UPPER/x", "s3://ab/x", "s3://b..x/y", "s3://bucket/../etc", "s3://bucket/a/./b", "s3://-ab/x",
     "pvc://", "pvc://Not_DNS/x", "pvc://claim/../../etc", "pvc://claim/.", "pvc://-claim/x", "pvc://a..b/x",
-    "pvc://" + "a" * 64 + "/x", "pvc://" + ".".join(["a" * 63] * 4) + "b/x",
+    "pvc://" + "a" * 64 + "/x", "pvc://" + ".".join(["a" * 63] * 4) + "/x",  # each label fits, 255 in all
     "file://relative", "file://",
 ]
 
