@@ -5,9 +5,11 @@ server (moto); the servers load what was fetched and serve what the same checkpo
 directory; every way the model cannot be had is the fleet's Degraded ModelUnavailable with its
 cause, and an Event, within a minute.
 
-Cheap on purpose: one tiny sharded Llama, one fleet for the working sources (hf://, then rolled to
-pvc://), and failure fleets that never start a server (their init containers fail in a second or
-two), deleted as soon as they have said what is wrong."""
+Cheap on purpose: one tiny sharded Llama, one fleet for the working sources (hf://, rolled to
+pvc://, then to s3:// with a cache claim its servers share), and failure fleets that never start a
+server (their init containers fail in a second or two), deleted as soon as they have said what is
+wrong; beside them one fleet fetches the gated repository with its Secret's token, deleted once
+fetched."""
 
 from __future__ import annotations
 
@@ -71,10 +73,10 @@ def checkpoints(tmp_path_factory):
 def hub(checkpoints):
     from hub_server import LocalHub
 
-    hub = LocalHub(tokens={"hf_valid"})
+    hub = LocalHub(tokens={"hf_valid", "hf_other"})
     hub.add_commit(REPO, checkpoints["llama"])
     hub.add_commit(REPO, checkpoints["llama"], ref="v1")
-    hub.add_commit("acme/gated", checkpoints["llama"], gated=True)
+    hub.add_commit("acme/gated", checkpoints["llama"], gated=True, granted={"hf_valid"})
     hub.add_commit("acme/no-weights", checkpoints["no-weights"])
     hub.add_commit("acme/gpt2", checkpoints["gpt2"])
     with hub:
@@ -160,8 +162,8 @@ def complete(fleets, fleet: str, model: str) -> tuple[str, str]:
     return answer.choices[0].text, answer.choices[0].finish_reason
 
 
-def test_a_fleet_from_hf_then_rolled_to_pvc_serves_what_the_directory_serves(
-        start_operator, fleets, hub, checkpoints, volumes, k8s_cluster):
+def test_a_fleet_from_hf_then_pvc_then_s3_serves_what_the_directory_serves(
+        start_operator, fleets, hub, s3, checkpoints, volumes, k8s_cluster, tmp_path):
     start_operator()
     # the directory's answer, computed beside the cluster while the fleet starts
     reference = subprocess.Popen([str(ADPFLEET), "generate", PROMPT, "--model", str(checkpoints["llama"]),
@@ -201,16 +203,47 @@ def test_a_fleet_from_hf_then_rolled_to_pvc_serves_what_the_directory_serves(
     from_claim = wait_for(lambda: complete(fleets, "src", "tiny-llama"), timeout=60,
                           what="a completion through the rolled fleet")
 
+    # s3://, downloaded once into a cache claim both servers share: the second finds it complete
+    endpoint, creds = s3
+    k8s_cluster.core.create_namespaced_secret(fleets.ns, {"metadata": {"name": "s3"}, "stringData": creds})
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    volumes("model-cache", cache)
+    old = {p.metadata.uid for p in fleets.live_pods("src")}
+    fleets.patch_spec("src", {"model": {"uri": "s3://models/tiny-llama", "endpoint": endpoint,
+                                        "credentialsSecretRef": {"name": "s3"}, "cache": {"claimName": "model-cache"}}})
+    wait_for(lambda: [p.metadata.uid not in old and pod_ready(p) for p in fleets.live_pods("src")] == [True, True],
+             timeout=2 * SERVER_START, what="both servers to be replaced by ready ones loading from S3", interval=1)
+    fleets.wait_ready("src", timeout=60)
+    from_s3 = wait_for(lambda: complete(fleets, "src", "tiny-llama"), timeout=60, what="a completion from S3")
+    marker = json.loads((cache / "s3--models--tiny-llama" / ".adpfleet-complete.json").read_text())
+    assert marker["uri"] == "s3://models/tiny-llama"
+    fills = [fetch_log(k8s_cluster, fleets.ns, p.metadata.name) for p in fleets.live_pods("src")]
+    assert sum("already here)" in log for log in fills) == 1, fills  # one download for the fleet
+    # a replaced server (a remediation, a node drain) finds the model in the cache: nothing is downloaded
+    gone = fleets.live_pods("src", "generation")[0]
+    fleets.core.delete_namespaced_pod(gone.metadata.name, fleets.ns)
+    wait_for(lambda: [p.metadata.uid != gone.metadata.uid and pod_ready(p)
+                      for p in fleets.live_pods("src", "generation")] == [True], timeout=SERVER_START,
+             what="the deleted server to come back", interval=1)
+    assert "already here)" not in fetch_log(k8s_cluster, fleets.ns, gone.metadata.name)
+
     out, err = reference.communicate(timeout=SERVER_START)
     assert reference.returncode == 0, err
-    assert from_hub == from_claim and from_hub[0] == out.rstrip("\n"), (from_hub, from_claim, out)
+    assert from_hub == from_claim == from_s3 and from_hub[0] == out.rstrip("\n"), (from_hub, from_claim, from_s3, out)
+
+
+def fetch_log(cluster, namespace: str, pod: str) -> str:
+    return cluster.kubectl("logs", pod, "-c", "fetch-model", "-n", namespace).stdout
 
 
 def test_each_way_the_model_cannot_be_had_is_degraded_with_its_cause_and_an_event_within_a_minute(
         start_operator, fleets, hub, s3, volumes, k8s_cluster, tmp_path):
     start_operator()
     endpoint, creds = s3
-    k8s_cluster.core.create_namespaced_secret(fleets.ns, {"metadata": {"name": "s3"}, "stringData": creds})
+    for name, data in {"s3": creds, "s3-wrong": {**creds, "AWS_SECRET_ACCESS_KEY": "wrong"},
+                       "hf-granted": {"token": "hf_valid"}, "hf-other": {"token": "hf_other"}}.items():
+        k8s_cluster.core.create_namespaced_secret(fleets.ns, {"metadata": {"name": name}, "stringData": data})
     small = tmp_path / "small"  # a cache with room for the metadata, not for the weights
     small.mkdir()
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(small)], capture_output=True).returncode:
@@ -222,16 +255,22 @@ def test_each_way_the_model_cannot_be_had_is_degraded_with_its_cause_and_an_even
         cases = {  # fleet -> (model, the cause the fleet must name, words of its message)
             "missing": ({"uri": "hf://acme/missing", **hf}, "RepositoryNotFound", "acme/missing not found"),
             "gated": ({"uri": "hf://acme/gated", **hf}, "Unauthorized", "gated"),
+            "denied": ({"uri": "hf://acme/gated", **hf, "tokenSecretRef": {"name": "hf-other", "key": "token"}},
+                       "AccessDenied", "acme/gated"),
             "no-rev": ({"uri": f"hf://{REPO}@v9", **hf}, "RevisionNotFound", "'v9'"),
             "no-st": ({"uri": "hf://acme/no-weights", **hf}, "NoSafetensors", "safetensors"),
             "gpt2": ({"uri": "hf://acme/gpt2", **hf}, "UnsupportedModelType", "gpt2"),
             "no-claim": ({"uri": "pvc://absent/tiny-llama"}, "ClaimNotFound", "PersistentVolumeClaim 'absent'"),
             "no-bucket": ({"uri": "s3://absent-bucket/tiny-llama", **s3_source}, "BucketNotFound", "absent-bucket"),
             "no-key": ({"uri": "s3://models/absent", **s3_source}, "ObjectNotFound", "absent"),
+            "s3-creds": ({"uri": "s3://models/tiny-llama", "endpoint": endpoint,
+                          "credentialsSecretRef": {"name": "s3-wrong"}}, "InvalidCredentials", "credentials"),
             "full": ({"uri": f"hf://{REPO}", **hf, "cache": {"claimName": "small-cache"}}, "DiskFull", "free"),
         }
+        # the gated repository with the fleet's Secret holding a token it was granted: fetched
+        granted = {"uri": "hf://acme/gated", **hf, "tokenSecretRef": {"name": "hf-granted", "key": "token"}}
         applied = {}
-        for name, (model, _, _) in cases.items():
+        for name, model in [*((name, model) for name, (model, _, _) in cases.items()), ("granted", granted)]:
             fleets.apply(fleet_manifest(name, model=model, router={"enabled": False}, context=role(),
                                         generation=role()))
             applied[name] = time.monotonic()
@@ -260,9 +299,12 @@ def test_each_way_the_model_cannot_be_had_is_degraded_with_its_cause_and_an_even
             assert any(n == name and m.startswith(cause) for n, m in events), (name, events)
             if cause != "ClaimNotFound":  # a server that cannot have its model is not a crash loop
                 assert "CrashLoopBackOff" not in cond["message"] and "ServersFailing" not in json.dumps(status)
-        for name in cases:
+        wait_for(lambda: fleets.get("granted").get("status", {}).get("model", {}).get("phase") == "Available",
+                 timeout=FAILURE_SEEN, what="the gated model to be fetched with the granted token", interval=0.5)
+        assert not degraded("granted")
+        for name in [*cases, "granted"]:
             fleets.delete(name)
-        wait_for(lambda: not any(fleets.live_pods(name) for name in cases), timeout=60,
+        wait_for(lambda: not any(fleets.live_pods(name) for name in [*cases, "granted"]), timeout=60,
                  what="the failure fleets' pods to be gone")
     finally:
         subprocess.run(["umount", "-l", str(small)], check=False)
