@@ -38,6 +38,9 @@ PVC_MOUNT_ROOT = "/mnt/adpfleet/pvc"
 PVC_ROOT_ENV = "ADPFLEET_PVC_ROOT"  # overrides PVC_MOUNT_ROOT (outside Kubernetes, tests)
 CACHE_MOUNT_PATH = "/var/cache/adpfleet/models"
 CACHE_ENV = "ADPFLEET_MODEL_CACHE"  # the cache root when --cache-dir is not given
+# What the cache volume may hold, in bytes, where the file system does not say: an emptyDir's
+# sizeLimit is enforced by the kubelet evicting the pod, not by ENOSPC (the operator sets it).
+CACHE_LIMIT_ENV = "ADPFLEET_CACHE_SIZE_LIMIT"
 COMPLETE_MARKER = ".adpfleet-complete.json"
 TERMINATION_LOG = "/dev/termination-log"  # Kubernetes' default terminationMessagePath
 TERMINATION_LOG_ENV = "ADPFLEET_TERMINATION_LOG"

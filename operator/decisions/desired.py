@@ -17,8 +17,8 @@ import json
 import math
 from dataclasses import dataclass
 
-from adpfleet.model_uri import CACHE_MOUNT_PATH, PVC_MOUNT_ROOT, TERMINATION_LOG
-from adpfleet.operator.resource import names
+from adpfleet.model_uri import CACHE_LIMIT_ENV, CACHE_MOUNT_PATH, PVC_MOUNT_ROOT, TERMINATION_LOG
+from adpfleet.operator.resource import names, quantity
 from adpfleet.operator.resource.names import FleetRef
 from adpfleet.operator.resource.models import FleetSpec, ModelSource, Resources, ServerRole
 
@@ -113,7 +113,8 @@ def _model_mounts(model: ModelSource, fetching: bool) -> list[dict]:
 
 
 def _source_env(model: ModelSource) -> list[dict]:
-    """What the download needs: HF_TOKEN and HF_ENDPOINT (hf://), the AWS variables (s3://)."""
+    """What the download needs: HF_TOKEN and HF_ENDPOINT (hf://), the AWS variables (s3://), the
+    emptyDir cache's size limit."""
     kind = model.parsed.kind
     env = []
     if model.token_secret_ref:
@@ -121,6 +122,9 @@ def _source_env(model: ModelSource) -> list[dict]:
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
     if model.endpoint:
         env.append({"name": "AWS_ENDPOINT_URL" if kind == "s3" else "HF_ENDPOINT", "value": model.endpoint})
+    if model.parsed.downloads and model.cache.size_limit:
+        # the kubelet enforces an emptyDir's sizeLimit by evicting the pod: fetch-model checks it first
+        env.append({"name": CACHE_LIMIT_ENV, "value": str(int(quantity.parse(model.cache.size_limit)))})
     if model.credentials_secret_ref:
         name = model.credentials_secret_ref.name
         for key, optional in S3_SECRET_KEYS.items():

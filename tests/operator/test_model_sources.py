@@ -61,6 +61,8 @@ def test_an_hf_source_is_fetched_by_an_init_container_into_the_cache_the_server_
     assert env(fetch)["HF_ENDPOINT"] == "http://hub.local:8080"
     assert env(fetch)["HF_TOKEN"] == {"secretKeyRef": {"name": "hf", "key": "token"}}
     assert "HF_TOKEN" not in env(server) and "HF_ENDPOINT" not in env(server)
+    # the kubelet enforces the emptyDir's size by eviction: the download checks it before the weights
+    assert env(fetch)["ADPFLEET_CACHE_SIZE_LIMIT"] == str(20 * 2**30)
     # why a model cannot be had is where Kubernetes shows it
     for c in (fetch, server):
         assert (c["terminationMessagePath"], c["terminationMessagePolicy"]) == ("/dev/termination-log",
@@ -79,6 +81,7 @@ def test_an_s3_source_gets_its_credentials_secret_and_endpoint_and_a_shared_cach
     assert e["AWS_REGION"] == {"secretKeyRef": {"name": "s3-creds", "key": "AWS_REGION", "optional": True}}
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes["model-cache"] == {"name": "model-cache", "persistentVolumeClaim": {"claimName": "model-cache"}}
+    assert "ADPFLEET_CACHE_SIZE_LIMIT" not in e  # a claim's size is the file system's own
 
 
 def test_a_pvc_source_is_mounted_read_only_where_the_runtime_looks_and_checked_first():
