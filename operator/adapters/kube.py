@@ -204,6 +204,17 @@ class KubeApi:
         }
         return await self._call("create", "events", self.core.create_namespaced_event, fleet.namespace, event)
 
+    async def container_log(self, namespace: str, pod: str, container: str, tail_lines: int) -> str | None:
+        """The last lines of a running container's log (a download's progress); None when unreadable."""
+        out = await self._call("get", "pods/log", self.core.read_namespaced_pod_log, pod, namespace,
+                               container=container, tail_lines=tail_lines)
+        return out.body if out.ok and isinstance(out.body, str) else None
+
+    async def claim_exists(self, namespace: str, name: str) -> ApiResult:
+        """Whether a PersistentVolumeClaim exists: ok, or code 404 (a claim being deleted still exists)."""
+        return await self._call("get", "persistentvolumeclaims", self.core.read_namespaced_persistent_volume_claim,
+                                name, namespace, ok_codes=(404,))
+
     async def secret_keys(self, namespace: str, name: str) -> tuple[ApiResult, set[str] | None]:
         """The keys of a Secret (None when it does not exist). Only keys: values are not kept."""
         out = await self._call("get", "secrets", self.core.read_namespaced_secret, name, namespace, ok_codes=(404,))

@@ -31,6 +31,10 @@ PRINTER_COLUMNS = [
      "description": "Ready context servers"},
     {"name": "Generation", "type": "string", "priority": 1, "jsonPath": ".status.generation.ready",
      "description": "Ready generation servers"},
+    {"name": "Model", "type": "string", "jsonPath": ".status.model.phase",
+     "description": "Pending, Downloading, Available or Unavailable (status.model)"},
+    {"name": "Downloaded", "type": "string", "priority": 1, "jsonPath": ".status.model.progress",
+     "description": "Bytes downloaded of the total, while servers download their model"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from adpfleet.model_uri import CACHE_MOUNT_PATH
+
 GROUP = "adpfleet.io"
 VERSION = "v1alpha1"
 KIND = "InferenceFleet"
@@ -35,6 +37,8 @@ ANNOTATION_DRAIN = f"{GROUP}/drain"                  # "true": the router sends 
 RESERVED_ANNOTATIONS = (ANNOTATION_TEMPLATE_HASH, ANNOTATION_DRAIN)
 RESERVED_LABEL_PREFIXES = (f"{GROUP}/", "app.kubernetes.io/")
 
+FETCH_CONTAINER = "fetch-model"  # its init container fetching (or checking) the model; the operator reads its log
+
 SERVER_HTTP_PORT = 8000  # OpenAI API, /health, /metrics
 SERVER_KV_PORT = 8001    # KV-cache transfers (context servers; the runtime's default: HTTP port + 1)
 ROUTER_HTTP_PORT = 8000
@@ -48,7 +52,7 @@ SHM_VOLUME, SHM_DIR = "shm", "/dev/shm"              # tensors shared by rank pr
 DOWNWARD_ENV = {"POD_IP": "status.podIP", "POD_NAME": "metadata.name", "POD_NAMESPACE": "metadata.namespace"}
 SCRATCH_ENV = ("HOME", "TMPDIR")
 THREADS_ENV = "OMP_NUM_THREADS"  # engine.threadsPerRank
-TOKEN_ENV = "HF_TOKEN"           # model.tokenSecretRef
+TOKEN_ENV = "HF_TOKEN"           # model.tokenSecretRef (the fetch-model init container's)
 
 
 @dataclass(frozen=True)
@@ -61,8 +65,12 @@ class OwnedPodParts:
     mount_paths: tuple[str, ...]
 
 
-SERVER_OWNS = OwnedPodParts(SERVER_CONTAINER, (*DOWNWARD_ENV, *SCRATCH_ENV, THREADS_ENV, TOKEN_ENV),
-                            (SCRATCH_VOLUME, SHM_VOLUME), (SCRATCH_DIR, SHM_DIR))
+# The model's volumes (decisions/desired.py): the download cache (hf://, s3://) and a pvc:// claim.
+# The server never carries TOKEN_ENV: credentials reach the fetch-model init container only.
+MODEL_CACHE_VOLUME, MODEL_SOURCE_VOLUME = "model-cache", "model-source"
+SERVER_OWNS = OwnedPodParts(SERVER_CONTAINER, (*DOWNWARD_ENV, *SCRATCH_ENV, THREADS_ENV),
+                            (SCRATCH_VOLUME, SHM_VOLUME, MODEL_CACHE_VOLUME, MODEL_SOURCE_VOLUME),
+                            (SCRATCH_DIR, SHM_DIR, CACHE_MOUNT_PATH))
 ROUTER_OWNS = OwnedPodParts(ROUTER_CONTAINER, (*DOWNWARD_ENV, *SCRATCH_ENV), (SCRATCH_VOLUME,), (SCRATCH_DIR,))
 DEFAULT_CONTAINER_ANNOTATION = "kubectl.kubernetes.io/default-container"  # `kubectl logs` without -c
 

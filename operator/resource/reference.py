@@ -34,6 +34,8 @@ def _constraints(node: dict) -> str:
         parts.append(f"≤ {node['maxProperties']} entries")
     if node.get("pattern") and "enum" not in node:
         parts.append("quantity" if "KMGTPE" in node["pattern"] else "pattern")
+    if node.get("x-kubernetes-validations") and node.get("type") != "object":
+        parts.append("rules below")
     return ", ".join(parts)
 
 
@@ -92,9 +94,14 @@ def reference_markdown() -> str:
                 desc = (sub.get("description") or "").replace("|", "\\|").replace("\n", " ")
                 lines.append(f"| `{name}`{' (required)' if is_required else ''} | {_type_of(sub)} | "
                              f"{_default(sub)} | {_constraints(sub)} | {desc} |")
-            rules = node.get("x-kubernetes-validations") or []
+            rules = [f"- {r['message']} (`{r['rule']}`)" for r in node.get("x-kubernetes-validations") or []]
+            field_rules: dict[str, list[str]] = {}  # a rule on a field's own value (CEL's self is the value)
+            for name, sub, _ in rows:
+                if sub.get("type") != "object":
+                    for r in sub.get("x-kubernetes-validations") or []:
+                        field_rules.setdefault(r["message"], []).append(f"`{name}`")
+            rules += [f"- {', '.join(fields)}: {message}" for message, fields in field_rules.items()]
             if rules:
-                lines += ["", "Rules:"]
-                lines += [f"- {r['message']} (`{r['rule']}`)" for r in rules]
+                lines += ["", "Rules:"] + rules
             lines.append("")
     return "\n".join(lines)

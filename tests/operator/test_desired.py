@@ -85,10 +85,12 @@ def test_the_specs_env_reaches_the_server_container():
     assert not any(e["name"] == "NCCL_DEBUG" for e in other)
 
 
-def test_token_secret_becomes_hf_token_env():
-    s = spec(model={"name": "meta/llama", "tokenSecretRef": {"name": "hf", "key": "tok"}})
-    env = server_template(FLEET, s, "context").pod(0)["spec"]["containers"][0]["env"]
-    assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "tok"}}} in env
+def test_token_secret_becomes_hf_token_env_of_the_download_only():
+    s = spec(model={"uri": "hf://meta/llama", "tokenSecretRef": {"name": "hf", "key": "tok"}})
+    pod = server_template(FLEET, s, "context").pod(0)["spec"]
+    token = {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "tok"}}}
+    assert token in pod["initContainers"][0]["env"]
+    assert token not in pod["containers"][0]["env"]  # the server reads files; the cache is complete
 
 
 def test_template_hash_changes_with_server_settings_but_not_with_server_count():
