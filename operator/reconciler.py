@@ -2,8 +2,9 @@
 
 Reads come from the kopf indexes (memory), so a pass that finds nothing to change makes no API
 request at all: it computes the same status as the one stored and leaves it alone. The only
-request a pass may make without changing anything is reading a referenced Secret, and only when it
-is about to create server pods.
+requests a pass may make without changing anything are reading the Secrets and claims the spec
+names, only when it is about to create server pods, and reading the log of a server's running
+download (its progress), only while one runs.
 
 The pass is the status's one writer. Another controller that owns part of the status (the stall
 controller: Stalled, Remediating, recentRemediations) is composed in as a `StatusPart`: its
@@ -13,6 +14,7 @@ server now holds.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import enum
 import logging
@@ -23,24 +25,28 @@ from typing import Protocol
 from pydantic import ValidationError
 
 from adpfleet.operator.adapters.kube import ApiResult, KubeApi, now_rfc3339
+from adpfleet.model_uri import parse_progress
 from adpfleet.operator.decisions import conditions
-from adpfleet.operator.decisions.conditions import Problem
 from adpfleet.operator.decisions import scale_target
-from adpfleet.operator.decisions.desired import DesiredFleet, desired_fleet
+from adpfleet.operator.decisions.conditions import MODEL_UNAVAILABLE, Problem
+from adpfleet.operator.decisions.desired import S3_SECRET_KEYS, DesiredFleet, desired_fleet
 from adpfleet.operator.decisions.history import history_from_status, restarts_in_progress
-from adpfleet.operator.decisions.observed import FleetObservation, ServerPod
+from adpfleet.operator.decisions.model_status import CLAIM_NOT_FOUND, model_report
+from adpfleet.operator.decisions.observed import FETCHING, FleetObservation, ServerPod
 from adpfleet.operator.decisions.rollout import (Action, ApplyObject, CreateServer, DeleteObject, DeleteServer,
                                                  Drain, DrainServer, RolePlan, UndrainServer, Wording, plan_objects,
                                                  plan_role)
 from adpfleet.operator.decisions.scale_target import CreateRoleObject, SetRoleReplicas
 from adpfleet.operator.resource import names
-from adpfleet.operator.resource.models import FleetSpec, fleet_name_problem
+from adpfleet.operator.resource.models import FleetSpec, ModelSource, fleet_name_problem
 from adpfleet.operator.resource.names import FleetRef
 from adpfleet.operator.telemetry import OperatorMetrics
 
 EXPECTATION_SECONDS = 60.0   # how long an action's effect may take to show up in the watch cache
-SECRET_RECHECK_SECONDS = 30.0
 MIN_RECHECK_SECONDS = 1.0    # a pass that waits for a drain's timeout looks again no sooner than this
+SECRET_RECHECK_SECONDS = 30.0  # a missing Secret or claim (they have no watch) is looked at again this often
+PROGRESS_SECONDS = 5.0         # a running download's progress is read from its log this often (fetch-model logs it every 5 s)
+PROGRESS_LOG_LINES = 20        # ... from this many of its last lines
 MAX_BACKOFF_SECONDS = 300.0
 
 Key = tuple[str, str]  # (namespace, fleet name)
@@ -144,7 +150,6 @@ class Reconciler:
         desired = desired_fleet(fleet, spec)
         desired = dataclasses.replace(desired, replicas={
             role: scale_target.replicas_of(spec, role, obs.role_object(role)) for role in names.ROLES})
-        hold = f"Secret {spec.model.token_secret_ref.name}" if spec.model.token_secret_ref else None
         role_pods, plans = self._roles(obs, memory, desired, spec)
         objects_plan = plan_objects(desired.objects, list(obs.objects), obs.uid)
         taken = {o.name for o in obs.role_objects if o.owner_uid != obs.uid}
@@ -154,10 +159,10 @@ class Reconciler:
 
         problems: list[Problem] = []
         requeue: float | None = None
-        secret_problem = await self._check_secret(spec, obs.namespace, plans)
-        if secret_problem:
-            problems.append(secret_problem)
-            plans = _hold_creations(plans, hold)
+        missing = await self._check_references(spec, obs.namespace, plans)  # (problem, what creations wait for)
+        if missing:
+            problems.append(missing[0])
+            plans = _hold_creations(plans, missing[1])
             requeue = SECRET_RECHECK_SECONDS
 
         # Router objects first (the ServiceAccount and Role before the Deployment that uses them),
@@ -190,10 +195,17 @@ class Reconciler:
         # created one pending), so it does not announce a state that is already gone.
         if actions:
             role_pods, plans = self._roles(obs, memory, desired, spec)
-            if secret_problem:
-                plans = _hold_creations(plans, hold)
+            if missing:
+                plans = _hold_creations(plans, missing[1])
             plans = [dataclasses.replace(p, actions=()) for p in plans]  # the next pass's business
         own_pods = {role: [p for p in role_pods[role] if p.owner_uid == obs.uid] for role in names.ROLES}
+        live = [p for role in names.ROLES for p in own_pods[role] if not p.terminating]
+        progress = await self._download_progress(fleet, spec.model, live)
+        model = model_report(spec.model.parsed, live, progress,
+                             claim_missing=bool(missing) and missing[0].reason == MODEL_UNAVAILABLE)
+        if model.downloading:
+            requeue = min(requeue or PROGRESS_SECONDS, PROGRESS_SECONDS)
+        problems += model.problems
         problems += conditions.pod_problems([p for role in names.ROLES for p in own_pods[role]])
         counts = {role: conditions.role_counts(desired.replicas[role], desired.servers[role].template_hash,
                                                own_pods[role]) for role in names.ROLES}
@@ -205,7 +217,8 @@ class Reconciler:
                 c["lastScale"] = last_scales[role]
         router = conditions.router_counts(spec.router.enabled, spec.router.replicas, list(obs.objects))
         status = conditions.fleet_status(obs, counts, router, plans, objects_plan.waiting_for, problems,
-                                         now_rfc3339())
+                                         now_rfc3339(), downloading=model.downloading)
+        status["model"] = model.status
         newest = max((r for r in last_scales.values() if r), key=lambda r: r["time"], default=None)
         if newest:
             status["lastScale"] = newest
@@ -249,19 +262,22 @@ class Reconciler:
 
     # ---- pieces ----
 
-    async def _check_secret(self, spec: FleetSpec, namespace: str, plans: list[RolePlan]) -> Problem | None:
-        ref = spec.model.token_secret_ref
-        if ref is None or not any(isinstance(a, CreateServer) for p in plans for a in p.actions):
+    async def _check_references(self, spec: FleetSpec, namespace: str,
+                                plans: list[RolePlan]) -> tuple[Problem, str] | None:
+        """The first Secret or PersistentVolumeClaim the servers need that is missing, and what their
+        creation waits for; looked at only when servers are about to be created."""
+        if not any(isinstance(a, CreateServer) for p in plans for a in p.actions):
             return None
-        outcome, keys = await self.api.secret_keys(namespace, ref.name)
-        if keys is None and outcome.code == 404:
-            return Problem("SecretNotFound", f"Secret {ref.name!r} (spec.model.tokenSecretRef) does not exist in "
-                                             f"namespace {namespace}; create it or remove tokenSecretRef")
-        if keys is None:
-            return Problem("SecretUnreadable", f"reading Secret {ref.name!r}: {outcome.message}")
-        if ref.key not in keys:
-            return Problem("SecretKeyNotFound", f"Secret {ref.name!r} has no key {ref.key!r} "
-                                                f"(spec.model.tokenSecretRef.key); it has {sorted(keys)}")
+        for name, keys, field_ in _secrets_needed(spec.model):
+            problem = await self._check_secret(namespace, name, keys, field_)
+            if problem:
+                return problem, f"Secret {name}"
+        for claim, field_ in _claims_needed(spec.model):
+            outcome = await self.api.claim_exists(namespace, claim)
+            if outcome.code == 404:  # (unreadable: the pods are created, and the scheduler says what it sees)
+                return Problem(MODEL_UNAVAILABLE, f"{CLAIM_NOT_FOUND}: PersistentVolumeClaim {claim!r} ({field_}) "
+                                                  f"does not exist in namespace {namespace}; create it"), \
+                    f"PersistentVolumeClaim {claim}"
         return None
 
     async def _store_role_statuses(self, fleet: FleetRef, obs: FleetObservation, spec: FleetSpec, counts: dict,
@@ -291,6 +307,29 @@ class Reconciler:
                 await self.api.record_event(fleet, "Normal", "ScaledUp" if up else "ScaledDown",
                                             f"{record['message']} ({record['reason']}, {record['source']})")
         return out
+    async def _check_secret(self, namespace: str, name: str, needed: tuple[str, ...], field_: str) -> Problem | None:
+        outcome, keys = await self.api.secret_keys(namespace, name)
+        if keys is None and outcome.code == 404:
+            return Problem("SecretNotFound", f"Secret {name!r} ({field_}) does not exist in namespace {namespace}; "
+                                             f"create it or remove {field_.rsplit('.', 1)[-1]}")
+        if keys is None:
+            return Problem("SecretUnreadable", f"reading Secret {name!r}: {outcome.message}")
+        absent = [k for k in needed if k not in keys]
+        if absent:
+            return Problem("SecretKeyNotFound", f"Secret {name!r} has no key {absent[0]!r} ({field_}); it has "
+                                                f"{sorted(keys)}")
+        return None
+
+    async def _download_progress(self, fleet: FleetRef, model: ModelSource,
+                                 pods: list[ServerPod]) -> dict[str, tuple[int, int]]:
+        """Pod name -> (bytes done, total) of each running download, from the last progress line in
+        its init container's log (the pod's status does not carry it)."""
+        if not model.parsed.downloads:
+            return {}
+        fetching = [p.name for p in pods if p.model == FETCHING]
+        logs = await asyncio.gather(*(self.api.container_log(fleet.namespace, name, names.FETCH_CONTAINER,
+                                                             PROGRESS_LOG_LINES) for name in fetching))
+        return {name: found for name, text in zip(fetching, logs) if (found := parse_progress(text or ""))}
 
     async def _act(self, fleet: FleetRef, desired: DesiredFleet, action: Action, memory: FleetMemory) -> ApiResult:
         if isinstance(action, CreateRoleObject):
@@ -331,10 +370,9 @@ class Reconciler:
     async def _write_status(self, fleet: FleetRef, obs: FleetObservation, status: dict, memory: FleetMemory,
                             logger: logging.Logger) -> StatusWrite:
         before = obs.status or {}
-        removed = {k: None for k in before if k not in status}
-        if not removed and all(before.get(k) == v for k, v in status.items()):
+        if before.keys() <= status.keys() and all(before.get(k) == v for k, v in status.items()):
             return StatusWrite.UNCHANGED
-        outcome = await self.api.patch_fleet_status(fleet.namespace, fleet.name, {**status, **removed})
+        outcome = await self.api.patch_fleet_status(fleet.namespace, fleet.name, merge_patch(before, status))
         if outcome.code == 404:
             return StatusWrite.GONE
         if not outcome.ok:
@@ -362,6 +400,35 @@ class Reconciler:
             await self.api.record_event(fleet, "Normal", "FleetReady", cond["message"])
         elif type_ == "Ready" and had and had.get("status") == "True":
             await self.api.record_event(fleet, "Warning", "FleetNotReady", cond["message"])
+
+
+def merge_patch(before: dict, after: dict) -> dict:
+    """The JSON merge patch that turns `before` into `after`: every key `after` has, and null for each
+    key it dropped, at any depth of nested objects (status.model loses its bytes once downloaded)."""
+    patch = {k: merge_patch(before[k], v) if isinstance(v, dict) and isinstance(before.get(k), dict) else v
+             for k, v in after.items()}
+    patch.update({k: None for k in before if k not in after})
+    return patch
+
+
+def _secrets_needed(model: ModelSource) -> list[tuple[str, tuple[str, ...], str]]:
+    """(Secret, the keys the servers need from it, the field naming it)."""
+    out = []
+    if model.token_secret_ref:
+        out.append((model.token_secret_ref.name, (model.token_secret_ref.key,), "spec.model.tokenSecretRef"))
+    if model.credentials_secret_ref:
+        out.append((model.credentials_secret_ref.name, tuple(k for k, optional in S3_SECRET_KEYS.items()
+                                                             if not optional), "spec.model.credentialsSecretRef"))
+    return out
+
+
+def _claims_needed(model: ModelSource) -> list[tuple[str, str]]:
+    """(PersistentVolumeClaim, the field naming it)."""
+    uri = model.parsed
+    out = [(uri.name, f"spec.model.uri {uri.uri}")] if uri.kind == "pvc" else []
+    if uri.downloads and model.cache.claim_name:
+        out.append((model.cache.claim_name, "spec.model.cache.claimName"))
+    return out
 
 
 def _hold_creations(plans: list[RolePlan], waiting_for: str) -> list[RolePlan]:

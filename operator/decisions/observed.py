@@ -10,11 +10,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
+from adpfleet.model_uri import REASONS, parse_termination_message, reason_of_exit_code
 from adpfleet.operator.resource import names
 
 # Container states a server will not get out of by waiting: surfaced as Degraded with the reason.
 _STUCK_WAITING = {"CrashLoopBackOff", "CreateContainerConfigError", "CreateContainerError", "ErrImagePull",
                   "ImagePullBackOff", "InvalidImageName", "RunContainerError", "StartError"}
+
+# What a server pod's model is doing, from its fetch-model init container (ServerPod.model).
+FETCHING, FETCHED, UNAVAILABLE = "Fetching", "Fetched", "Unavailable"
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,8 @@ class ServerPod:
     created: float | None = None  # creationTimestamp (epoch): tells a replaced pod from the one it replaced
     draining: bool = False  # adpfleet.io/drain: the router sends it no new requests
     leaving_since: float | None = None  # adpfleet.io/scale-down: drained by a scale-down since then (epoch)
+    model: str = ""         # FETCHING (running), FETCHED or UNAVAILABLE; "" before fetch-model runs, or without it
+    model_failure: tuple[str, str] | None = None  # UNAVAILABLE: (reason, message) from the termination message
 
     @property
     def leaving(self) -> bool:
@@ -42,8 +48,14 @@ class ServerPod:
         return self.leaving_since is not None
 
     @property
+    def waiting_for_model(self) -> bool:
+        """Not Ready because its model is still being fetched or cannot be had: restarting it cannot help."""
+        return not self.ready and self.model in (FETCHING, UNAVAILABLE)
+
+    @property
     def view(self) -> "ServerView":
-        return ServerView(self.name, self.role, self.ready, self.terminating, self.created, self.draining)
+        return ServerView(self.name, self.role, self.ready, self.terminating, self.created, self.draining,
+                          self.waiting_for_model)
 
     @property
     def finished(self) -> bool:
@@ -60,12 +72,13 @@ class ServerView:
     terminating: bool = False
     created: float | None = None  # pod creationTimestamp (epoch); tells a replaced pod from the old one
     draining: bool = False
+    waiting_for_model: bool = False  # never Ready yet because its model is being fetched or cannot be had
 
 
 @dataclass(frozen=True)
 class OwnedObject:
     """A child other than a server pod: the router's Deployment, Service, ServiceAccount, Role,
-    RoleBinding."""
+    RoleBinding, and the disruption budgets."""
     kind: str
     name: str
     uid: str
@@ -92,9 +105,10 @@ def server_pod(body: dict) -> ServerPod:
     problem = None
     if unschedulable:
         problem = f"Unschedulable: {scheduled.get('message', '')}".rstrip(": ")
-    for container in status.get("containerStatuses") or []:
+    model, model_failure = _model_state(status)
+    for container in (status.get("initContainerStatuses") or []) + (status.get("containerStatuses") or []):
         waiting = (container.get("state") or {}).get("waiting") or {}
-        if waiting.get("reason") in _STUCK_WAITING:
+        if waiting.get("reason") in _STUCK_WAITING and not model_failure:  # that one is the fleet's model's
             problem = f"{waiting['reason']}: {waiting.get('message', '')}".rstrip(": ")
     if status.get("phase") == "Failed":
         problem = f"Failed: {status.get('reason', '')} {status.get('message', '')}".strip()
@@ -111,7 +125,43 @@ def server_pod(body: dict) -> ServerPod:
         restarts=sum(c.get("restartCount", 0) for c in status.get("containerStatuses") or []),
         ip=status.get("podIP") or "", created=_epoch(meta.get("creationTimestamp")),
         draining=annotations.get(names.ANNOTATION_DRAIN) == "true",
-        leaving_since=_epoch(annotations.get(names.ANNOTATION_SCALE_DOWN)))
+        leaving_since=_epoch(annotations.get(names.ANNOTATION_SCALE_DOWN)), model=model, model_failure=model_failure)
+
+
+def _model_state(status: dict) -> tuple[str, tuple[str, str] | None]:
+    """(ServerPod.model, the failure) from the fetch-model init container and the server container.
+
+    A failure is the JSON termination message `adpfleet fetch-model` or `serve` leaves (or, without
+    one, the reason its exit code stands for), in the container's current or last termination. It
+    stands until that container gets past it (the init container succeeds, the server turns ready),
+    so a retry in its back-off does not make the fleet flap between Degraded and not."""
+    by_name = {c.get("name"): c for c in (status.get("initContainerStatuses") or [])}
+    fetch = by_name.get(names.FETCH_CONTAINER)
+    server = next((c for c in status.get("containerStatuses") or [] if c.get("name") == names.SERVER_CONTAINER), None)
+    fetched = fetch is not None and ((fetch.get("state") or {}).get("terminated") or {}).get("exitCode") == 0
+    for container, past_it in ((fetch, fetched), (server, bool(server and server.get("ready")))):
+        failure = None if container is None or past_it else _model_failure(container)
+        if failure:
+            return UNAVAILABLE, failure
+    if fetched:
+        return FETCHED, None
+    if fetch is not None and "running" in (fetch.get("state") or {}):
+        return FETCHING, None
+    return "", None
+
+
+def _model_failure(container: dict) -> tuple[str, str] | None:
+    for state in (container.get("state") or {}, container.get("lastState") or {}):
+        ended = state.get("terminated") or {}
+        if not ended or ended.get("exitCode") == 0:
+            continue
+        error = parse_termination_message(ended.get("message"))
+        if error is not None:
+            return error.reason, error.message
+        reason = reason_of_exit_code(ended.get("exitCode"))
+        if reason is not None:
+            return reason, REASONS[reason][1]
+    return None
 
 
 def _epoch(timestamp) -> float | None:

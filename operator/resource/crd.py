@@ -33,6 +33,10 @@ PRINTER_COLUMNS = [
      "description": "Ready / desired generation servers"},
     {"name": "Last Scale", "type": "string", "priority": 1, "jsonPath": ".status.lastScale.message",
      "description": "The last change of a role's desired server count, and why"},
+    {"name": "Model", "type": "string", "jsonPath": ".status.model.phase",
+     "description": "Pending, Downloading, Available or Unavailable (status.model)"},
+    {"name": "Downloaded", "type": "string", "priority": 1, "jsonPath": ".status.model.progress",
+     "description": "Bytes downloaded of the total, while servers download their model"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 

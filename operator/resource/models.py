@@ -10,13 +10,15 @@ YAML names are camelCase (`adpRanks`); Python names are snake_case (`adp_ranks`)
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Annotated, Any, Callable, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 from pydantic.alias_generators import to_camel
 
-from adpfleet.operator.resource import names, quantity
+from adpfleet.model_uri import ModelURI, ModelURIError, parse_model_uri
+from adpfleet.operator.resource import names, pod_schema, quantity
 from adpfleet.operator.resource.vocabulary import Action, Outcome, RemediationMode, ScaleReason, Signature
 
 
@@ -36,6 +38,18 @@ class CelRule:
             out["fieldPath"] = self.field_path
             out["reason"] = "FieldValueInvalid"
         return out
+
+
+def cel_checked(*rules: CelRule) -> tuple:
+    """Annotated metadata putting CEL rules on a scalar field (`self` is its value) and running
+    their Python twins on it: `Annotated[str, *cel_checked(rule, ...)]`."""
+    def validate(value):
+        for rule in rules:
+            if not rule.check(value):
+                raise ValueError(rule.message)
+        return value
+    return (Field(json_schema_extra={"x-kubernetes-validations": [r.to_schema() for r in rules]}),
+            AfterValidator(validate))
 
 
 def _add_cel_rules(schema: dict, model: type) -> None:
@@ -109,16 +123,133 @@ class LocalObjectReference(KubeModel):
     name: str = Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN)
 
 
+# ---- the model source: a URI (adpfleet/model_uri.py) and what fetching it needs ----
+
+@dataclass(frozen=True)
+class URIRule:
+    """One part of the model-source URI grammar as RE2 regular expressions, for the API server:
+    where the URI matches `applies`, it must match every `require` and none of `forbid` (CEL's
+    `matches` searches, as `re.search` does). The Python twin is `parse_model_uri` itself: the rule
+    fails when parsing fails at this `part`. tests/operator/test_models.py keeps the expressions and
+    the parser in agreement over a catalogue of URIs."""
+    part: str
+    message: str
+    applies: str | None
+    require: tuple[str, ...] = ()
+    forbid: tuple[str, ...] = ()
+
+    def cel(self) -> str:
+        def matches(rx: str) -> str:
+            assert "'" not in rx
+            return "self.matches('" + rx.replace("\\", "\\\\") + "')"
+        terms = " && ".join([matches(r) for r in self.require] + [f"!{matches(r)}" for r in self.forbid])
+        return f"!{matches(self.applies)} || ({terms})" if self.applies else terms
+
+    def holds(self, text: str) -> bool:
+        """What the API server's CEL rule says about `text` (the regular expressions, in Python)."""
+        if self.applies and not re.search(self.applies, text):
+            return True
+        return all(re.search(r, text) for r in self.require) and not any(re.search(r, text) for r in self.forbid)
+
+    def check(self, text: str) -> bool:
+        """The Python twin: the parser does not refuse `text` for this part."""
+        if self.applies and not re.search(self.applies, text):
+            return True
+        try:
+            parse_model_uri(text)
+        except ModelURIError as e:
+            return e.part != self.part
+        return True
+
+    def cel_rule(self) -> CelRule:
+        return CelRule(self.cel(), self.message, None, self.check)
+
+
+_HF_NAME = "[A-Za-z0-9]([A-Za-z0-9._-]{0,94}[A-Za-z0-9])?"
+_DNS_LABEL = "[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?"
+URI_RULES = (
+    URIRule("the URI", "must not contain whitespace or control characters", None, forbid=(r"[\x00-\x20]",)),
+    URIRule("scheme", "the scheme must be hf://, s3://, pvc:// or file:// (or give a model directory or a built-in "
+                      "name: tiny, tiny-dense)",
+            "^[A-Za-z][A-Za-z0-9+.-]*://", require=("^(hf|s3|pvc|file)://",)),
+    URIRule("repo", "hf:// needs a repository, hf://ORG/REPO[@REVISION]: letters, digits, '-', '_' and '.', at most "
+                    "96 each, no '--' or '..'",
+            "^hf://", require=(f"^hf://{_HF_NAME}(/{_HF_NAME})?(@|$)",), forbid=("^hf://[^@]*(--|[.][.])",)),
+    URIRule("revision", "the revision after '@' must be a branch, tag or commit",
+            "^hf://[^@]*@", require=("^hf://[^@]*@[A-Za-z0-9._][A-Za-z0-9._/-]{0,254}$",),
+            forbid=("^hf://[^@]*@.*[.][.]", "/$")),
+    URIRule("bucket", "s3:// needs a bucket name, s3://BUCKET[/PREFIX]: 3-63 lowercase letters, digits, dots and "
+                      "hyphens",
+            "^s3://", require=("^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/|$)",), forbid=("^s3://[^/]*[.][.]",)),
+    URIRule("prefix", "the S3 prefix must not contain '.' or '..' segments",
+            "^s3://", forbid=("^s3://[^/]*/(.*/)?[.][.]?(/|$)",)),
+    URIRule("claim", "pvc:// needs a PersistentVolumeClaim name, pvc://CLAIM[/PATH]: a lowercase DNS subdomain "
+                     "(letters, digits, '-' and '.')",
+            "^pvc://", require=(f"^pvc://{_DNS_LABEL}([.]{_DNS_LABEL})*(/|$)", "^pvc://[^/]{1,253}(/|$)")),
+    URIRule("path", "the path inside the claim must not contain '.' or '..' segments",
+            "^pvc://", forbid=("^pvc://[^/]*/(.*/)?[.][.]?(/|$)",)),
+    URIRule("path", "file:// needs an absolute path (file:///DIR)", "^file://", require=("^file:///",)),
+)
+ModelURIText = Annotated[str, Field(min_length=1, max_length=512), *cel_checked(*(r.cel_rule() for r in URI_RULES))]
+_SOURCE = "(has(self.uri) ? self.uri : (has(self.name) ? self.name : ''))"  # CEL: the URI, whichever field has it
+
+
+class ModelCache(KubeModel):
+    """Where hf:// and s3:// models are downloaded before a server starts: an emptyDir of each pod, or
+    a PersistentVolumeClaim the fleet's servers share (downloaded once, kept across restarts)."""
+    size_limit: Quantity | None = Field(None, description="Size limit of each pod's emptyDir cache, e.g. '50Gi' (a "
+                                                          "download that does not fit fails with DiskFull).")
+    claim_name: str | None = Field(None, min_length=1, max_length=253, pattern=DNS_SUBDOMAIN,
+                                   description="A PersistentVolumeClaim in the fleet's namespace used as the cache by "
+                                               "every server of the fleet instead of an emptyDir (ReadWriteMany when "
+                                               "servers run on several nodes).")
+    cel_rules: ClassVar = (
+        CelRule("!has(self.sizeLimit) || !has(self.claimName)",
+                "sizeLimit is the emptyDir's; a claim's size is its own (set one of sizeLimit and claimName)",
+                ".sizeLimit", lambda c: c.size_limit is None or c.claim_name is None),
+    )
+
+
 class ModelSource(KubeModel):
-    """What the servers load."""
-    name: str = Field(min_length=1, max_length=512, pattern=r"^\S+$",
-                      description="Passed to `adpfleet serve --model`: 'tiny' or 'tiny-dense' (built in, no "
-                                  "download) or a Hugging Face model directory inside the image.")
+    """What the servers load, and what fetching it needs (docs/operator.md, Model sources)."""
+    uri: ModelURIText | None = Field(None, description="The model: hf://ORG/REPO[@REVISION] (Hugging Face Hub), "
+                                                       "s3://BUCKET/PREFIX, pvc://CLAIM/PATH (mounted read-only), a "
+                                                       "model directory inside the image, or a built-in name ('tiny', "
+                                                       "'tiny-dense'). hf:// and s3:// are downloaded by an init "
+                                                       "container into the cache before the server starts.")
+    name: ModelURIText | None = Field(None, description="The older spelling of uri (set one of them).")
     served_name: str | None = Field(None, min_length=1, max_length=256, pattern=r"^\S+$",
-                                    description="Model id the OpenAI API reports and accepts; default: derived "
-                                                "from `name`.")
-    token_secret_ref: SecretKeyRef | None = Field(None, description="Secret key exposed to the servers as "
-                                                                    "HF_TOKEN (gated Hugging Face models).")
+                                    description="Model id the OpenAI API reports and accepts; default: the "
+                                                "repository's name (else the last segment of the path).")
+    endpoint: str | None = Field(None, max_length=1024, pattern=r"^https?://[^\s/?#]+(/\S*)?$",
+                                 description="Where the source is served from: a Hugging Face Hub mirror for hf:// "
+                                             "(HF_ENDPOINT), an S3-compatible store such as MinIO or Ceph for s3:// "
+                                             "(AWS_ENDPOINT_URL).")
+    token_secret_ref: SecretKeyRef | None = Field(None, description="Secret key given to the download as HF_TOKEN "
+                                                                    "(gated or private Hugging Face repositories).")
+    credentials_secret_ref: LocalObjectReference | None = Field(
+        None, description="s3://: a Secret with the keys AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and, if "
+                          "present, AWS_SESSION_TOKEN and AWS_REGION), given to the download as those variables.")
+    cache: ModelCache = Field(default_factory=ModelCache, description="Where downloads land.")
+    cel_rules: ClassVar = (
+        CelRule("has(self.uri) != has(self.name)", "set exactly one of uri and name (name is the older spelling of "
+                                                   "uri)", ".uri", lambda m: (m.uri is None) != (m.name is None)),
+        CelRule(f"!has(self.endpoint) || {_SOURCE}.startsWith('hf://') || {_SOURCE}.startsWith('s3://')",
+                "endpoint is for hf:// and s3:// sources", ".endpoint",
+                lambda m: m.endpoint is None or m.source.startswith(("hf://", "s3://"))),
+        CelRule(f"!has(self.credentialsSecretRef) || {_SOURCE}.startsWith('s3://')",
+                "credentialsSecretRef is for s3:// sources (hf:// takes tokenSecretRef)", ".credentialsSecretRef",
+                lambda m: m.credentials_secret_ref is None or m.source.startswith("s3://")),
+    )
+
+    @property
+    def source(self) -> str:
+        """The model URI, from whichever of uri and name is set."""
+        return self.uri or self.name or ""
+
+    @property
+    def parsed(self) -> ModelURI:
+        return parse_model_uri(self.source)
 
 
 class EngineSettings(KubeModel):
@@ -236,6 +367,149 @@ class AutoscalingSpec(KubeModel):
     )
 
 
+def _no_reserved_labels(labels: dict[str, str]) -> bool:
+    return not any(k.startswith(names.RESERVED_LABEL_PREFIXES) for k in labels)
+
+
+class PodMetadata(KubeModel):
+    """Extra labels and annotations on every pod of the fleet (servers and router)."""
+    labels: dict[str, str] = Field(default_factory=dict, max_length=32,
+                                   description="Must not use the adpfleet.io/ or app.kubernetes.io/ prefixes.")
+    annotations: dict[str, str] = Field(default_factory=dict, max_length=64,
+                                        description="Must not set the operator's own annotations.")
+    cel_rules: ClassVar = (
+        CelRule("self.labels.all(k, !k.startsWith('adpfleet.io/') && !k.startsWith('app.kubernetes.io/'))",
+                "labels with the adpfleet.io/ or app.kubernetes.io/ prefix are set by the operator",
+                ".labels", lambda m: _no_reserved_labels(m.labels)),
+        CelRule("self.annotations.all(k, !(k in " + str(list(names.RESERVED_ANNOTATIONS)).replace("'", '"') + "))",
+                "annotations " + ", ".join(names.RESERVED_ANNOTATIONS) + " are set by the operator",
+                ".annotations", lambda m: not set(m.annotations) & set(names.RESERVED_ANNOTATIONS)),
+    )
+
+
+# ---- pod templates: a part of a pod laid over the operator's (docs/operator.md, "Pod templates") ----
+
+PodSpecPart = Annotated[dict[str, Any], WithJsonSchema(pod_schema.structural())]
+OPERATOR_RESOURCES = ("cpu", "memory", "ephemeral-storage")  # the role's `resources` sets these
+
+
+def _cel_list(values) -> str:
+    return "[" + ", ".join(f"'{v}'" for v in values) + "]"
+
+
+def _entries(template: "PodTemplate", field: str) -> list[dict]:
+    return [c for c in (template.spec.get(field) or []) if isinstance(c, dict)]
+
+
+def _main(template: "PodTemplate") -> list[dict]:
+    return [c for c in _entries(template, "containers") if c.get("name") == template.owns.container]
+
+
+def _mounts_resolve(template: "PodTemplate", field: str) -> bool:
+    volumes = {v.get("name") for v in _entries(template, "volumes")} | set(template.owns.volumes)
+    return all(m.get("name") in volumes for c in _entries(template, field) for m in c.get("volumeMounts") or [])
+
+
+def _template_rules(owns: names.OwnedPodParts) -> tuple[CelRule, ...]:
+    """The rules that keep a template off what the operator owns (`owns`), each with its twin."""
+    main = owns.container
+    owned_fields = pod_schema.owned_container_fields()
+    may_set = pod_schema.MAIN_CONTAINER_FIELDS[1:]
+    of_main = f"!has(self.spec.containers) || self.spec.containers.all(c, c.name != '{main}' || "
+
+    def main_has(check: Callable[[dict], bool]) -> Callable[["PodTemplate"], bool]:
+        return lambda t: all(check(c) for c in _main(t))
+
+    def mounts_rule(field: str) -> CelRule:
+        return CelRule(
+            f"!has(self.spec.{field}) || self.spec.{field}.all(c, !has(c.volumeMounts) || c.volumeMounts.all(m, "
+            f"m.name in {_cel_list(owns.volumes)} || (has(self.spec.volumes) && "
+            f"self.spec.volumes.exists(v, v.name == m.name))))",
+            f"{field}: every volumeMount names a volume of the template (or {', '.join(owns.volumes)})",
+            f".spec.{field}", lambda t: _mounts_resolve(t, field))
+
+    return (
+        CelRule(of_main + " && ".join(f"!has(c.{f})" for f in owned_fields) + ")",
+                f"containers[name={main}] may set only {', '.join(may_set)}: its command, args, image, ports, "
+                f"probes and lifecycle are set by the operator",
+                ".spec.containers", main_has(lambda c: not set(c) & set(owned_fields))),
+        CelRule(of_main + f"!has(c.env) || c.env.all(e, !(e.name in {_cel_list(owns.env)})))",
+                f"containers[name={main}].env: {', '.join(owns.env)} are set by the operator",
+                ".spec.containers", main_has(lambda c: not {e.get("name") for e in c.get("env") or []} & set(owns.env))),
+        CelRule(of_main + f"!has(c.volumeMounts) || c.volumeMounts.all(m, !(m.mountPath in "
+                f"{_cel_list(owns.mount_paths)})))",
+                f"containers[name={main}].volumeMounts: {', '.join(owns.mount_paths)} are mounted by the operator",
+                ".spec.containers",
+                main_has(lambda c: not {m.get("mountPath") for m in c.get("volumeMounts") or []} & set(owns.mount_paths))),
+        CelRule(of_main + "!has(c.resources) || ("
+                + " && ".join(f"(!has(c.resources.{side}) || !c.resources.{side}.exists(k, k in "
+                              f"{_cel_list(OPERATOR_RESOURCES)}))" for side in ("requests", "limits")) + "))",
+                f"containers[name={main}].resources: {', '.join(OPERATOR_RESOURCES)} are set by the role's "
+                f"resources field; a template adds other resources (RDMA devices, hugepages, ...)",
+                ".spec.containers",
+                main_has(lambda c: not any(set((c.get("resources") or {}).get(side) or {}) & set(OPERATOR_RESOURCES)
+                                           for side in ("requests", "limits")))),
+        CelRule(f"!has(self.spec.containers) || self.spec.containers.all(c, c.name == '{main}' || has(c.image))",
+                f"containers other than {main} (sidecars) need an image",
+                ".spec.containers", lambda t: all(c.get("image") for c in _entries(t, "containers")
+                                                  if c.get("name") != main)),
+        CelRule("!has(self.spec.initContainers) || self.spec.initContainers.all(c, has(c.image))",
+                "initContainers need an image",
+                ".spec.initContainers", lambda t: all(c.get("image") for c in _entries(t, "initContainers"))),
+        CelRule(f"!has(self.spec.initContainers) || self.spec.initContainers.all(c, c.name != '{main}' && "
+                f"(!has(self.spec.containers) || !self.spec.containers.exists(s, s.name == c.name)))",
+                f"initContainers need names of their own (not {main}, not a container's)",
+                ".spec.initContainers",
+                lambda t: not {c.get("name") for c in _entries(t, "initContainers")}
+                & ({c.get("name") for c in _entries(t, "containers")} | {main})),
+        CelRule(f"!has(self.spec.volumes) || self.spec.volumes.all(v, !(v.name in {_cel_list(owns.volumes)}))",
+                f"volumes {', '.join(owns.volumes)} are the operator's",
+                ".spec.volumes", lambda t: not {v.get("name") for v in _entries(t, "volumes")} & set(owns.volumes)),
+        mounts_rule("containers"),
+        mounts_rule("initContainers"),
+    )
+
+
+class PodTemplate(KubeModel):
+    """Part of a pod template, laid over the pods the operator builds (docs/operator.md, "Pod templates")."""
+    owns: ClassVar[names.OwnedPodParts]
+    metadata: PodMetadata = Field(default_factory=PodMetadata, description="Labels and annotations of the pods.")
+    spec: PodSpecPart = Field(
+        default_factory=dict,
+        description=f"A subset of the Kubernetes PodSpec (schema of Kubernetes {pod_schema.kubernetes_version()}): "
+                    + ", ".join(pod_schema.POD_SPEC_FIELDS) + ".")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _kubernetes_schema(cls, data):
+        if isinstance(data, dict) and isinstance(data.get("spec"), dict):
+            found = pod_schema.problems(data["spec"], pod_schema.structural(), "spec")
+            if found:
+                raise ValueError("; ".join(found))
+        return data
+
+
+class ServerPodTemplate(PodTemplate):
+    """Part of the pod template of this role's servers: scheduling (affinity, topology spread, priority,
+    scheduler, runtime class), volumes, sidecars and init containers, and for the `server` container its
+    env, envFrom, volumeMounts, volumeDevices, extra resources and securityContext."""
+    owns: ClassVar = names.SERVER_OWNS
+    cel_rules: ClassVar = _template_rules(names.SERVER_OWNS)
+
+
+class RouterPodTemplate(PodTemplate):
+    """Part of the router pods' template (as for servers; its main container is `router`)."""
+    owns: ClassVar = names.ROUTER_OWNS
+    cel_rules: ClassVar = _template_rules(names.ROUTER_OWNS)
+
+
+class DisruptionBudget(KubeModel):
+    """The PodDisruptionBudget of this role's pods: how many an eviction (a node drain) may take at once."""
+    enabled: bool = Field(True, description="false: no budget (evictions are not limited).")
+    max_unavailable: int = Field(1, ge=0, le=256, description="Pods an eviction may take at once; never the last "
+                                                              "Ready one (minAvailable = max(1, replicas - this)).")
+
+
 class ServerRole(KubeModel):
     """One role of the fleet: its servers are identical pods, each one engine with `adpRanks` ranks."""
     servers: int = Field(1, ge=1, le=256, description="Servers (pods) of this role.")
@@ -260,6 +534,9 @@ class ServerRole(KubeModel):
                                                    "back its KV) for this long before its pod is deleted.")
     autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec,
                                          description="The built-in autoscaling policy (off by default).")
+    pod_template: ServerPodTemplate | None = Field(None, description=" ".join(ServerPodTemplate.__doc__.split()))
+    disruption_budget: DisruptionBudget = Field(default_factory=DisruptionBudget,
+                                                description="The role's PodDisruptionBudget.")
     cel_rules: ClassVar = (
         CelRule("self.gpusPerServer % self.adpRanks == 0",
                 "gpusPerServer must be a multiple of adpRanks (each ADP rank drives whole GPUs)",
@@ -267,6 +544,11 @@ class ServerRole(KubeModel):
         CelRule("(self.engine.device == 'cuda') == (self.gpusPerServer > 0)",
                 "engine.device must be cuda when gpusPerServer > 0 and cpu when it is 0",
                 ".engine.device", lambda r: (r.engine.device == "cuda") == (r.gpus_per_server > 0)),
+        CelRule(f"!has(self.podTemplate) || !has(self.podTemplate.spec.containers) || "
+                f"self.podTemplate.spec.containers.all(c, c.name != '{names.SERVER_CONTAINER}' || !has(c.env) || "
+                f"c.env.all(e, !self.env.exists(x, x.name == e.name)))",
+                "podTemplate: an environment variable is set both in env and in the server container's env",
+                ".podTemplate.spec.containers", lambda r: _env_once(r)),
     )
 
     @model_validator(mode="after")
@@ -276,6 +558,13 @@ class ServerRole(KubeModel):
         if duplicates:
             raise ValueError(f"env: duplicate names {duplicates}")
         return self
+
+
+def _env_once(role: "ServerRole") -> bool:
+    if role.pod_template is None:
+        return True
+    names_in_template = {e.get("name") for c in _main(role.pod_template) for e in c.get("env") or []}
+    return not names_in_template & {e.name for e in role.env}
 
 
 class RouterSpec(KubeModel):
@@ -292,6 +581,9 @@ class RouterSpec(KubeModel):
     queue_timeout_seconds: int = Field(60, ge=1, le=3600,
                                        description="How long a held request waits in all for a server before the "
                                                    "router answers 503 with Retry-After (router --queue-timeout).")
+    pod_template: RouterPodTemplate | None = Field(None, description=" ".join(RouterPodTemplate.__doc__.split()))
+    disruption_budget: DisruptionBudget = Field(default_factory=DisruptionBudget,
+                                                description="The router's PodDisruptionBudget.")
 
 
 class MonitoringSpec(KubeModel):
@@ -328,24 +620,18 @@ class RemediationSpec(KubeModel):
     escalation: EscalationSpec = Field(default_factory=EscalationSpec, description="When remediation fails.")
 
 
-def _no_reserved_labels(labels: dict[str, str]) -> bool:
-    return not any(k.startswith(names.RESERVED_LABEL_PREFIXES) for k in labels)
-
-
-class PodMetadata(KubeModel):
-    """Extra labels and annotations on every pod of the fleet (servers and router)."""
-    labels: dict[str, str] = Field(default_factory=dict, max_length=32,
-                                   description="Must not use the adpfleet.io/ or app.kubernetes.io/ prefixes.")
-    annotations: dict[str, str] = Field(default_factory=dict, max_length=64,
-                                        description="Must not set the operator's own annotations.")
-    cel_rules: ClassVar = (
-        CelRule("self.labels.all(k, !k.startsWith('adpfleet.io/') && !k.startsWith('app.kubernetes.io/'))",
-                "labels with the adpfleet.io/ or app.kubernetes.io/ prefix are set by the operator",
-                ".labels", lambda m: _no_reserved_labels(m.labels)),
-        CelRule("self.annotations.all(k, !(k in " + str(list(names.RESERVED_ANNOTATIONS)).replace("'", '"') + "))",
-                "annotations " + ", ".join(names.RESERVED_ANNOTATIONS) + " are set by the operator",
-                ".annotations", lambda m: not set(m.annotations) & set(names.RESERVED_ANNOTATIONS)),
-    )
+def _gpu_resource_not_in_template(role: str) -> CelRule:
+    def check(spec: "FleetSpec") -> bool:
+        template = spec.role(role).pod_template
+        return template is None or not any(spec.gpu_resource_name in ((c.get("resources") or {}).get(side) or {})
+                                           for c in _main(template) for side in ("requests", "limits"))
+    sides = " && ".join(f"(!has(c.resources.{side}) || !(self.gpuResourceName in c.resources.{side}))"
+                        for side in ("requests", "limits"))
+    return CelRule(f"!has(self.{role}.podTemplate) || !has(self.{role}.podTemplate.spec.containers) || "
+                   f"self.{role}.podTemplate.spec.containers.all(c, c.name != '{names.SERVER_CONTAINER}' || "
+                   f"!has(c.resources) || ({sides}))",
+                   f"{role}.podTemplate: the GPU resource (gpuResourceName) is requested by gpusPerServer, not by "
+                   f"the server container's resources", f".{role}.podTemplate.spec.containers", check)
 
 
 class FleetSpec(KubeModel):
@@ -364,6 +650,7 @@ class FleetSpec(KubeModel):
     remediation: RemediationSpec = Field(default_factory=RemediationSpec, description="Stall remediation policy.")
     pod_metadata: PodMetadata = Field(default_factory=PodMetadata, description="Extra pod labels and annotations.")
     cel_rules: ClassVar = (
+        *(_gpu_resource_not_in_template(role) for role in names.ROLES),
         CelRule("self.remediation.stallWindowSeconds >= 2 * self.monitoring.scrapeIntervalSeconds",
                 "remediation.stallWindowSeconds must be at least two monitoring.scrapeIntervalSeconds "
                 "(a stall is judged from at least two scrapes)",
@@ -443,6 +730,23 @@ class RemediationRecord(KubeModel):
                                            "or its role).")
 
 
+ModelPhase = Literal["Pending", "Downloading", "Available", "Unavailable"]
+
+
+class ModelStatus(KubeModel):
+    """The fleet's model as its servers last showed it."""
+    source: str = Field(max_length=512, description="spec.model.uri (or name).")
+    phase: ModelPhase = Field(description="Downloading: a server waits for its download. Unavailable: the model "
+                                          "cannot be had (reason; the Degraded condition says why). Available: "
+                                          "every server that started has it. Pending: no server has got that far.")
+    reason: str | None = Field(None, max_length=128, description="Unavailable: why (docs/engine.md's failure "
+                                                                 "reasons, or ClaimNotFound).")
+    bytes_done: int | None = Field(None, ge=0, description="Downloading: bytes on disk, summed over the servers "
+                                                          "downloading (where their log has said).")
+    bytes_total: int | None = Field(None, ge=0, description="Downloading: bytes those downloads fetch in all.")
+    progress: str | None = Field(None, max_length=64, description="Downloading: bytes done of total, for people.")
+
+
 class FleetStatus(KubeModel):
     """What the operator last observed and did."""
     observed_generation: int | None = Field(None, ge=0, description="The generation the status describes.")
@@ -457,6 +761,7 @@ class FleetStatus(KubeModel):
     recent_remediations: list[RemediationRecord] = Field(default_factory=list, max_length=HISTORY_LIMIT,
                                                          description="The last remediations, newest first.")
     last_scale: ScaleRecord | None = Field(None, description="The newest of the roles' lastScale.")
+    model: ModelStatus | None = Field(None, description="The model source and whether the servers have it.")
 
 
 class InferenceFleet(KubeModel):

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from adpfleet.model_uri import CACHE_MOUNT_PATH
+
 GROUP = "adpfleet.io"
 VERSION = "v1alpha1"
 KIND = "InferenceFleet"
@@ -46,9 +48,42 @@ ANNOTATION_SCALE_DECISION = f"{GROUP}/scale-decision"  # on an InferenceFleetRol
 RESERVED_ANNOTATIONS = (ANNOTATION_TEMPLATE_HASH, ANNOTATION_DRAIN, ANNOTATION_SCALE_DOWN)
 RESERVED_LABEL_PREFIXES = (f"{GROUP}/", "app.kubernetes.io/")
 
+FETCH_CONTAINER = "fetch-model"  # its init container fetching (or checking) the model; the operator reads its log
+
 SERVER_HTTP_PORT = 8000  # OpenAI API, /health, /metrics
 SERVER_KV_PORT = 8001    # KV-cache transfers (context servers; the runtime's default: HTTP port + 1)
 ROUTER_HTTP_PORT = 8000
+
+# What the operator sets in every pod of a fleet, and a pod template therefore may not
+# (docs/operator.md, "Pod templates"). decisions/desired.py builds the pods from these names.
+SERVER_CONTAINER = "server"  # the container running `adpfleet serve`; a template entry of this name amends it
+ROUTER_CONTAINER = "router"
+SCRATCH_VOLUME, SCRATCH_DIR = "scratch", "/var/tmp"  # HOME and TMPDIR (the root filesystem is read-only)
+SHM_VOLUME, SHM_DIR = "shm", "/dev/shm"              # tensors shared by rank processes, NCCL
+DOWNWARD_ENV = {"POD_IP": "status.podIP", "POD_NAME": "metadata.name", "POD_NAMESPACE": "metadata.namespace"}
+SCRATCH_ENV = ("HOME", "TMPDIR")
+THREADS_ENV = "OMP_NUM_THREADS"  # engine.threadsPerRank
+TOKEN_ENV = "HF_TOKEN"           # model.tokenSecretRef (the fetch-model init container's)
+
+
+@dataclass(frozen=True)
+class OwnedPodParts:
+    """The names in a pod that belong to the operator: its main container, and that container's
+    environment variables, volumes and mount paths."""
+    container: str
+    env: tuple[str, ...]
+    volumes: tuple[str, ...]
+    mount_paths: tuple[str, ...]
+
+
+# The model's volumes (decisions/desired.py): the download cache (hf://, s3://) and a pvc:// claim.
+# The server never carries TOKEN_ENV: credentials reach the fetch-model init container only.
+MODEL_CACHE_VOLUME, MODEL_SOURCE_VOLUME = "model-cache", "model-source"
+SERVER_OWNS = OwnedPodParts(SERVER_CONTAINER, (*DOWNWARD_ENV, *SCRATCH_ENV, THREADS_ENV),
+                            (SCRATCH_VOLUME, SHM_VOLUME, MODEL_CACHE_VOLUME, MODEL_SOURCE_VOLUME),
+                            (SCRATCH_DIR, SHM_DIR, CACHE_MOUNT_PATH))
+ROUTER_OWNS = OwnedPodParts(ROUTER_CONTAINER, (*DOWNWARD_ENV, *SCRATCH_ENV), (SCRATCH_VOLUME,), (SCRATCH_DIR,))
+DEFAULT_CONTAINER_ANNOTATION = "kubectl.kubernetes.io/default-container"  # `kubectl logs` without -c
 
 MAX_FLEET_NAME = 40  # "<fleet>-generation-<index>" and "<fleet>-router" must stay valid DNS labels
 
@@ -82,6 +117,11 @@ def role_selector(fleet: str, role: str) -> str:
 def router_name(fleet: str) -> str:
     """The router's Deployment, Service, ServiceAccount, Role and RoleBinding all share this name."""
     return f"{fleet}-router"
+
+
+def budget_name(fleet: str, component: str) -> str:
+    """The PodDisruptionBudget of a role (`context`, `generation`) or of the router."""
+    return f"{fleet}-{component}"
 
 
 def common_labels(fleet: str, component: str) -> dict[str, str]:

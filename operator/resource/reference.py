@@ -36,6 +36,8 @@ def _constraints(node: dict) -> str:
         parts.append(f"≤ {node['maxProperties']} entries")
     if node.get("pattern") and "enum" not in node:
         parts.append("quantity" if "KMGTPE" in node["pattern"] else "pattern")
+    if node.get("x-kubernetes-validations") and node.get("type") != "object":
+        parts.append("rules below")
     return ", ".join(parts)
 
 
@@ -50,10 +52,17 @@ def _rows(node: dict, path: str, required: set[str], out: list[tuple[str, dict, 
         out.append((f"{path}.{name}" if path else name, sub, name in required))
 
 
+def _vendored(path: str) -> bool:
+    """A pod template's spec: Kubernetes' own PodSpec, documented upstream, not here."""
+    return path.endswith(".podTemplate.spec")
+
+
 def _sections(node: dict, path: str) -> list[tuple[str, dict]]:
     """(path, object node) for `node` and every object below it, depth first."""
     found = [(path, node)]
     for name, sub in node.get("properties", {}).items():
+        if _vendored(f"{path}.{name}"):
+            continue
         target = sub.get("items", sub) if sub.get("type") == "array" else sub
         if target.get("type") == "object" and "properties" in target:
             found += _sections(target, f"{path}.{name}" + ("[]" if sub.get("type") == "array" else ""))
@@ -103,11 +112,14 @@ def _objects(schema: dict, prefix: str) -> list[str]:
                 desc = (sub.get("description") or "").replace("|", "\\|").replace("\n", " ")
                 lines.append(f"| `{name}`{' (required)' if is_required else ''} | {_type_of(sub)} | "
                              f"{_default(sub)} | {_constraints(sub)} | {desc} |")
-            rules = [r for r in node.get("x-kubernetes-validations") or []]
-            rules += [dict(r, message=f"{name}: {r['message']}") for name, sub, _ in rows
-                      for r in sub.get("x-kubernetes-validations") or [] if r["rule"] == "self == oldSelf"]
+            rules = [f"- {r['message']} (`{r['rule']}`)" for r in node.get("x-kubernetes-validations") or []]
+            field_rules: dict[str, list[str]] = {}  # a rule on a field's own value (CEL's self is the value)
+            for name, sub, _ in rows:
+                if sub.get("type") != "object":
+                    for r in sub.get("x-kubernetes-validations") or []:
+                        field_rules.setdefault(r["message"], []).append(f"`{name}`")
+            rules += [f"- {', '.join(fields)}: {message}" for message, fields in field_rules.items()]
             if rules:
-                lines += ["", "Rules:"]
-                lines += [f"- {r['message']} (`{r['rule']}`)" for r in rules]
+                lines += ["", "Rules:"] + rules
             lines.append("")
     return lines
