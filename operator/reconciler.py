@@ -27,18 +27,23 @@ from pydantic import ValidationError
 from adpfleet.operator.adapters.kube import ApiResult, KubeApi, now_rfc3339
 from adpfleet.model_uri import parse_progress
 from adpfleet.operator.decisions import conditions
+from adpfleet.operator.decisions import scale_target
 from adpfleet.operator.decisions.conditions import MODEL_UNAVAILABLE, Problem
 from adpfleet.operator.decisions.desired import S3_SECRET_KEYS, DesiredFleet, desired_fleet
+from adpfleet.operator.decisions.history import history_from_status, restarts_in_progress
 from adpfleet.operator.decisions.model_status import CLAIM_NOT_FOUND, model_report
 from adpfleet.operator.decisions.observed import FETCHING, FleetObservation, ServerPod
 from adpfleet.operator.decisions.rollout import (Action, ApplyObject, CreateServer, DeleteObject, DeleteServer,
-                                                 RolePlan, Wording, plan_objects, plan_role)
+                                                 Drain, DrainServer, RolePlan, UndrainServer, Wording, plan_objects,
+                                                 plan_role)
+from adpfleet.operator.decisions.scale_target import CreateRoleObject, SetRoleReplicas
 from adpfleet.operator.resource import names
 from adpfleet.operator.resource.models import FleetSpec, ModelSource, fleet_name_problem
 from adpfleet.operator.resource.names import FleetRef
 from adpfleet.operator.telemetry import OperatorMetrics
 
 EXPECTATION_SECONDS = 60.0   # how long an action's effect may take to show up in the watch cache
+MIN_RECHECK_SECONDS = 1.0    # a pass that waits for a drain's timeout looks again no sooner than this
 SECRET_RECHECK_SECONDS = 30.0  # a missing Secret or claim (they have no watch) is looked at again this often
 PROGRESS_SECONDS = 5.0         # a running download's progress is read from its log this often (fetch-model logs it every 5 s)
 PROGRESS_LOG_LINES = 20        # ... from this many of its last lines
@@ -55,6 +60,13 @@ class StatusPart(Protocol):
 
     def stored(self, key: Key, status: dict) -> None:
         """The API server now holds `status` (the pass wrote it, or found it already there)."""
+
+
+class DrainPart(Protocol):
+    """Knows which servers a scale-down drained have finished their requests (it scrapes them)."""
+
+    def finished(self, key: Key, leaving: list[ServerPod], role: str) -> frozenset[str]:
+        """The uids among `leaving` (all of `role`'s) that have nothing in flight; watches the others."""
 
 
 class StatusWrite(enum.Enum):
@@ -116,11 +128,13 @@ def with_expectations(pods: list[ServerPod], memory: FleetMemory, now: float, te
 
 class Reconciler:
     def __init__(self, api: KubeApi, metrics: OperatorMetrics, clock=time.monotonic,
-                 status_part: StatusPart | None = None):
+                 status_part: StatusPart | None = None, drains: DrainPart | None = None, wall_clock=time.time):
         self.api = api
         self.metrics = metrics
         self.clock = clock
+        self.wall_clock = wall_clock  # annotations and the drain deadlines they carry are wall-clock times
         self.status_part = status_part
+        self.drains = drains
 
     async def reconcile(self, obs: FleetObservation, memory: FleetMemory, logger: logging.Logger) -> PassResult:
         fleet = FleetRef(obs.name, obs.namespace, obs.uid)
@@ -134,8 +148,14 @@ class Reconciler:
             return PassResult(None, 0, written is StatusWrite.REFUSED)
 
         desired = desired_fleet(fleet, spec)
-        role_pods, plans = self._roles(obs, memory, desired)
+        desired = dataclasses.replace(desired, replicas={
+            role: scale_target.replicas_of(spec, role, obs.role_object(role)) for role in names.ROLES})
+        role_pods, plans = self._roles(obs, memory, desired, spec)
         objects_plan = plan_objects(desired.objects, list(obs.objects), obs.uid)
+        taken = {o.name for o in obs.role_objects if o.owner_uid != obs.uid}
+        scale_actions = [a for role in names.ROLES for a in scale_target.plan_role_object(
+            fleet, spec, role, obs.role_object(role), names.role_object_name(fleet.name, role) in taken,
+            now_rfc3339())]
 
         problems: list[Problem] = []
         requeue: float | None = None
@@ -147,7 +167,8 @@ class Reconciler:
 
         # Router objects first (the ServiceAccount and Role before the Deployment that uses them),
         # then deletions (they free names and capacity), then creations.
-        actions: list[Action] = list(objects_plan.actions)
+        actions: list[Action] = list(objects_plan.actions) + scale_actions
+        actions += [a for p in plans for a in p.actions if isinstance(a, (DrainServer, UndrainServer))]
         actions += [a for p in plans for a in p.actions if isinstance(a, DeleteServer)]
         actions += [a for p in plans for a in p.actions if isinstance(a, CreateServer)]
         failures = []
@@ -173,7 +194,7 @@ class Reconciler:
         # The status describes the fleet as these actions left it (a deleted pod is terminating, a
         # created one pending), so it does not announce a state that is already gone.
         if actions:
-            role_pods, plans = self._roles(obs, memory, desired)
+            role_pods, plans = self._roles(obs, memory, desired, spec)
             if missing:
                 plans = _hold_creations(plans, missing[1])
             plans = [dataclasses.replace(p, actions=()) for p in plans]  # the next pass's business
@@ -188,10 +209,19 @@ class Reconciler:
         problems += conditions.pod_problems([p for role in names.ROLES for p in own_pods[role]])
         counts = {role: conditions.role_counts(desired.replicas[role], desired.servers[role].template_hash,
                                                own_pods[role]) for role in names.ROLES}
+        pending = {a.role: a for a in scale_actions if isinstance(a, SetRoleReplicas)}
+        last_scales = await self._store_role_statuses(fleet, obs, spec, counts, pending, logger)
+        for role, c in counts.items():
+            c["servers"] = f"{c['ready']}/{c['desired']}"
+            if last_scales.get(role):
+                c["lastScale"] = last_scales[role]
         router = conditions.router_counts(spec.router.enabled, spec.router.replicas, list(obs.objects))
         status = conditions.fleet_status(obs, counts, router, plans, objects_plan.waiting_for, problems,
                                          now_rfc3339(), downloading=model.downloading)
         status["model"] = model.status
+        newest = max((r for r in last_scales.values() if r), key=lambda r: r["time"], default=None)
+        if newest:
+            status["lastScale"] = newest
         written = await self._store_status(fleet, obs, status, memory, logger)
 
         failed = bool(failures) or written is StatusWrite.REFUSED
@@ -202,18 +232,32 @@ class Reconciler:
             memory.failures = 0
         if requeue is None and (memory.created or memory.deleted):
             requeue = EXPECTATION_SECONDS / 4  # look again even if the watch stays silent
+        drains_end = min((p.recheck_at for p in plans if p.recheck_at is not None), default=None)
+        if drains_end is not None:  # a drain times out without any event to say so
+            wait = max(MIN_RECHECK_SECONDS, drains_end - self.wall_clock())
+            requeue = wait if requeue is None else min(requeue, wait)
         return PassResult(requeue, len(actions), failed)
 
-    def _roles(self, obs: FleetObservation, memory: FleetMemory,
-               desired: DesiredFleet) -> tuple[dict[str, list[ServerPod]], list[RolePlan]]:
+    def _roles(self, obs: FleetObservation, memory: FleetMemory, desired: DesiredFleet,
+               spec: FleetSpec) -> tuple[dict[str, list[ServerPod]], list[RolePlan]]:
         """Each role's pods as the watch and this loop's own recent actions show them (pods of an
         earlier fleet of the same name count as terminating: they hold their names), and its plan."""
         now = self.clock()
+        wall = self.wall_clock()
         foreign = [dataclasses.replace(p, terminating=True) for p in obs.foreign_pods()]
         role_pods = {role: with_expectations(obs.role_pods(role), memory, now, desired, obs.uid, role) +
                      [p for p in foreign if p.role == role] for role in names.ROLES}
-        plans = [plan_role(role, desired.replicas[role], desired.servers[role].template_hash, role_pods[role])
-                 for role in names.ROLES]
+        # servers a remediation is restarting are never a scale-down's choice
+        views = [p.view for role in names.ROLES for p in obs.role_pods(role)]
+        protected = frozenset(restarts_in_progress(history_from_status(obs.status), views, spec, wall))
+        key = (obs.namespace, obs.name)
+        plans = []
+        for role in names.ROLES:
+            leaving = [p for p in role_pods[role] if p.leaving and not p.terminating]
+            finished = self.drains.finished(key, leaving, role) if self.drains is not None else frozenset()
+            drain = Drain(wall, float(spec.role(role).drain_timeout_seconds), finished, protected)
+            plans.append(plan_role(role, desired.replicas[role], desired.servers[role].template_hash,
+                                   role_pods[role], drain))
         return role_pods, plans
 
     # ---- pieces ----
@@ -236,6 +280,33 @@ class Reconciler:
                     f"PersistentVolumeClaim {claim}"
         return None
 
+    async def _store_role_statuses(self, fleet: FleetRef, obs: FleetObservation, spec: FleetSpec, counts: dict,
+                                   pending: dict[str, SetRoleReplicas], logger: logging.Logger) -> dict[str, dict]:
+        """Each InferenceFleetRole's status, written when it changed; a new lastScale is an Event and
+        a metric. Role -> its lastScale (None when it has none)."""
+        out: dict[str, dict] = {}
+        for role in names.ROLES:
+            obj = obs.role_object(role)
+            if obj is None or obj.terminating:
+                out[role] = None
+                continue
+            status = scale_target.role_status(spec, role, obj, fleet.name, counts[role], now_rfc3339(),
+                                              pending.get(role))
+            out[role] = status.get("lastScale")
+            if all(obj.status.get(k) == v for k, v in status.items()):
+                continue
+            outcome = await self.api.patch_role_status(fleet.namespace, obj.name, status)
+            if not outcome.ok:
+                logger.warning("could not write the status of %s %s: %s", names.ROLE_KIND, obj.name, outcome.message)
+                out[role] = obj.status.get("lastScale")
+                continue
+            record = status.get("lastScale")
+            if record and record != obj.status.get("lastScale"):
+                up = record["desired"] > record["previous"]
+                self.metrics.scale_changes.labels(role, record["reason"]).inc()
+                await self.api.record_event(fleet, "Normal", "ScaledUp" if up else "ScaledDown",
+                                            f"{record['message']} ({record['reason']}, {record['source']})")
+        return out
     async def _check_secret(self, namespace: str, name: str, needed: tuple[str, ...], field_: str) -> Problem | None:
         outcome, keys = await self.api.secret_keys(namespace, name)
         if keys is None and outcome.code == 404:
@@ -261,6 +332,14 @@ class Reconciler:
         return {name: found for name, text in zip(fetching, logs) if (found := parse_progress(text or ""))}
 
     async def _act(self, fleet: FleetRef, desired: DesiredFleet, action: Action, memory: FleetMemory) -> ApiResult:
+        if isinstance(action, CreateRoleObject):
+            return await self.api.create_role_object(action.manifest)
+        if isinstance(action, SetRoleReplicas):
+            return await self.api.patch_role_object(fleet.namespace, action.name, action.patch())
+        if isinstance(action, DrainServer):
+            return await self.api.set_leaving(fleet.namespace, action.name, action.uid, now_rfc3339())
+        if isinstance(action, UndrainServer):
+            return await self.api.set_leaving(fleet.namespace, action.name, action.uid, None)
         if isinstance(action, CreateServer):
             manifest = desired.servers[action.role].pod(action.index)
             outcome = await self.api.create_pod(manifest)

@@ -126,6 +126,36 @@ class KubeApi:
         return await self._call("patch", "pods", self.core.patch_namespaced_pod, name, namespace, body,
                                 ok_codes=(404,))
 
+    async def set_leaving(self, namespace: str, name: str, uid: str, since: str | None) -> ApiResult:
+        """Start (`since`: the time, RFC 3339) or cancel (None) a scale-down's drain of a server: the
+        drain annotation the router reads and the scale-down annotation the reconcile reads, in one
+        patch with metadata.uid as a precondition."""
+        annotations = {names.ANNOTATION_DRAIN: "true" if since else None, names.ANNOTATION_SCALE_DOWN: since}
+        body = {"metadata": {"uid": uid, "annotations": annotations}}
+        return await self._call("patch", "pods", self.core.patch_namespaced_pod, name, namespace, body,
+                                ok_codes=(404,))
+
+    # ---- InferenceFleetRoles: each role's scale target ----
+
+    async def create_role_object(self, manifest: dict) -> ApiResult:
+        meta = manifest["metadata"]
+        return await self._call("create", "inferencefleetroles", self.custom.create_namespaced_custom_object,
+                                names.GROUP, names.VERSION, meta["namespace"], names.ROLE_PLURAL, manifest,
+                                field_manager=names.MANAGER, ok_codes=(409,))
+
+    async def patch_role_object(self, namespace: str, name: str, body: dict) -> ApiResult:
+        """A merge patch of an InferenceFleetRole (its replicas and the operator's annotations);
+        metadata.uid in `body` makes a replacement of the same name refuse it."""
+        return await self._call("patch", "inferencefleetroles", self.custom.patch_namespaced_custom_object,
+                                names.GROUP, names.VERSION, namespace, names.ROLE_PLURAL, name, body,
+                                field_manager=names.MANAGER, _content_type="application/merge-patch+json")
+
+    async def patch_role_status(self, namespace: str, name: str, status: dict) -> ApiResult:
+        return await self._call("patch", "inferencefleetroles/status",
+                                self.custom.patch_namespaced_custom_object_status, names.GROUP, names.VERSION,
+                                namespace, names.ROLE_PLURAL, name, {"status": status},
+                                field_manager=names.MANAGER, _content_type="application/merge-patch+json")
+
     # ---- the router's objects and the budgets: server-side apply, so fields we stop setting are removed ----
 
     _APPLY = {

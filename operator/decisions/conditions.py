@@ -27,7 +27,8 @@ class Problem:
 
 
 def role_counts(desired: int, template_hash: str, pods: list[ServerPod]) -> dict:
-    live = [p for p in pods if not p.terminating]
+    """desired/current/updated/ready of a role; servers a scale-down is draining no longer count."""
+    live = [p for p in pods if not p.terminating and not p.leaving]
     return {"desired": desired, "current": len(live),
             "updated": sum(p.template_hash == template_hash for p in live),
             "ready": sum(p.ready for p in live)}

@@ -22,7 +22,7 @@ from adpfleet.model_uri import CACHE_LIMIT_ENV, CACHE_MOUNT_PATH, PVC_MOUNT_ROOT
 from adpfleet.operator.decisions import pod_template
 from adpfleet.operator.resource import names, quantity
 from adpfleet.operator.resource.names import FleetRef
-from adpfleet.operator.resource.models import FleetSpec, ModelSource, Resources, ServerRole
+from adpfleet.operator.resource.models import FleetSpec, ModelSource, Resources, RouterSpec, ServerRole
 
 
 def digest(obj) -> str:
@@ -269,10 +269,11 @@ def server_template(fleet: FleetRef, spec: FleetSpec, role: str) -> ServerTempla
 
 # ---- router ----
 
-def router_args(fleet: FleetRef) -> list[str]:
+def router_args(fleet: FleetRef, router: RouterSpec) -> list[str]:
     return ["router", "--host", "$(POD_IP)", "--port", str(names.ROUTER_HTTP_PORT),
             "--kube-namespace", "$(POD_NAMESPACE)", "--kube-selector", names.discovery_selector(fleet.name),
-            "--server-port", str(names.SERVER_HTTP_PORT)]
+            "--server-port", str(names.SERVER_HTTP_PORT),
+            "--queue-size", str(router.queue_size), "--queue-timeout", str(router.queue_timeout_seconds)]
 
 
 def _with_hash(manifest: dict) -> dict:
@@ -297,11 +298,13 @@ def router_objects(fleet: FleetRef, spec: FleetSpec) -> list[dict]:
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["adpfleet"],
-        "args": router_args(fleet),
+        "args": router_args(fleet, spec.router),
         "env": _downward_env() + SCRATCH_ENV,
         "ports": [{"name": "http", "containerPort": names.ROUTER_HTTP_PORT, "protocol": "TCP"}],
-        "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 2,
-                           "timeoutSeconds": 3, "failureThreshold": 2},
+        # Ready while it listens, not only while servers are usable: it holds requests it cannot place
+        # yet (--queue-size), which is what a client should get while a role has no Ready server
+        "readinessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 2, "timeoutSeconds": 3,
+                           "failureThreshold": 2},
         "livenessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 10, "timeoutSeconds": 5,
                           "failureThreshold": 3},
         "resources": _resource_requirements(spec.router.resources),

@@ -38,8 +38,14 @@ class ServerPod:
     ip: str = ""            # status.podIP: where stall detection scrapes /metrics
     created: float | None = None  # creationTimestamp (epoch): tells a replaced pod from the one it replaced
     draining: bool = False  # adpfleet.io/drain: the router sends it no new requests
+    leaving_since: float | None = None  # adpfleet.io/scale-down: drained by a scale-down since then (epoch)
     model: str = ""         # FETCHING (running), FETCHED or UNAVAILABLE; "" before fetch-model runs, or without it
     model_failure: tuple[str, str] | None = None  # UNAVAILABLE: (reason, message) from the termination message
+
+    @property
+    def leaving(self) -> bool:
+        """Being removed by a scale-down: drained, deleted once idle."""
+        return self.leaving_since is not None
 
     @property
     def waiting_for_model(self) -> bool:
@@ -118,7 +124,8 @@ def server_pod(body: dict) -> ServerPod:
         terminating=bool(meta.get("deletionTimestamp")), unschedulable=unschedulable, problem=problem,
         restarts=sum(c.get("restartCount", 0) for c in status.get("containerStatuses") or []),
         ip=status.get("podIP") or "", created=_epoch(meta.get("creationTimestamp")),
-        draining=annotations.get(names.ANNOTATION_DRAIN) == "true", model=model, model_failure=model_failure)
+        draining=annotations.get(names.ANNOTATION_DRAIN) == "true",
+        leaving_since=_epoch(annotations.get(names.ANNOTATION_SCALE_DOWN)), model=model, model_failure=model_failure)
 
 
 def _model_state(status: dict) -> tuple[str, tuple[str, str] | None]:
@@ -183,6 +190,42 @@ def owned_object(kind: str, body: dict) -> OwnedObject:
 
 
 @dataclass(frozen=True)
+class RoleObject:
+    """A fleet's InferenceFleetRole: one role's scale target."""
+    name: str
+    uid: str
+    owner_uid: str | None
+    role: str
+    replicas: int                  # spec.replicas
+    spec_servers: int | None       # the fleet's servers it last took (annotation); None: never
+    replicas_manager: str | None   # the field manager that last set spec.replicas (kubectl, an HPA, ...)
+    decision: str | None           # the operator's last scale decision on it (JSON annotation)
+    status: dict
+    terminating: bool = False
+
+
+def role_object(body: dict) -> RoleObject:
+    meta, spec = body.get("metadata") or {}, body.get("spec") or {}
+    annotations = meta.get("annotations") or {}
+    try:
+        spec_servers = int(annotations[names.ANNOTATION_SPEC_SERVERS])
+    except (KeyError, TypeError, ValueError):
+        spec_servers = None
+    return RoleObject(name=meta.get("name", ""), uid=meta.get("uid", ""), owner_uid=controller_uid(meta),
+                      role=str(spec.get("role", "")), replicas=int(spec.get("replicas") or 0),
+                      spec_servers=spec_servers, replicas_manager=_replicas_manager(meta.get("managedFields")),
+                      decision=annotations.get(names.ANNOTATION_SCALE_DECISION),
+                      status=body.get("status") or {}, terminating=bool(meta.get("deletionTimestamp")))
+
+
+def _replicas_manager(managed_fields) -> str | None:
+    """Who last set spec.replicas, from the server-side field ownership (the newest entry owning it)."""
+    owners = [(str(m.get("time") or ""), m.get("manager") or "") for m in managed_fields or []
+              if "f:replicas" in ((m.get("fieldsV1") or {}).get("f:spec") or {})]
+    return max(owners)[1] if owners else None
+
+
+@dataclass(frozen=True)
 class FleetObservation:
     """One fleet and everything it owns, as last seen."""
     name: str
@@ -194,6 +237,11 @@ class FleetObservation:
     status: dict
     pods: tuple[ServerPod, ...]
     objects: tuple[OwnedObject, ...]
+    role_objects: tuple[RoleObject, ...] = ()
+
+    def role_object(self, role: str) -> RoleObject | None:
+        """This fleet's InferenceFleetRole of `role` (not one left by an earlier fleet of the same name)."""
+        return next((o for o in self.role_objects if o.role == role and o.owner_uid == self.uid), None)
 
     def role_pods(self, role: str) -> list[ServerPod]:
         """This fleet's pods of `role`; pods left by an earlier fleet of the same name are not ours."""

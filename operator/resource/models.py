@@ -19,7 +19,7 @@ from pydantic.alias_generators import to_camel
 
 from adpfleet.model_uri import ModelURI, ModelURIError, parse_model_uri
 from adpfleet.operator.resource import names, pod_schema, quantity
-from adpfleet.operator.resource.vocabulary import Action, Outcome, RemediationMode, Signature
+from adpfleet.operator.resource.vocabulary import Action, Outcome, RemediationMode, ScaleReason, Signature
 
 
 @dataclass(frozen=True)
@@ -303,6 +303,70 @@ class EnvVar(KubeModel):
     value: str = Field("", max_length=32_768)
 
 
+class ScalingTargets(KubeModel):
+    """The level of each signal the policy holds a role at, per ADP rank (docs/autoscaling.md). A signal
+    left out is not used; the role scales on the one furthest above its target."""
+    waiting_per_rank: float | None = Field(None, gt=0, le=100_000,
+                                           description="Mean requests waiting per rank (adpfleet_requests_waiting): "
+                                                       "a queue longer than this adds servers.")
+    kv_cache_utilization: float | None = Field(None, gt=0, le=1,
+                                               description="Mean fraction of each rank's KV-cache blocks in use "
+                                                           "(adpfleet_kv_cache_blocks_used / _total).")
+    time_to_first_token_seconds: float | None = Field(None, gt=0, le=3600,
+                                                      description="Mean time to first token "
+                                                                  "(adpfleet_time_to_first_token_seconds).")
+    inter_token_latency_seconds: float | None = Field(None, gt=0, le=60,
+                                                      description="Mean time between two tokens of a request "
+                                                                  "(adpfleet_inter_token_latency_seconds).")
+
+    def given(self) -> dict[str, float]:
+        """The targets that are set: signal name (snake_case) -> target."""
+        return {k: v for k, v in self.model_dump().items() if v is not None}
+
+
+class ScaleUpBehavior(KubeModel):
+    """How fast a role grows."""
+    stabilization_window_seconds: int = Field(10, ge=0, le=3600,
+                                              description="Every scrape over this long must ask for more servers "
+                                                          "before a scale-up (the lowest recommendation wins).")
+    max_servers_per_step: int = Field(2, ge=1, le=256, description="Servers added by one decision at most; the next "
+                                                                   "decision waits until they are Ready.")
+
+
+class ScaleDownBehavior(KubeModel):
+    """How fast a role shrinks."""
+    stabilization_window_seconds: int = Field(120, ge=0, le=86_400,
+                                              description="Every scrape over this long must allow fewer servers "
+                                                          "before a scale-down (the highest recommendation wins).")
+    max_servers_per_step: int = Field(1, ge=1, le=256, description="Servers removed by one decision at most.")
+
+
+def _default_targets() -> "ScalingTargets":
+    return ScalingTargets(waiting_per_rank=2.0, kv_cache_utilization=0.8)
+
+
+class AutoscalingSpec(KubeModel):
+    """The built-in autoscaling policy of one role (docs/autoscaling.md); off by default. Off, the role's
+    count is `servers`, or what `kubectl scale`, an HPA or KEDA set on its InferenceFleetRole."""
+    enabled: bool = Field(False, description="Scale this role between minServers and maxServers on the signals "
+                                             "the operator scrapes.")
+    min_servers: int = Field(1, ge=1, le=256, description="Fewest servers the policy keeps.")
+    max_servers: int = Field(4, ge=1, le=256, description="Most servers the policy runs.")
+    targets: ScalingTargets = Field(default_factory=_default_targets, description="Per-rank signal targets.")
+    tolerance: float = Field(0.1, ge=0, le=0.9, description="Relative band around each target in which nothing "
+                                                           "changes (as the HPA's).")
+    scale_up: ScaleUpBehavior = Field(default_factory=ScaleUpBehavior, description="Growth limits.")
+    scale_down: ScaleDownBehavior = Field(default_factory=ScaleDownBehavior, description="Shrink limits.")
+    cel_rules: ClassVar = (
+        CelRule("self.minServers <= self.maxServers", "minServers must not exceed maxServers", ".minServers",
+                lambda a: a.min_servers <= a.max_servers),
+        CelRule("!self.enabled || has(self.targets.waitingPerRank) || has(self.targets.kvCacheUtilization) || "
+                "has(self.targets.timeToFirstTokenSeconds) || has(self.targets.interTokenLatencySeconds)",
+                "autoscaling needs at least one target when enabled", ".targets",
+                lambda a: not a.enabled or bool(a.targets.given())),
+    )
+
+
 def _no_reserved_labels(labels: dict[str, str]) -> bool:
     return not any(k.startswith(names.RESERVED_LABEL_PREFIXES) for k in labels)
 
@@ -464,6 +528,12 @@ class ServerRole(KubeModel):
                               description="Extra environment variables (names unique).")
     termination_grace_period_seconds: int = Field(30, ge=0, le=3600,
                                                   description="Time a server gets to finish requests when stopped.")
+    drain_timeout_seconds: int = Field(60, ge=0, le=3600,
+                                       description="A server removed by a scale-down is drained first: the router "
+                                                   "sends it nothing new and it may finish its requests (and hand "
+                                                   "back its KV) for this long before its pod is deleted.")
+    autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec,
+                                         description="The built-in autoscaling policy (off by default).")
     pod_template: ServerPodTemplate | None = Field(None, description=" ".join(ServerPodTemplate.__doc__.split()))
     disruption_budget: DisruptionBudget = Field(default_factory=DisruptionBudget,
                                                 description="The role's PodDisruptionBudget.")
@@ -504,6 +574,13 @@ class RouterSpec(KubeModel):
     service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = Field("ClusterIP",
                                                                              description="Type of the router's Service.")
     resources: Resources = Field(default_factory=Resources, description="CPU and memory of each router pod.")
+    queue_size: int = Field(256, ge=0, le=100_000,
+                            description="Requests the router holds while it cannot place them (no Ready server of a "
+                                        "role: starting, drained, restarting, failed); one more is answered 503 with "
+                                        "Retry-After at once. 0: no queue (router --queue-size).")
+    queue_timeout_seconds: int = Field(60, ge=1, le=3600,
+                                       description="How long a held request waits in all for a server before the "
+                                                   "router answers 503 with Retry-After (router --queue-timeout).")
     pod_template: RouterPodTemplate | None = Field(None, description=" ".join(RouterPodTemplate.__doc__.split()))
     disruption_budget: DisruptionBudget = Field(default_factory=DisruptionBudget,
                                                 description="The router's PodDisruptionBudget.")
@@ -603,12 +680,28 @@ class Condition(KubeModel):
     observed_generation: int | None = Field(None, ge=0, description="The generation this condition was set for.")
 
 
+class ScaleRecord(KubeModel):
+    """A change of a role's desired server count: who made it and why."""
+    time: Timestamp
+    role: Literal["context", "generation"]
+    previous: int = Field(ge=0, le=256, description="Desired servers before.")
+    desired: int = Field(ge=0, le=256, description="Desired servers after.")
+    reason: ScaleReason = Field(description="Why (docs/autoscaling.md lists the reasons).")
+    source: str = Field(max_length=128, description="Who: 'policy' (the built-in autoscaling), 'spec' (the "
+                                                    "fleet's servers), or the field manager that set the "
+                                                    "InferenceFleetRole's replicas (kubectl, an HPA, KEDA).")
+    message: str = Field("", max_length=1024, description="The signals against their targets, for people.")
+
+
 class RoleStatus(KubeModel):
     """Server counts of one role."""
-    desired: int = Field(0, ge=0, description="spec servers.")
+    desired: int = Field(0, ge=0, description="Servers wanted: spec servers, or the role's InferenceFleetRole "
+                                              "replicas once it was scaled.")
     current: int = Field(0, ge=0, description="Server pods that exist and are not being deleted.")
     updated: int = Field(0, ge=0, description="Of those, the ones built from the current spec.")
     ready: int = Field(0, ge=0, description="Of those that exist, the ones that are Ready.")
+    servers: str | None = Field(None, max_length=16, description="'<ready>/<desired>' (kubectl get -o wide).")
+    last_scale: ScaleRecord | None = Field(None, description="The last change of desired.")
 
 
 class RouterStatus(KubeModel):
@@ -667,6 +760,7 @@ class FleetStatus(KubeModel):
                                                                      "the router counting as a role.")
     recent_remediations: list[RemediationRecord] = Field(default_factory=list, max_length=HISTORY_LIMIT,
                                                          description="The last remediations, newest first.")
+    last_scale: ScaleRecord | None = Field(None, description="The newest of the roles' lastScale.")
     model: ModelStatus | None = Field(None, description="The model source and whether the servers have it.")
 
 
@@ -677,6 +771,42 @@ class InferenceFleet(KubeModel):
     metadata: dict = Field(default_factory=dict)
     spec: FleetSpec
     status: FleetStatus | None = None
+
+
+# ---- InferenceFleetRole: one role's scale target ----
+
+def _immutable(message: str) -> dict:
+    return {"x-kubernetes-validations": [{"rule": "self == oldSelf", "message": message}]}
+
+
+class FleetRoleSpec(KubeModel):
+    """The desired server count of one role of a fleet, behind the `scale` subresource."""
+    fleet: str = Field(min_length=1, max_length=names.MAX_FLEET_NAME, json_schema_extra=_immutable(
+        "fleet is immutable"), description="The InferenceFleet this object scales (set by the operator).")
+    role: Literal["context", "generation"] = Field(json_schema_extra=_immutable("role is immutable"),
+                                                   description="The role it scales (set by the operator).")
+    replicas: int = Field(ge=1, le=256, description="Servers of the role: what `kubectl scale`, an HPA or KEDA "
+                                                    "set through the scale subresource.")
+
+
+class FleetRoleStatus(KubeModel):
+    """The role as the operator last saw it."""
+    replicas: int = Field(0, ge=0, description="Server pods that exist and are not being removed.")
+    ready_replicas: int = Field(0, ge=0, description="Of those, the Ready ones.")
+    desired_replicas: int = Field(0, ge=0, description="What the operator runs: spec.replicas, within "
+                                                       "autoscaling's minServers..maxServers when it is on.")
+    selector: str = Field("", max_length=512, description="Label selector of the role's server pods "
+                                                          "(the scale subresource's, for an HPA's pod metrics).")
+    last_scale: ScaleRecord | None = Field(None, description="The last change of the desired count.")
+
+
+class InferenceFleetRole(KubeModel):
+    """An InferenceFleetRole: the whole object."""
+    api_version: Literal["adpfleet.io/v1alpha1"] = Field(names.API_VERSION, alias="apiVersion")
+    kind: Literal["InferenceFleetRole"] = names.ROLE_KIND
+    metadata: dict = Field(default_factory=dict)
+    spec: FleetRoleSpec
+    status: FleetRoleStatus | None = None
 
 
 def fleet_name_problem(name: str) -> str | None:

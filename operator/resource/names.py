@@ -18,6 +18,14 @@ SHORT_NAMES = ["ifleet"]
 API_VERSION = f"{GROUP}/{VERSION}"
 CRD_NAME = f"{PLURAL}.{GROUP}"
 
+# One role's scale target (`kubectl scale ifrole <fleet>-<role>`, an HPA's or KEDA's scaleTargetRef):
+# the CRD allows one scale subresource per kind, and a fleet has two roles.
+ROLE_KIND = "InferenceFleetRole"
+ROLE_PLURAL = "inferencefleetroles"
+ROLE_SINGULAR = "inferencefleetrole"
+ROLE_SHORT_NAMES = ["ifrole"]
+ROLE_CRD_NAME = f"{ROLE_PLURAL}.{GROUP}"
+
 ROLES = ("context", "generation")  # the server roles a fleet runs; each is a spec field of that name
 
 MANAGER = "adpfleet-operator"  # app.kubernetes.io/managed-by, the field manager and the Events' source
@@ -34,7 +42,10 @@ LABEL_INDEX = f"{GROUP}/index"  # the server's slot in its role: <fleet>-<role>-
 
 ANNOTATION_TEMPLATE_HASH = f"{GROUP}/template-hash"  # what the object was built from; a change means replace
 ANNOTATION_DRAIN = f"{GROUP}/drain"                  # "true": the router sends this server no new requests
-RESERVED_ANNOTATIONS = (ANNOTATION_TEMPLATE_HASH, ANNOTATION_DRAIN)
+ANNOTATION_SCALE_DOWN = f"{GROUP}/scale-down"        # RFC 3339 time: drained since then, deleted once idle
+ANNOTATION_SPEC_SERVERS = f"{GROUP}/spec-servers"    # on an InferenceFleetRole: the fleet's servers it last took
+ANNOTATION_SCALE_DECISION = f"{GROUP}/scale-decision"  # on an InferenceFleetRole: the operator's last change (JSON)
+RESERVED_ANNOTATIONS = (ANNOTATION_TEMPLATE_HASH, ANNOTATION_DRAIN, ANNOTATION_SCALE_DOWN)
 RESERVED_LABEL_PREFIXES = (f"{GROUP}/", "app.kubernetes.io/")
 
 FETCH_CONTAINER = "fetch-model"  # its init container fetching (or checking) the model; the operator reads its log
@@ -91,6 +102,16 @@ class FleetRef:
 
 def server_name(fleet: str, role: str, index: int) -> str:
     return f"{fleet}-{role}-{index}"
+
+
+def role_object_name(fleet: str, role: str) -> str:
+    """The InferenceFleetRole of one role of a fleet."""
+    return f"{fleet}-{role}"
+
+
+def role_selector(fleet: str, role: str) -> str:
+    """The label selector of one role's server pods."""
+    return f"{LABEL_FLEET}={fleet},{LABEL_ROLE}={role}"
 
 
 def router_name(fleet: str) -> str:

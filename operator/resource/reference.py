@@ -20,7 +20,9 @@ def _constraints(node: dict) -> str:
     parts = []
     if "enum" in node:
         parts.append(" \\| ".join(f"`{v}`" for v in node["enum"]))
-    if "minimum" in node and "maximum" in node:
+    if node.get("exclusiveMinimum") is True:
+        parts.append(f"> {node['minimum']}" + (f", ≤ {node['maximum']}" if "maximum" in node else ""))
+    elif "minimum" in node and "maximum" in node:
         parts.append(f"{node['minimum']}–{node['maximum']}")
     elif "minimum" in node:
         parts.append(f"≥ {node['minimum']}")
@@ -82,9 +84,25 @@ def reference_markdown() -> str:
         "Fleet names: " + "; ".join(r["message"] for r in schema["x-kubernetes-validations"]) + ".",
         "",
     ]
+    lines += _objects(schema, "")
+    role = crd.role_openapi_schema()
+    lines += [
+        f"# {names.ROLE_KIND} reference",
+        "",
+        f"`apiVersion: {names.API_VERSION}`, `kind: {names.ROLE_KIND}` (namespaced; short name "
+        f"`{names.ROLE_SHORT_NAMES[0]}`; scale subresource over `spec.replicas`). The operator creates one per "
+        f"role of each fleet, named `<fleet>-<role>` and owned by the fleet (docs/autoscaling.md).",
+        "",
+    ]
+    lines += _objects(role, names.ROLE_KIND + " ")
+    return "\n".join(lines)
+
+
+def _objects(schema: dict, prefix: str) -> list[str]:
+    lines: list[str] = []
     for top in ("spec", "status"):
         for path, node in _sections(schema["properties"][top], top):
-            lines += [f"## `{path}`", ""]
+            lines += [f"## {prefix}`{path}`", ""]
             if node.get("description"):
                 lines += [node["description"], ""]
             lines += ["| field | type | default | allowed | description |", "|---|---|---|---|---|"]
@@ -104,4 +122,4 @@ def reference_markdown() -> str:
             if rules:
                 lines += ["", "Rules:"] + rules
             lines.append("")
-    return "\n".join(lines)
+    return lines

@@ -232,6 +232,12 @@ class LLMEngine:
     def _append_token(self, req: Request, token: int) -> RequestOutput:
         p = req.params
         req.output_token_ids.append(token)
+        now = time.monotonic()
+        if req.last_token_time is None:
+            self.stats.time_to_first_token.observe(now - req.arrival_time)
+        else:
+            self.stats.inter_token_latency.observe(now - req.last_token_time)
+        req.last_token_time = now
         reason = None
         if (not p.ignore_eos and token in self.tokenizer.eos_token_ids) or token in p.stop_token_ids:
             reason = "stop"

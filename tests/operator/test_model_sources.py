@@ -288,6 +288,15 @@ class FakeApi:
         self.calls.append(("log", pod, container))
         return self.logs.get(pod)
 
+    async def create_role_object(self, manifest):  # each role's InferenceFleetRole (scale target)
+        return ApiResult(True)
+
+    async def patch_role_object(self, namespace, name, body):
+        return ApiResult(True)
+
+    async def patch_role_status(self, namespace, name, status):
+        return ApiResult(True)
+
 
 def observation(model: dict, bodies=(), status=None) -> FleetObservation:
     m = fleet_manifest("f", router={"enabled": False}, model=model)
