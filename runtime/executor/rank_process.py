@@ -26,7 +26,7 @@ from datetime import timedelta
 
 from adpfleet.runtime.config import EngineConfig
 from adpfleet.runtime.executor import faults
-from adpfleet.runtime.executor.kv_transfer import KVLayout
+from adpfleet.runtime.executor.kv_transfer import KVLayout, KVPuller
 from adpfleet.runtime.model.parallel import CALLS
 
 IDLE_WAIT_S = 0.02  # how long an idle rank waits for new requests before the next lockstep pass
@@ -96,15 +96,14 @@ def _start_kv_server(spec: RankSpec, engine):
                             transfer_timeout_s=spec.kv_transfer_timeout_s)
 
 
-def _pull(request, spec: RankSpec, layout, arrived: queue.SimpleQueue) -> None:
+def _pull(request, puller: KVPuller, arrived: queue.SimpleQueue) -> None:
     """Generation role, on its own thread: fetch the prompt's KV (checked against this rank's
     model and the request's prompt), then hand the request to the loop."""
-    from adpfleet.runtime.executor.kv_transfer import FAILED, fetch
+    from adpfleet.runtime.executor.kv_transfer import FAILED
 
     endpoint, handle = request.remote_kv
     try:
-        request.kv_payload = fetch(endpoint, handle, spec.kv_transfer_timeout_s, layout,
-                                   request.num_prompt_tokens, spec.kv_token)
+        request.kv_payload = puller.pull(endpoint, handle, request.num_prompt_tokens)
         arrived.put((request, None))
     except Exception as e:  # noqa: BLE001 - whatever the peer did, it fails this request, never the rank
         arrived.put((request, f"{FAILED} (from {endpoint}): {e}"))
@@ -115,7 +114,7 @@ def run_rank(spec: RankSpec, conn) -> None:
     try:
         engine, executor, puller = _build(spec)
         kv_server = _start_kv_server(spec, engine) if spec.role == "context" else None
-        layout = KVLayout.of(engine.runner.kv_cache[0])
+        kv_puller = KVPuller(KVLayout.of(engine.runner.kv_cache[0]), spec.kv_transfer_timeout_s, spec.kv_token)
         arrived: queue.SimpleQueue = queue.SimpleQueue()  # generation role: requests whose KV came
         conn.send(("ready", spec.rank, kv_server.endpoint if kv_server else None))
         stop = False
@@ -129,7 +128,7 @@ def run_rank(spec: RankSpec, conn) -> None:
                 wait = 0
                 msg = conn.recv()
                 if msg[0] == "add" and msg[1].remote_kv is not None:
-                    threading.Thread(target=_pull, args=(msg[1], spec, layout, arrived), name="kv-pull",
+                    threading.Thread(target=_pull, args=(msg[1], kv_puller, arrived), name="kv-pull",
                                      daemon=True).start()
                 elif msg[0] == "add":
                     new.append(msg[1])
