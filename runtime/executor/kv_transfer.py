@@ -384,12 +384,12 @@ class KVPuller:
                 _send(conn, b" ".join([MAGIC, b"GET", handle.encode(), proof(self.token, handle).encode()]) + b"\n",
                       deadline)
                 line = lines.read(MAX_HEADER_BYTES, deadline)
-            except (ConnectionError, OSError) as e:
+                if not line and not lines.pending:
+                    raise ConnectionAbortedError("the context server closed the connection without a header")
+            except OSError as e:
                 if reused and not isinstance(e, TimeoutError):
                     raise _Stale() from None
                 raise
-            if not line and reused and not lines.pending:
-                raise _Stale()
             self.layout.check(json.loads(line) if line else {}, tokens)
             nbytes = self.layout.nbytes(tokens)
             if len(lines.pending) > nbytes:

@@ -308,3 +308,19 @@ def test_a_pooled_connection_to_a_restarted_context_server_is_dropped_and_the_pu
         first.kill()
         first.wait()
         puller.close()
+
+
+def test_a_connection_closed_to_make_room_as_its_pull_arrives_leaves_the_handle_for_the_retry(server, held):
+    held.handles.update({"req-2": ([0, 4, 2], 12)})
+    puller = kv_transfer.KVPuller(layout_of(held), 5, TOKEN)
+    try:
+        puller.pull(server.endpoint, "req-1", TOKENS)
+        wait(lambda: server._waiting)
+        with server._lock:  # what a new connection at the cap does, caught just before the shutdown
+            server._waiting.clear()
+        want = expected(held, "req-2")
+        payload = puller.pull(server.endpoint, "req-2", 12)  # its line reaches a connection that is closing
+        assert torch.equal(payload.k, want[0]) and torch.equal(payload.v, want[1])
+        assert server.accepted == 2  # the retry's new connection
+    finally:
+        puller.close()
