@@ -67,8 +67,6 @@ IMPURE = ("kubernetes", "kopf", "aiohttp", "httpx", "asyncio", "socket", "subpro
 
 KNOWN_VIOLATIONS = {
     # violation -> who is removing it
-    "upward: adpfleet.runtime.executor.offline -> adpfleet.runtime.serving.engine_client":
-        "unassigned (found by this test; model_config_for belongs below serving/): the lead",
 }
 
 

@@ -9,7 +9,7 @@ from adpfleet.runtime.config import EngineConfig
 from adpfleet.runtime.engine.sampling import SamplingParams
 from adpfleet.runtime.engine.validation import make_request
 from adpfleet.runtime.executor.rank_group import RankGroup
-from adpfleet.runtime.serving.engine_client import model_config_for
+from adpfleet.runtime.model.loader import load_model_config
 from adpfleet.runtime.tokenizer import load_tokenizer
 
 
@@ -20,7 +20,7 @@ class OfflineRanks:
     def __init__(self, dp: int, model: str = "tiny", **kw):
         engine_kw = {k: kw.pop(k) for k in list(kw) if k in EngineConfig.__dataclass_fields__}
         self.config = EngineConfig(model=model, **engine_kw)
-        self.model_config = model_config_for(model)
+        self.model_config = load_model_config(model)
         self.tokenizer = load_tokenizer(model, self.model_config)
         self.done: dict = {}
         self.tokens: dict[str, list[int]] = {}

@@ -18,8 +18,7 @@ from adpfleet.runtime.engine.request import Request
 from adpfleet.runtime.engine.sampling import InvalidRequestError, SamplingParams
 from adpfleet.runtime.engine.validation import make_request
 from adpfleet.runtime.executor.rank_group import RankGroup
-from adpfleet.runtime.model.config import ModelConfig
-from adpfleet.runtime.model.tiny import TINY_MODELS, tiny_config
+from adpfleet.runtime.model.loader import load_model_config
 from adpfleet.runtime.tokenizer import load_tokenizer
 
 
@@ -27,16 +26,12 @@ class EngineUnavailable(RuntimeError):
     pass
 
 
-def model_config_for(spec: str) -> ModelConfig:
-    return tiny_config(spec) if spec in TINY_MODELS else ModelConfig.from_dir(spec)
-
-
 class EngineClient:
     def __init__(self, config: EngineConfig, dp: int, role: str, on_dead=None, **group_kw):
         config.validate()
         self.config = config
         self.role = role
-        self.model_config = model_config_for(config.model)
+        self.model_config = load_model_config(config.model)
         self.tokenizer = load_tokenizer(config.model, self.model_config)
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
