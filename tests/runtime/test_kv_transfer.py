@@ -324,3 +324,19 @@ def test_a_connection_closed_to_make_room_as_its_pull_arrives_leaves_the_handle_
         assert server.accepted == 2  # the retry's new connection
     finally:
         puller.close()
+
+
+def test_a_finished_pull_wakes_an_idle_rank_loop_at_once():
+    import multiprocessing
+
+    from adpfleet.runtime.executor.rank_process import _Arrivals
+
+    arrivals = _Arrivals()
+    ours, _theirs = multiprocessing.Pipe()
+    threading.Timer(0.2, arrivals.put, args=(("request", None),)).start()
+    t0 = time.monotonic()
+    arrivals.wait(ours, timeout=30)  # the loop's wait for messages from the server
+    assert time.monotonic() - t0 < 10 and not arrivals.empty() and arrivals.get() == ("request", None)
+    t0 = time.monotonic()
+    arrivals.wait(ours, timeout=0.3)  # the wake-up was consumed: nothing new, the full timeout
+    assert time.monotonic() - t0 >= 0.25
