@@ -5,6 +5,7 @@ Every operator here is a real `adpfleet operator` process whose requests all pas
 counting proxy: write counts are measured from the outside, not taken from the operator's word.
 """
 
+import re
 import time
 
 import pytest
@@ -58,9 +59,34 @@ def test_fleet_gets_its_servers_router_rbac_status_and_events(start_operator, fl
     assert len(created) == 1 and fleets.events("FleetReady")  # one Event per kind of change, naming each server
     assert all(name in created[0].message for name in ("demo-context-0", "demo-context-1", "demo-generation-0"))
 
-    table = fleets.cluster.kubectl("get", names.SHORT_NAMES[0], "demo", f"--namespace={fleets.ns}").stdout
-    assert table.split("\n")[0].split()[:5] == ["NAME", "ROLES", "READY", "READY", "STALLED"]
-    assert "3/3" in table and "True" in table
+    row = printed_row(fleets, "demo")
+    assert list(row) == ["NAME", "READY", "ROLES READY", "STALLED", "REMEDIATING", "DEGRADED", "OBSERVED", "DELETING",
+                         "AGE"], row
+    assert list(row.values())[:8] == ["demo", "True", "3/3", "False", "False", "False", "1", ""], row
+
+
+def printed_row(fleets, name: str) -> dict[str, str]:
+    """`kubectl get ifleet NAME` as {column: cell}; an empty cell is "" (columns are cut where the
+    header's are: a column name may have a space, a cell may be empty)."""
+    header, line = fleets.cluster.kubectl("get", names.SHORT_NAMES[0], name, f"--namespace={fleets.ns}").stdout \
+        .rstrip("\n").split("\n")
+    columns = list(re.finditer(r"\S+(?: \S+)*", header))
+    ends = [c.start() for c in columns[1:]] + [None]
+    return {c.group(): line[c.start():end].strip() for c, end in zip(columns, ends)}
+
+
+def test_kubectl_get_shows_a_fleet_no_operator_watches_and_one_being_deleted(start_operator, fleets):
+    def row(name):
+        return printed_row(fleets, name)
+
+    fleets.apply(fleet_manifest("unwatched", status_only=True))
+    assert row("unwatched")["OBSERVED"] == "" and row("unwatched")["READY"] == ""
+    op = start_operator()
+    fleets.wait_ready("unwatched")
+    assert row("unwatched")["OBSERVED"] == "1"
+    op.stop()  # the fleet keeps the operator's finalizer: deleting it waits for an operator
+    fleets.cluster.kubectl("delete", names.SHORT_NAMES[0], "unwatched", f"--namespace={fleets.ns}", "--wait=false")
+    wait_for(lambda: row("unwatched")["DELETING"] != "", timeout=10, what="the DELETING column")
 
 
 def test_the_router_role_reads_pods_in_its_namespace_and_nothing_else(start_operator, fleets, k8s_cluster):
@@ -81,9 +107,13 @@ def test_each_role_scales_up_and_down(start_operator, fleets):
     start_operator()
     fleets.apply(fleet_manifest("demo", status_only=True, context=role(1), generation=role(1)))
     fleets.wait_ready("demo")
+    ready_since = fleets.condition("demo", "Ready")["lastTransitionTime"]
 
     fleets.patch_spec("demo", {"context": {"servers": 3}, "generation": {"servers": 2}})
     fleets.wait_ready("demo")
+    # the existing servers kept serving: the fleet never stopped being Ready, and said nothing else
+    assert fleets.condition("demo", "Ready")["lastTransitionTime"] == ready_since
+    assert fleets.events("FleetNotReady") == [] and len(fleets.events("FleetReady")) == 1
     assert names_of(fleets.live_pods("demo", "context")) == ["demo-context-0", "demo-context-1", "demo-context-2"]
     assert names_of(fleets.live_pods("demo", "generation")) == ["demo-generation-0", "demo-generation-1"]
 
