@@ -49,7 +49,7 @@ def test_fleet_gets_its_servers_router_rbac_status_and_events(start_operator, fl
 
     status = fleet["status"]
     assert status["observedGeneration"] == 1 and status["readyRoles"] == "3/3"
-    assert status["context"] == {"desired": 2, "current": 2, "updated": 2, "ready": 2}
+    assert status["context"] == {"desired": 2, "current": 2, "updated": 2, "ready": 2, "servers": "2/2"}
     assert status["router"] == {"desired": 1, "ready": 1}
     conditions = {c["type"]: c for c in status["conditions"]}
     assert conditions["Ready"]["reason"] == "AllServersReady"
@@ -122,7 +122,8 @@ def test_each_role_scales_up_and_down(start_operator, fleets):
     wait_for(lambda: names_of(fleets.pods("demo")) == ["demo-context-0", "demo-generation-0"], timeout=30,
              what="the scaled-down pods to be gone")
     wait_for(lambda: fleets.get("demo")["status"]["context"] == {"desired": 1, "current": 1, "updated": 1,
-                                                                 "ready": 1}, timeout=10, what="the counts")
+                                                                 "ready": 1, "servers": "1/1"}, timeout=10,
+             what="the counts")
     deleted = " ".join(e.message for e in fleets.events("DeletedServer"))
     assert all(name in deleted for name in ("demo-context-1", "demo-context-2", "demo-generation-1"))
 
