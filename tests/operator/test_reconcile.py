@@ -60,9 +60,9 @@ def test_fleet_gets_its_servers_router_rbac_status_and_events(start_operator, fl
     assert all(name in created[0].message for name in ("demo-context-0", "demo-context-1", "demo-generation-0"))
 
     row = printed_row(fleets, "demo")
-    assert list(row) == ["NAME", "READY", "ROLES READY", "STALLED", "REMEDIATING", "DEGRADED", "OBSERVED", "DELETING",
-                         "AGE"], row
-    assert list(row.values())[:8] == ["demo", "True", "3/3", "False", "False", "False", "1", ""], row
+    assert list(row) == ["NAME", "READY", "ROLES READY", "STALLED", "REMEDIATING", "DEGRADED", "MODEL", "OBSERVED",
+                         "DELETING", "AGE"], row
+    assert list(row.values())[:9] == ["demo", "True", "3/3", "False", "False", "False", "Available", "1", ""], row
 
 
 def printed_row(fleets, name: str) -> dict[str, str]:
@@ -121,9 +121,9 @@ def test_each_role_scales_up_and_down(start_operator, fleets):
     fleets.wait_ready("demo")
     wait_for(lambda: names_of(fleets.pods("demo")) == ["demo-context-0", "demo-generation-0"], timeout=30,
              what="the scaled-down pods to be gone")
-    wait_for(lambda: fleets.get("demo")["status"]["context"] == {"desired": 1, "current": 1, "updated": 1,
-                                                                 "ready": 1, "servers": "1/1"}, timeout=10,
-             what="the counts")
+    counts = ("desired", "current", "updated", "ready", "servers")  # (and the role's lastScale, now it scaled)
+    wait_for(lambda: {k: fleets.get("demo")["status"]["context"].get(k) for k in counts} == {
+        "desired": 1, "current": 1, "updated": 1, "ready": 1, "servers": "1/1"}, timeout=10, what="the counts")
     deleted = " ".join(e.message for e in fleets.events("DeletedServer"))
     assert all(name in deleted for name in ("demo-context-1", "demo-context-2", "demo-generation-1"))
 
@@ -153,8 +153,10 @@ def test_a_spec_change_rolls_servers_one_at_a_time_never_leaving_a_role_without_
     new_ones = [n for n, uid in timeline.created if uid not in before]
     assert len(new_ones) == 4  # each server replaced exactly once
     assert all(p.spec.containers[0].args[p.spec.containers[0].args.index("--kv-blocks") + 1] == "96" for p in pods)
-    progressing = fleets.condition("demo", "Progressing")
-    assert progressing["status"] == "False" and progressing["observedGeneration"] == generation
+    # Ready means the fleet serves, which it did all along: the roll is over when Progressing says so
+    wait_for(lambda: fleets.condition("demo", "Progressing")["status"] == "False", timeout=30,
+             what="Progressing False after the roll")
+    assert fleets.condition("demo", "Progressing")["observedGeneration"] == generation
 
 
 def test_a_server_deleted_by_hand_is_recreated_under_its_name(start_operator, fleets):
