@@ -2,8 +2,8 @@
 
 Order: the agent's base variables (PATH with this Python's bin first, HOME, HOSTNAME, the
 `kubernetes` Service variables pointing at the loopback apiserver, and what the adpfleet images
-set — `IMAGE_ENV`, since the local node runs this Python instead of an image), then `envFrom`, then `env` in
-order, each value `$(VAR)`-expanded against what came before; finally `command` and `args` are
+set — `image_env()`, since the local node runs this Python instead of an image), then `envFrom`,
+then `env` in order, each value `$(VAR)`-expanded against what came before; finally `command` and `args` are
 expanded against the result.
 """
 

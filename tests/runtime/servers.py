@@ -81,7 +81,10 @@ class Server(Process):
     def __init__(self, *args: str, host: str = "127.0.0.1", log_path=None, env=None, headers=None,
                  port: int | None = None):
         port = port or free_port(host)
-        super().__init__([sys.executable, "-m", "adpfleet", "serve", "--host", host, "--port", str(port), *args],
+        # A context server's KV listens on --port + 1 by default, which nothing reserved: any free
+        # port instead, unless the test names one.
+        kv = () if "--kv-port" in args else ("--kv-port", "0")
+        super().__init__([sys.executable, "-m", "adpfleet", "serve", "--host", host, "--port", str(port), *kv, *args],
                          port, log_path, env, host, headers)
 
 
@@ -117,9 +120,8 @@ class RouterProcess(Process):
 
 
 def serve(role: str, log_dir: Path, *extra: str, dp: int = 1, env=None, headers=None, port: int | None = None) -> Server:
-    """A real `adpfleet serve --role ROLE` (model tiny, 64 KV blocks); a context server's KV ports
-    are any free ones."""
-    return Server("--role", role, "--model", "tiny", "--dp", str(dp), "--kv-blocks", "64", "--kv-port", "0", *extra,
+    """A real `adpfleet serve --role ROLE` (model tiny, 64 KV blocks)."""
+    return Server("--role", role, "--model", "tiny", "--dp", str(dp), "--kv-blocks", "64", *extra,
                   log_path=log_dir / f"serve-{role}-{time.monotonic_ns()}.log", env=env, headers=headers, port=port)
 
 

@@ -40,11 +40,18 @@ inline float to_float(T x) { return static_cast<float>(x); }
 // block boundary (and every 4 KiB page): fetch the key `kPrefetchAhead` positions ahead.
 constexpr int64_t kPrefetchAhead = 4;
 
+// Where token `pos` of a request keeps its K (or V) for the task's heads: its block, its slot in
+// the block, then `offset` elements into the slot's row.
+template <typename T>
+inline const T* token_row(const T* cache, const int32_t* block_table, int64_t pos, int64_t bs, int64_t stride,
+                          int64_t offset) {
+  return cache + (static_cast<int64_t>(block_table[pos / bs]) * bs + pos % bs) * stride + offset;
+}
+
 template <typename T>
 inline void prefetch(const T* cache, const int32_t* block_table, int64_t pos, int64_t bs, int64_t stride,
                      int64_t offset, int64_t bytes) {
-  const char* p = reinterpret_cast<const char*>(
-      cache + (static_cast<int64_t>(block_table[pos / bs]) * bs + pos % bs) * stride + offset);
+  const char* p = reinterpret_cast<const char*>(token_row(cache, block_table, pos, bs, stride, offset));
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b);
 }
 
@@ -75,8 +82,7 @@ __attribute__((always_inline)) inline void attend_task(
   for (int64_t pos = 0; pos < seq_len; ++pos) {
     if (pos + kPrefetchAhead < seq_len)
       prefetch(k_cache, block_table, pos + kPrefetchAhead, bs, key_stride, h0 * D, task_bytes);
-    const int64_t slot = static_cast<int64_t>(block_table[pos / bs]) * bs + pos % bs;
-    const T* k = k_cache + slot * key_stride + h0 * D;
+    const T* k = token_row(k_cache, block_table, pos, bs, key_stride, h0 * D);
     for (int64_t j = std::max<int64_t>(0, pos - first_query_pos); j < QL; ++j)
       for (int64_t h = 0; h < NKV; ++h)
         for (int64_t g = 0; g < G; ++g) {
@@ -106,8 +112,7 @@ __attribute__((always_inline)) inline void attend_task(
   for (int64_t pos = 0; pos < seq_len; ++pos) {
     if (pos + kPrefetchAhead < seq_len)
       prefetch(v_cache, block_table, pos + kPrefetchAhead, bs, key_stride, h0 * D, task_bytes);
-    const int64_t slot = static_cast<int64_t>(block_table[pos / bs]) * bs + pos % bs;
-    const T* v = v_cache + slot * key_stride + h0 * D;
+    const T* v = token_row(v_cache, block_table, pos, bs, key_stride, h0 * D);
     for (int64_t j = std::max<int64_t>(0, pos - first_query_pos); j < QL; ++j)
       for (int64_t h = 0; h < NKV; ++h)
         for (int64_t g = 0; g < G; ++g) {
