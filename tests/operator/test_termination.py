@@ -1,7 +1,8 @@
-"""Servers end gracefully, whatever ends them: streams in flight survive their server's scale-down,
-deletion by hand and roll (the operator's DeleteServer or kubectl, the kubelet's SIGTERM, the
-server's drain: runtime/serving/drain.py), and every deleted server pod ends Succeeded. The same
-fleet's server, router and operator expose /metrics that the real `promtool check metrics` accepts.
+"""Servers end gracefully, whatever ends them: streams in flight survive their server's scale-down
+(drained before it is deleted), deletion by hand and roll (the operator's DeleteServer or kubectl,
+the kubelet's SIGTERM, the server's drain: runtime/serving/drain.py), and every deleted server pod
+ends Succeeded. The same fleet's server, router and operator expose /metrics that the real
+`promtool check metrics` accepts.
 
 One fleet of real servers (tiny model, one rank each) for the whole module: servers take a while
 to start on two cores. A stream of the tiny model lasts about ten seconds, less than a new server
@@ -134,6 +135,18 @@ def deleted_while_streaming(timeline: PodTimeline, pods: list, chains: Chains, *
     return pod
 
 
+def drained_then_deleted(timeline: PodTimeline, pods: list, chains: Chains):
+    """The one of `pods` a scale-down removes: deleted only once it runs nothing (its drain ended),
+    after its streams, which all complete."""
+    uids = {p.metadata.uid: p for p in pods}
+    pod = wait_for(lambda: next((uids[u] for u in timeline.deleting if u in uids), None), timeout=120,
+                   what="the scaled-down server's deletion")
+    assert running(pod) == 0, f"{pod.metadata.name} was deleted with requests in flight"
+    streams = chains.finish()
+    assert all(s.completed for s in streams), [s for s in streams if not s.completed]
+    return pod
+
+
 def test_streams_survive_their_servers_scale_down_deletion_and_roll_and_the_pods_end_succeeded(
         start_operator, fleets):
     op = start_operator()
@@ -148,13 +161,14 @@ def test_streams_survive_their_servers_scale_down_deletion_and_roll_and_the_pods
     promtool_check(op._get("/metrics")[1], "operator")
 
     with PodTimeline(fleets.cluster, fleets.ns, FLEET) as timeline:
-        # Scale-down 2 -> 1: the server removed finishes the streams it runs.
+        # Scale-down 2 -> 1: the server removed is drained first (the router sends it nothing new),
+        # finishes the streams it runs, and only then is deleted.
         generation = fleets.live_pods(FLEET, "generation")
         chains = Chains(url, 4)
         wait_for(lambda: all(running(p) >= 1 for p in generation), timeout=60, what="streams on both servers")
         chains.stop()
         fleets.patch_spec(FLEET, {"generation": {"servers": 1}})
-        removed = deleted_while_streaming(timeline, generation, chains)
+        removed = drained_then_deleted(timeline, generation, chains)
 
         # Deleted by hand: the server finishes its streams and comes back under its own name.
         only = fleets.live_pods(FLEET, "generation")

@@ -65,7 +65,7 @@ def test_killing_a_fake_generation_server_during_a_burst(log_dir, start_router):
             s.wait_healthy()
             s.configure(token_delay=0.05)
         router = start_router("--context", ctx.url, "--generation", gens[0].url, "--generation", gens[1].url,
-                              "--request-timeout", str(DEADLINE_S))
+                              "--request-timeout", str(DEADLINE_S)).wait_usable(context=1, generation=2)
         n, max_tokens = 16, 40
         results = asyncio.run(burst_and_kill(router.url, gens[0], n, max_tokens,
                                              kill_when=lambda: gens[0].streams_open() >= 1))

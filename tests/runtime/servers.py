@@ -106,6 +106,14 @@ class RouterProcess(Process):
                 out[name] = float(value)
         return out
 
+    def wait_usable(self, timeout: float = 30, **servers: int) -> "RouterProcess":
+        """Until the router counts `servers` ({role: n}) usable: its health probes passed, so a
+        request is placed at once instead of waiting in its queue (whose timeout may be short)."""
+        wait_for(lambda: all(self.metric("adpfleet_router_servers", role=role, usable="true") == n
+                             for role, n in servers.items()),
+                 timeout=timeout, what=f"the router to see usable servers {servers}")
+        return self
+
     def metric(self, name: str, **labels) -> float:
         """Sum of the samples of `name` whose labels include `labels`."""
         total = 0.0
