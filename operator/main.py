@@ -41,6 +41,14 @@ def add_arguments(p) -> None:
                         "--alerts-port and no longer on the plain HTTP port; re-read when the file changes")
     p.add_argument("--alerts-tls-key", metavar="FILE", default="", help="the certificate's private key (PEM)")
     p.add_argument("--alerts-port", type=int, default=8443, help="port of the TLS webhook listener")
+    p.add_argument("--network-policies", action="store_true",
+                   help="give every fleet NetworkPolicies: server HTTP only from its router, this operator and "
+                        "spec.networkPolicy.monitoringNamespaces; KV only from its generation servers")
+    p.add_argument("--operator-pod-labels", metavar="K=V[,K=V]", default="",
+                   help="labels of this operator's pods, which the NetworkPolicies let reach the servers' /metrics "
+                        "(its namespace is $POD_NAMESPACE)")
+    p.add_argument("--require-api-key", action="store_true",
+                   help="refuse (status InvalidSpec, nothing created) fleets without spec.auth.apiKeySecret")
     p.add_argument("--log-format", choices=["json", "plain"], default="json")
     p.add_argument("--verbose", "-v", action="store_true", help="debug logs")
 
@@ -54,6 +62,7 @@ def main(args) -> int:
         raise ValueError("say which namespaces to watch: --namespace NS (repeatable), $WATCH_NAMESPACE, "
                          "or --all-namespaces")
     webhook_tls(args)  # a certificate that cannot be used fails here, before anything starts
+    security_config(args)  # so do NetworkPolicy settings that cannot be used
     kopf.configure(verbose=args.verbose, log_format=kopf.LogFormat.JSON if args.log_format == "json"
                    else kopf.LogFormat.FULL, log_refkey="object", log_prefix=args.log_format == "plain")
     logging.getLogger("adpfleet").setLevel(logging.DEBUG if args.verbose else logging.INFO)
@@ -74,6 +83,23 @@ def webhook_tls(args):
     tls = TlsFiles(args.alerts_tls_cert, args.alerts_tls_key)
     tls.context()
     return tls
+
+
+def security_config(args):
+    """The operator's own security settings from its flags (docs/security.md)."""
+    from adpfleet.operator.decisions.security import OperatorIdentity, SecurityConfig
+
+    identity = None
+    if args.network_policies:
+        namespace = os.environ.get("POD_NAMESPACE", "")
+        if not namespace or not args.operator_pod_labels:
+            raise ValueError("--network-policies needs $POD_NAMESPACE and --operator-pod-labels: the policies must "
+                             "let this operator's pods reach the servers' /metrics")
+        labels = dict(pair.split("=", 1) for pair in args.operator_pod_labels.split(",") if "=" in pair)
+        if len(labels) != len([p for p in args.operator_pod_labels.split(",") if p]):
+            raise ValueError(f"--operator-pod-labels must be K=V[,K=V], got {args.operator_pod_labels!r}")
+        identity = OperatorIdentity(namespace, labels)
+    return SecurityConfig(network_policies=identity, require_api_key=args.require_api_key)
 
 
 def operator_settings(settings) -> None:
@@ -121,7 +147,8 @@ async def run(args, namespaces: list[str]) -> None:
     inbox = AlertInbox()
     stall = StallController(api, StallMetrics(metrics.registry), inbox, lambda key: loops.wake(key),
                             detection=args.stall_detection == "on")
-    loops = FleetLoops(Reconciler(api, metrics, status_part=stall), metrics, heartbeats,
+    loops = FleetLoops(Reconciler(api, metrics, status_part=stall, security_config=security_config(args)),
+                       metrics, heartbeats,
                        resync_seconds=args.resync_seconds)
     receiver = AlertReceiver(token_source(api, args.alerts_token_secret), inbox, stall.fleet_known,
                              count=lambda result, n: stall.metrics.alerts.labels(result).inc(n))

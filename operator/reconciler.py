@@ -1,9 +1,10 @@
 """One reconcile pass of one fleet: observe → desired → plan → act → status → events.
 
 Reads come from the kopf indexes (memory), so a pass that finds nothing to change makes no API
-request at all: it computes the same status as the one stored and leaves it alone. The only
-request a pass may make without changing anything is reading a referenced Secret, and only when it
-is about to create server pods.
+request at all: it computes the same status as the one stored and leaves it alone. A pass that acts
+first creates the fleet's internal token Secret (409: it exists). The operator never reads a
+Secret: the kubelet resolves the ones the pods name, and a missing one shows in the pod's status
+(CreateContainerConfigError), which becomes the fleet's Degraded condition.
 
 The pass is the status's one writer. Another controller that owns part of the status (the stall
 controller: Stalled, Remediating, recentRemediations) is composed in as a `StatusPart`: its
@@ -23,19 +24,19 @@ from typing import Protocol
 from pydantic import ValidationError
 
 from adpfleet.operator.adapters.kube import ApiResult, KubeApi, now_rfc3339
-from adpfleet.operator.decisions import conditions
+from adpfleet.operator.decisions import conditions, security
 from adpfleet.operator.decisions.conditions import Problem
 from adpfleet.operator.decisions.desired import DesiredFleet, desired_fleet
 from adpfleet.operator.decisions.observed import FleetObservation, ServerPod
 from adpfleet.operator.decisions.rollout import (Action, ApplyObject, CreateServer, DeleteObject, DeleteServer,
                                                  RolePlan, Wording, plan_objects, plan_role)
+from adpfleet.operator.decisions.security import SecurityConfig
 from adpfleet.operator.resource import names
 from adpfleet.operator.resource.models import FleetSpec, fleet_name_problem
 from adpfleet.operator.resource.names import FleetRef
 from adpfleet.operator.telemetry import OperatorMetrics
 
 EXPECTATION_SECONDS = 60.0   # how long an action's effect may take to show up in the watch cache
-SECRET_RECHECK_SECONDS = 30.0
 MAX_BACKOFF_SECONDS = 300.0
 
 Key = tuple[str, str]  # (namespace, fleet name)
@@ -110,11 +111,12 @@ def with_expectations(pods: list[ServerPod], memory: FleetMemory, now: float, te
 
 class Reconciler:
     def __init__(self, api: KubeApi, metrics: OperatorMetrics, clock=time.monotonic,
-                 status_part: StatusPart | None = None):
+                 status_part: StatusPart | None = None, security_config: SecurityConfig = SecurityConfig()):
         self.api = api
         self.metrics = metrics
         self.clock = clock
         self.status_part = status_part
+        self.security = security_config
 
     async def reconcile(self, obs: FleetObservation, memory: FleetMemory, logger: logging.Logger) -> PassResult:
         fleet = FleetRef(obs.name, obs.namespace, obs.uid)
@@ -122,23 +124,20 @@ class Reconciler:
             obs = dataclasses.replace(obs, status=memory.written_status[1])  # the cache lags our own write
 
         spec, invalid = _read_spec(obs)
+        if spec is not None and self.security.require_api_key and spec.auth.api_key_secret is None:
+            spec, invalid = None, Problem("InvalidSpec", "spec.auth.apiKeySecret is required: this operator runs "
+                                                         "with --require-api-key (the chart's security.requireApiKey)")
         if spec is None:
             status = conditions.fleet_status(obs, {}, None, [], None, [invalid], now_rfc3339())
             written = await self._store_status(fleet, obs, status, memory, logger)
             return PassResult(None, 0, written is StatusWrite.REFUSED)
 
-        desired = desired_fleet(fleet, spec)
-        hold = f"Secret {spec.model.token_secret_ref.name}" if spec.model.token_secret_ref else None
+        desired = desired_fleet(fleet, spec, self.security)
         role_pods, plans = self._roles(obs, memory, desired)
         objects_plan = plan_objects(desired.objects, list(obs.objects), obs.uid)
 
         problems: list[Problem] = []
         requeue: float | None = None
-        secret_problem = await self._check_secret(spec, obs.namespace, plans)
-        if secret_problem:
-            problems.append(secret_problem)
-            plans = _hold_creations(plans, hold)
-            requeue = SECRET_RECHECK_SECONDS
 
         # Router objects first (the ServiceAccount and Role before the Deployment that uses them),
         # then deletions (they free names and capacity), then creations.
@@ -146,6 +145,17 @@ class Reconciler:
         actions += [a for p in plans for a in p.actions if isinstance(a, DeleteServer)]
         actions += [a for p in plans for a in p.actions if isinstance(a, CreateServer)]
         failures = []
+        token_name = security.internal_token_secret_name(fleet.name)
+        if any(isinstance(a, (CreateServer, ApplyObject)) for a in actions) or \
+                any(token_name in (p.problem or "") for p in obs.pods):
+            # Before any pod that needs it (or when a pod cannot find it: deleted to rotate it):
+            # created, never read; 409 means it is there.
+            token = await self.api.create_secret(security.internal_token_secret(fleet))
+            if not token.ok:
+                message = f"could not create Secret {token_name}: {token.message}"
+                logger.warning(message)
+                await self.api.record_event(fleet, "Warning", "CreateFailed", message)
+                failures.append(Problem("CreateFailed", message))
         done: dict[tuple[Wording, str], list[str]] = {}  # (how the action is said, why) -> what was done
         for action in actions:
             outcome = await self._act(fleet, desired, action, memory)
@@ -169,11 +179,10 @@ class Reconciler:
         # created one pending), so it does not announce a state that is already gone.
         if actions:
             role_pods, plans = self._roles(obs, memory, desired)
-            if secret_problem:
-                plans = _hold_creations(plans, hold)
             plans = [dataclasses.replace(p, actions=()) for p in plans]  # the next pass's business
         own_pods = {role: [p for p in role_pods[role] if p.owner_uid == obs.uid] for role in names.ROLES}
-        problems += conditions.pod_problems([p for role in names.ROLES for p in own_pods[role]])
+        problems += conditions.pod_problems([p for role in names.ROLES for p in own_pods[role]],
+                                            security.secret_fields(fleet.name, spec))
         counts = {role: conditions.role_counts(desired.replicas[role], desired.servers[role].template_hash,
                                                own_pods[role]) for role in names.ROLES}
         router = conditions.router_counts(spec.router.enabled, spec.router.replicas, list(obs.objects))
@@ -204,21 +213,6 @@ class Reconciler:
         return role_pods, plans
 
     # ---- pieces ----
-
-    async def _check_secret(self, spec: FleetSpec, namespace: str, plans: list[RolePlan]) -> Problem | None:
-        ref = spec.model.token_secret_ref
-        if ref is None or not any(isinstance(a, CreateServer) for p in plans for a in p.actions):
-            return None
-        outcome, keys = await self.api.secret_keys(namespace, ref.name)
-        if keys is None and outcome.code == 404:
-            return Problem("SecretNotFound", f"Secret {ref.name!r} (spec.model.tokenSecretRef) does not exist in "
-                                             f"namespace {namespace}; create it or remove tokenSecretRef")
-        if keys is None:
-            return Problem("SecretUnreadable", f"reading Secret {ref.name!r}: {outcome.message}")
-        if ref.key not in keys:
-            return Problem("SecretKeyNotFound", f"Secret {ref.name!r} has no key {ref.key!r} "
-                                                f"(spec.model.tokenSecretRef.key); it has {sorted(keys)}")
-        return None
 
     async def _act(self, fleet: FleetRef, desired: DesiredFleet, action: Action, memory: FleetMemory) -> ApiResult:
         if isinstance(action, CreateServer):
@@ -282,13 +276,6 @@ class Reconciler:
             await self.api.record_event(fleet, "Normal", "FleetReady", cond["message"])
         elif type_ == "Ready" and had and had.get("status") == "True":
             await self.api.record_event(fleet, "Warning", "FleetNotReady", cond["message"])
-
-
-def _hold_creations(plans: list[RolePlan], waiting_for: str) -> list[RolePlan]:
-    """The plans without their server creations, saying what they wait for."""
-    return [dataclasses.replace(p, actions=tuple(a for a in p.actions if not isinstance(a, CreateServer)),
-                                waiting_for=waiting_for)
-            if any(isinstance(a, CreateServer) for a in p.actions) else p for p in plans]
 
 
 def _read_spec(obs: FleetObservation) -> tuple[FleetSpec | None, Problem | None]:

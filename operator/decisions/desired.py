@@ -17,6 +17,8 @@ import json
 import math
 from dataclasses import dataclass
 
+from adpfleet.operator.decisions import security
+from adpfleet.operator.decisions.security import SecurityConfig
 from adpfleet.operator.resource import names
 from adpfleet.operator.resource.names import FleetRef
 from adpfleet.operator.resource.models import FleetSpec, Resources, ServerRole
@@ -84,6 +86,13 @@ def server_args(spec: FleetSpec, role: str) -> list[str]:
         args += ["--served-model-name", spec.model.served_name]
     if not e.pad_empty_batch:
         args.append("--no-pad-empty-batch")
+    if e.draft_tokens:
+        args += ["--draft-tokens", str(e.draft_tokens), "--prompt-lookup-max", str(e.prompt_lookup_max),
+                 "--prompt-lookup-min", str(e.prompt_lookup_min)]
+    if not e.padding_reserve:
+        args.append("--no-padding-reserve")
+    if spec.fault_injection:
+        args.append("--fault-injection")
     return args
 
 
@@ -113,8 +122,8 @@ def _server_container(spec: FleetSpec, role: str) -> dict:
                            "failureThreshold": 2},
         # Liveness asks only whether the HTTP front end answers: a dead or hung rank already makes the
         # server exit, and a stalled engine is the remediation's call (drain first, cooldowns, DryRun),
-        # which a liveness kill on /health would pre-empt.
-        "livenessProbe": {"httpGet": {"path": "/v1/models", "port": "http"}, "periodSeconds": 10,
+        # which a liveness kill on /health would pre-empt. /metrics, because it needs no credential.
+        "livenessProbe": {"httpGet": {"path": "/metrics", "port": "http"}, "periodSeconds": 10,
                           "timeoutSeconds": 5, "failureThreshold": 3},
         "resources": _resource_requirements(r.resources, r.gpus_per_server, spec.gpu_resource_name),
         "securityContext": CONTAINER_SECURITY,
@@ -165,7 +174,7 @@ class ServerTemplate:
 
 
 def server_template(fleet: FleetRef, spec: FleetSpec, role: str) -> ServerTemplate:
-    pod_spec = _server_pod_spec(spec, role)
+    pod_spec = security.with_credentials(_server_pod_spec(spec, role), fleet, spec)
     labels, annotations = _pod_metadata_extras(spec)
     template_hash = digest({"spec": pod_spec, "labels": labels, "annotations": annotations})
     return ServerTemplate(fleet, role, pod_spec, labels, annotations, template_hash)
@@ -215,6 +224,7 @@ def router_objects(fleet: FleetRef, spec: FleetSpec) -> list[dict]:
     pod_spec = {"serviceAccountName": name, "containers": [container], "enableServiceLinks": False,
                 "securityContext": POD_SECURITY, "volumes": [SCRATCH_VOLUMES[0]],
                 "terminationGracePeriodSeconds": 30}
+    pod_spec = security.with_credentials(pod_spec, fleet, spec)
     if spec.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [s.to_kube() for s in spec.image_pull_secrets]
     pod_labels = {**extra_labels, **names.common_labels(fleet.name, "router")}
@@ -246,8 +256,11 @@ class DesiredFleet:
     objects: list[dict]                  # router objects, in apply order
 
 
-def desired_fleet(fleet: FleetRef, spec: FleetSpec) -> DesiredFleet:
+def desired_fleet(fleet: FleetRef, spec: FleetSpec, config: SecurityConfig = SecurityConfig()) -> DesiredFleet:
+    objects = router_objects(fleet, spec)
+    if config.network_policies is not None:
+        objects += [_with_hash(p) for p in security.network_policies(fleet, spec, config.network_policies)]
     return DesiredFleet(
         servers={role: server_template(fleet, spec, role) for role in names.ROLES},
         replicas={role: spec.role(role).servers for role in names.ROLES},
-        objects=router_objects(fleet, spec))
+        objects=objects)
