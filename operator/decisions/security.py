@@ -52,7 +52,7 @@ def internal_token_secret(fleet: FleetRef, token: str | None = None) -> dict:
     return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
             "metadata": {"name": internal_token_secret_name(fleet.name), "namespace": fleet.namespace,
                          "labels": names.common_labels(fleet.name, "internal-token"),
-                         "ownerReferences": [fleet.owner_reference()]},
+                         "ownerReferences": [fleet.owner_reference()]},  # deleted with the fleet
             "data": {INTERNAL_TOKEN_KEY: base64.b64encode(token.encode()).decode()}}
 
 

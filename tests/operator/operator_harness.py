@@ -35,12 +35,13 @@ class OperatorProcess:
     """`adpfleet operator` in a subprocess whose every API request goes through `proxy`."""
 
     def __init__(self, proxy: CountingProxy, workdir: Path, scope: list[str], *, resync_seconds: float = 300,
-                 extra_args: tuple[str, ...] = ()):
+                 extra_args: tuple[str, ...] = (), extra_env: dict[str, str] | None = None):
         self.proxy = proxy
         self.kubeconfig = proxy.write_kubeconfig(workdir / "operator.kubeconfig")
         self.scope = scope
         self.resync_seconds = resync_seconds
         self.extra_args = extra_args
+        self.extra_env = dict(extra_env or {})
         self.workdir = workdir
         self.port = 0
         self.proc: subprocess.Popen | None = None
@@ -55,7 +56,8 @@ class OperatorProcess:
         self.port = free_port()
         argv = [str(ADPFLEET), "operator", *self.scope, "--http-host", "127.0.0.1", "--http-port", str(self.port),
                 "--resync-seconds", str(self.resync_seconds), *self.extra_args]
-        env = {"KUBECONFIG": str(self.kubeconfig), "PATH": "/usr/bin:/bin", "HOME": str(self.workdir)}
+        env = {"KUBECONFIG": str(self.kubeconfig), "PATH": "/usr/bin:/bin", "HOME": str(self.workdir),
+               **self.extra_env}
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)

@@ -123,6 +123,20 @@ INVALID_SPECS = [
         api=("spec.context.env", "duplicate entries", 'name="A"'), py=("duplicate names",)),
     bad("token secret without a name", _set("spec.model.tokenSecretRef", {"key": "token"}),
         api=("spec.model.tokenSecretRef.name", "Required value"), py=("tokenSecretRef.name",)),
+    bad("fault injection through env", _set("spec.generation.env", [{"name": "ADPFLEET_FAULT_INJECTION", "value": "1"}]),
+        api=("spec.generation.env", "spec.faultInjection"), py=("spec.faultInjection",)),
+    bad("the internal token through env", _set("spec.context.env", [{"name": "ADPFLEET_INTERNAL_TOKEN", "value": "x"}]),
+        api=("spec.context.env", "must not set"), py=("must not set",)),
+    bad("API key secret without a name", _set("spec.auth", {"apiKeySecret": {"key": "k"}}),
+        api=("spec.auth.apiKeySecret.name", "Required value"), py=("apiKeySecret.name",)),
+    bad("client CIDR without a prefix length", _set("spec.networkPolicy", {"clientCidrs": ["10.0.0.1"]}),
+        api=("spec.networkPolicy.clientCidrs[0]",), py=("networkPolicy.clientCidrs",)),
+    bad("prompt lookup min above max", _set("spec.context.engine.promptLookupMin", 5),
+        api=("spec.context.engine.promptLookupMin", "must not exceed promptLookupMax"),
+        py=("must not exceed promptLookupMax",)),
+    bad("draft tokens beyond the token budget", _set("spec.context.engine.draftTokens", 8),
+        _set("spec.context.engine.maxNumTokens", 8),
+        api=("spec.context.engine.maxNumTokens", "decode query"), py=("decode query",)),
 ]
 
 # Names the root rule refuses: (name, words)
