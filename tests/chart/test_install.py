@@ -133,6 +133,7 @@ def test_install_runs_the_operator_under_its_service_account_and_it_reconciles_a
     # NOTES.txt: what to do next, for this namespace
     assert f"kubectl -n {namespace} rollout status deployment/{FULLNAME}" in release
     assert f"http://{FULLNAME}.{namespace}.svc:8080/alerts" in release and "helm show crds" in release
+    assert "auth: {apiKeySecret: {name: tiny-api-key, key: key}}" in release  # its fleet has the required key
 
     manifest = yaml.safe_load((EXAMPLES / "tiny-cpu.yaml").read_text())
     for role in ("context", "generation"):
