@@ -18,24 +18,35 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-class ProcessSampler:
-    """RSS and CPU time of another process, sampled every `interval` seconds in a thread, so that a
-    benchmark can ask for the peak RSS or the CPU share over any window of its run afterwards."""
+class Background:
+    """A daemon thread running the subclass's `_run` from `start()` until `stop()` (which `_run`
+    sees as `self._stop`): what every sampler and watcher of a benchmark is."""
 
-    def __init__(self, pid: int, interval: float = 0.5):
-        self.proc = psutil.Process(pid)
-        self.interval = interval
-        self.samples: list[tuple[float, float, float]] = []  # (monotonic, rss MB, cpu seconds)
+    def __init__(self):
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def start(self) -> "ProcessSampler":
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def start(self):
         self._thread.start()
         return self
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(5)
+
+
+class ProcessSampler(Background):
+    """RSS and CPU time of another process, sampled every `interval` seconds in a thread, so that a
+    benchmark can ask for the peak RSS or the CPU share over any window of its run afterwards."""
+
+    def __init__(self, pid: int, interval: float = 0.5):
+        super().__init__()
+        self.proc = psutil.Process(pid)
+        self.interval = interval
+        self.samples: list[tuple[float, float, float]] = []  # (monotonic, rss MB, cpu seconds)
 
     def sample(self) -> None:
         """Take one sample now (the thread takes one every interval)."""

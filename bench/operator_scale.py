@@ -31,7 +31,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from collections import Counter
@@ -41,7 +40,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from common import ProcessSampler  # noqa: E402
+from common import Background, ProcessSampler  # noqa: E402
 RESULTS = ROOT / "bench" / "results" / "operator_scale.json"
 STATUS_ONLY = {"adpfleet.io/node-agent": "status-only"}
 NAMESPACE = "bench"
@@ -62,25 +61,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class PodChangeCounter:
+class PodChangeCounter(Background):
     """Counts pod watch events (ADDED/MODIFIED/DELETED) in the namespace while it runs."""
 
     def __init__(self, api_client):
         from kubernetes import client
+        super().__init__()
         self.core = client.CoreV1Api(api_client)
         self.count = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
     def start(self) -> "PodChangeCounter":
         version = self.core.list_namespaced_pod(NAMESPACE).metadata.resource_version
         self._version = version
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
+        return super().start()
 
     def _run(self) -> None:
         from kubernetes import watch

@@ -26,7 +26,6 @@ import re
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -36,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "operator"))  # the e2e tests' fleet, load and fault helpers
 sys.path.insert(0, str(ROOT / "bench"))
 
+from common import Background  # noqa: E402
 from stall_harness import Load, free_port, inject, remediations, stall_fleet  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "remediation.json"
@@ -46,26 +46,17 @@ FAULTS = [("starve", 1, "context", "vetoed"), ("freeze", 0, "generation", "hung"
           ("stop-reaping", 0, "context", "transfer")]
 
 
-class PodWatch:
+class PodWatch(Background):
     """Polls the fleet's server pods: when each uid was drained, deleted, and became Ready."""
 
     def __init__(self, core, namespace: str):
+        super().__init__()
         self.core, self.ns = core, namespace
         self.first_seen: dict[str, float] = {}
         self.drained: dict[str, float] = {}
         self.deleted: dict[str, float] = {}
         self.ready: dict[str, float] = {}
         self.names: dict[str, str] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def start(self) -> "PodWatch":
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
 
     def _run(self) -> None:
         while not self._stop.is_set():

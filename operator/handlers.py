@@ -1,6 +1,6 @@
 """The kopf layer: which watch events matter, and where they go. No decisions here.
 
-- indexes keep every fleet's server pods and router objects in memory, keyed (namespace, fleet),
+- indexes keep every fleet's server pods, router objects and disruption budgets in memory, keyed (namespace, fleet),
   reduced to the small records the decisions read (`decisions/observed.py`);
 - event handlers wake the loop of the fleet the event belongs to;
 - one daemon per fleet runs its reconcile loop (`loops.py`), another its stall watch (`stall.py`).
@@ -21,7 +21,8 @@ from adpfleet.operator.resource import names
 from adpfleet.operator.resource.names import FleetRef
 
 FLEETS = (names.GROUP, names.VERSION, names.PLURAL)
-# The router's objects and the fleet's NetworkPolicies, each with its own watch: (kind, group, version, plural)
+# The router's objects, the disruption budgets and the NetworkPolicies, each with its own watch:
+# (kind, group, version, plural)
 OWNED_KINDS = [
     ("Deployment", "apps", "v1", "deployments"),
     ("Service", "", "v1", "services"),
@@ -29,6 +30,7 @@ OWNED_KINDS = [
     ("Role", "rbac.authorization.k8s.io", "v1", "roles"),
     ("RoleBinding", "rbac.authorization.k8s.io", "v1", "rolebindings"),
     ("NetworkPolicy", "networking.k8s.io", "v1", "networkpolicies"),
+    ("PodDisruptionBudget", "policy", "v1", "poddisruptionbudgets"),
 ]
 SERVER_POD_LABELS = {names.LABEL_MANAGED_BY: names.MANAGER, names.LABEL_ROLE: kopf.PRESENT,
                      names.LABEL_FLEET: kopf.PRESENT}

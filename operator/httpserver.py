@@ -22,19 +22,43 @@ from adpfleet.operator.telemetry import Heartbeats, OperatorMetrics
 log = logging.getLogger("adpfleet.operator.http")
 
 TLS_RELOAD_SECONDS = 30.0  # how often the certificate files are checked for a renewal
+STANDBY_SILENCE_FACTOR = 10  # a standby whose Lease loop is silent this many retry periods is unhealthy
+RETRY_AFTER_STANDBY = "2"    # seconds Alertmanager is told to wait before it tries (another replica) again
+
+
+def leader_only(routes, elector) -> list[web.RouteDef]:
+    """`routes` answering 503 (Retry-After) while this replica stands by: only the leader acts on
+    an alert, and behind the operator's Service a retry soon reaches it."""
+    def guard(handler):
+        async def guarded(request: web.Request) -> web.StreamResponse:
+            if not elector.leading:
+                return web.json_response({"error": "this operator replica is a standby; retry (the Service "
+                                                   "routes to the leader)"}, status=503,
+                                         headers={"Retry-After": RETRY_AFTER_STANDBY})
+            return await handler(request)
+        return guarded
+    return [web.route(r.method, r.path, guard(r.handler), **r.kwargs) for r in routes]
 
 
 async def start_http_server(host: str, port: int, metrics: OperatorMetrics, heartbeats: Heartbeats,
-                            ready: asyncio.Event, routes=()) -> web.AppRunner:
-    """`routes`: more endpoints on the same listener (the webhook, when it has no TLS listener)."""
+                            ready: asyncio.Event, routes=(), elector=None) -> web.AppRunner:
+    """`routes`: more endpoints on the same listener (the webhook, when it has no TLS listener).
+    `elector`: this replica's leader election (its role shows on /readyz and /healthz)."""
     async def healthz(_request):
         problems = heartbeats.problems()
+        if elector is not None and not elector.leading and \
+                elector.clock() - elector.last_attempt > STANDBY_SILENCE_FACTOR * elector.timing.retry_period:
+            problems = problems + [f"the standby has not looked at the Lease for "
+                                   f"{elector.clock() - elector.last_attempt:.0f} s"]
         metrics.healthy.set(0 if problems else 1)
         body = {"status": "unhealthy" if problems else "ok", "problems": problems, "fleets": heartbeats.snapshot()}
+        if elector is not None:
+            body["role"] = elector.role
         return web.json_response(body, status=503 if problems else 200)
 
     async def readyz(_request):
-        return web.json_response({"ready": ready.is_set()}, status=200 if ready.is_set() else 503)
+        body = {"ready": ready.is_set(), **({"role": elector.role} if elector is not None else {})}
+        return web.json_response(body, status=200 if ready.is_set() else 503)
 
     async def prometheus(_request):
         return web.Response(body=generate_latest(metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})

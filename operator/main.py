@@ -3,9 +3,14 @@
 It runs kopf (watches, indexes, two daemons per fleet: the reconcile loop and the stall loop) and,
 beside it on the same event loop, a small HTTP server: `/healthz` (liveness, from the reconcile
 loops' heartbeats), `/readyz` (kopf has started), `/metrics`, and Alertmanager's webhook
-`POST /alerts` (on its own TLS listener when given a certificate). Logs are JSON lines by default. SIGTERM or SIGINT stop it gracefully: kopf
-stops the fleet loops (a pass in progress finishes), then the HTTP server closes and the process
-exits 0.
+`POST /alerts` (on its own TLS listener when given a certificate). Logs are JSON lines by default.
+SIGTERM or SIGINT stop it gracefully: kopf stops the fleet loops (a pass in progress finishes), then
+the HTTP server closes and the process exits 0.
+
+With `--leader-elect` (the chart's default, two replicas) the process first stands by: it serves
+the HTTP endpoints (`/alerts` answers 503 so Alertmanager retries, and lands on the leader) and
+reads the Lease, and starts kopf only once it holds it (election.py). A leader that loses the
+Lease exits at once with code 1; a leader stopped by SIGTERM hands the Lease back first.
 """
 
 from __future__ import annotations
@@ -13,7 +18,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
+import signal
+import socket
+import sys
 from concurrent.futures import ThreadPoolExecutor
+
+from adpfleet.operator.decisions.leadership import Timing
 
 log = logging.getLogger("adpfleet.operator")
 
@@ -49,6 +60,19 @@ def add_arguments(p) -> None:
                         "(its namespace is $POD_NAMESPACE)")
     p.add_argument("--require-api-key", action="store_true",
                    help="refuse (status InvalidSpec, nothing created) fleets without spec.auth.apiKeySecret")
+    election = p.add_argument_group("leader election (one acting replica among several; docs/operator.md)")
+    election.add_argument("--leader-elect", action="store_true",
+                          help="act only while holding the Lease; otherwise stand by (no watches, no writes)")
+    election.add_argument("--leader-election-namespace", default=os.environ.get("POD_NAMESPACE", ""),
+                          metavar="NS", help="namespace of the Lease (default: $POD_NAMESPACE)")
+    election.add_argument("--leader-election-id", default="adpfleet-operator", metavar="NAME",
+                          help="name of the Lease; replicas that share it elect one leader")
+    election.add_argument("--lease-duration", type=float, default=Timing.lease_duration, metavar="S",
+                          help="a standby takes over a Lease not renewed for this long")
+    election.add_argument("--renew-deadline", type=float, default=Timing.renew_deadline, metavar="S",
+                          help="the leader exits when it could not renew for this long (< --lease-duration)")
+    election.add_argument("--retry-period", type=float, default=Timing.retry_period, metavar="S",
+                          help="how often the leader renews and a standby looks")
     p.add_argument("--log-format", choices=["json", "plain"], default="json")
     p.add_argument("--verbose", "-v", action="store_true", help="debug logs")
 
@@ -63,6 +87,7 @@ def main(args) -> int:
                          "or --all-namespaces")
     webhook_tls(args)  # a certificate that cannot be used fails here, before anything starts
     security_config(args)  # so do NetworkPolicy settings that cannot be used
+    election_timing(args)
     kopf.configure(verbose=args.verbose, log_format=kopf.LogFormat.JSON if args.log_format == "json"
                    else kopf.LogFormat.FULL, log_refkey="object", log_prefix=args.log_format == "plain")
     logging.getLogger("adpfleet").setLevel(logging.DEBUG if args.verbose else logging.INFO)
@@ -100,6 +125,44 @@ def security_config(args):
             raise ValueError(f"--operator-pod-labels must be K=V[,K=V], got {args.operator_pod_labels!r}")
         identity = OperatorIdentity(namespace, labels)
     return SecurityConfig(network_policies=identity, require_api_key=args.require_api_key)
+def election_timing(args) -> Timing | None:
+    """The leader election's timing (checked), or None without --leader-elect."""
+    if not args.leader_elect:
+        return None
+    if not args.leader_election_namespace:
+        raise ValueError("--leader-elect needs the Lease's namespace: --leader-election-namespace or $POD_NAMESPACE")
+    timing = Timing(args.lease_duration, args.renew_deadline, args.retry_period)
+    problem = timing.problem()
+    if problem:
+        raise ValueError(problem)
+    return timing
+
+
+def identity() -> str:
+    """This replica's name in the Lease: the pod (or host) and a random suffix, so that a restarted
+    container is a new candidate rather than a holder that forgot it holds the Lease."""
+    return f"{os.environ.get('POD_NAME') or socket.gethostname()}_{secrets.token_hex(4)}"
+
+
+def _exit_now(why: str) -> None:
+    """Leadership lost: stop writing at once (no graceful shutdown: a pass in progress must not finish)."""
+    log.error("leader election lost: %s; exiting so that only the new leader acts", why)
+    logging.shutdown()
+    sys.stdout.flush()
+    os._exit(1)
+
+
+async def stand_by(elector) -> bool:
+    """Wait to become the leader; False when SIGTERM/SIGINT came first (kopf handles them once it runs)."""
+    loop = asyncio.get_running_loop()
+    stopping = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    try:
+        return await elector.acquire(stopping)
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
 
 
 def operator_settings(settings) -> None:
@@ -109,7 +172,7 @@ def operator_settings(settings) -> None:
 
     settings.posting.enabled = False  # Events are written by the reconciler, only when something happened
     settings.persistence.finalizer = FINALIZER
-    settings.peering.standalone = True  # one replica; leader election comes with the chart
+    settings.peering.standalone = True  # no kopf peering: one replica acts, chosen by the Lease (election.py)
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     settings.watching.connect_timeout = 10
@@ -127,8 +190,9 @@ async def run(args, namespaces: list[str]) -> None:
 
     from adpfleet.operator.adapters.kube import CONNECTION_POOL, KubeApi, load_api_client, require_crd
     from adpfleet.operator.alerts import AlertReceiver, token_source
+    from adpfleet.operator.election import LeaderElector
     from adpfleet.operator.handlers import build_registry
-    from adpfleet.operator.httpserver import start_http_server, start_webhook_server
+    from adpfleet.operator.httpserver import leader_only, start_http_server, start_webhook_server
     from adpfleet.operator.inbox import AlertInbox
     from adpfleet.operator.loops import FleetLoops
     from adpfleet.operator.reconciler import Reconciler
@@ -152,19 +216,34 @@ async def run(args, namespaces: list[str]) -> None:
                        resync_seconds=args.resync_seconds)
     receiver = AlertReceiver(token_source(api, args.alerts_token_secret), inbox, stall.fleet_known,
                              count=lambda result, n: stall.metrics.alerts.labels(result).inc(n))
+    timing = election_timing(args)
+    elector = LeaderElector(api, metrics, namespace=args.leader_election_namespace, name=args.leader_election_id,
+                            identity=identity(), timing=timing) if timing else None
+    webhook_routes = leader_only(receiver.routes(), elector) if elector else receiver.routes()
     ready = asyncio.Event()
     tls = webhook_tls(args)
     http = await start_http_server(args.http_host, args.http_port, metrics, heartbeats, ready,
-                                   routes=() if tls else receiver.routes()) if args.http_port else None
-    webhook = await start_webhook_server(args.http_host, args.alerts_port, receiver.routes(), tls) if tls else None
+                                   routes=() if tls else webhook_routes, elector=elector) if args.http_port else None
+    webhook = await start_webhook_server(args.http_host, args.alerts_port, webhook_routes, tls) if tls else None
     settings = kopf.OperatorSettings()
     operator_settings(settings)
-    log.info("starting: watching %s", "all namespaces" if args.all_namespaces else ", ".join(namespaces))
+    keeping = None
     try:
+        if elector is not None:
+            ready.set()  # a standby is ready to take over: it serves /metrics, and 503 on /alerts
+            if not await stand_by(elector):
+                return
+            keeping = asyncio.ensure_future(elector.keep(_exit_now))
+        else:
+            metrics.leader.set(1)
+        log.info("starting: watching %s", "all namespaces" if args.all_namespaces else ", ".join(namespaces))
         await kopf.operator(registry=build_registry(), settings=settings, memo=kopf.Memo(loops=loops, stall=stall),
                             clusterwide=bool(args.all_namespaces), namespaces=namespaces,
                             standalone=True, ready_flag=ready)
     finally:
+        if keeping is not None:
+            keeping.cancel()
+            await elector.release()
         for server in (http, webhook):
             if server is not None:
                 await server.cleanup()

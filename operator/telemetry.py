@@ -88,6 +88,10 @@ class OperatorMetrics:
                                ["action"], registry=r)
         self.fleets = Gauge("adpfleet_operator_fleets", "Fleets the operator currently reconciles.", registry=r)
         self.healthy = Gauge("adpfleet_operator_healthy", "1 while /healthz passes.", registry=r)
+        self.leader = Gauge("adpfleet_operator_leader", "1 while this replica holds the leader Lease (and acts); "
+                            "1 always without leader election.", registry=r)
+        self.leader_transitions = Counter("adpfleet_operator_leader_acquisitions_total",
+                                          "Times this replica became the leader.", registry=r)
 
     def write_count(self) -> float:
         """API requests that change something (create, patch, delete), summed over resources."""

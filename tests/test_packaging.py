@@ -28,3 +28,12 @@ def test_cli_help_lists_the_commands_without_importing_torch():
     code = ("import sys; from adpfleet.cli import build_parser; build_parser(); "
             "assert 'torch' not in sys.modules, 'the CLI imported torch just to parse arguments'")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+def test_the_wheel_carries_the_vendored_pod_schema(tmp_path):
+    """`adpfleet crds` and the operator read operator/resource/pod_schema.json at import."""
+    import zipfile
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet",
+                    "--wheel-dir", str(tmp_path), str(ROOT)], check=True, capture_output=True)
+    (wheel,) = tmp_path.glob("adpfleet-*.whl")
+    assert "adpfleet/operator/resource/pod_schema.json" in zipfile.ZipFile(wheel).namelist()

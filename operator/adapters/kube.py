@@ -70,6 +70,13 @@ def now_rfc3339() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def now_micro() -> str:
+    """A MicroTime (a Lease's acquireTime and renewTime)."""
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+
+
 class KubeApi:
     """The operator's requests; each returns an `ApiResult` and never raises."""
 
@@ -79,6 +86,8 @@ class KubeApi:
         self.apps = client.AppsV1Api(api_client)
         self.rbac = client.RbacAuthorizationV1Api(api_client)
         self.networking = client.NetworkingV1Api(api_client)
+        self.policy = client.PolicyV1Api(api_client)
+        self.coordination = client.CoordinationV1Api(api_client)
         self.custom = client.CustomObjectsApi(api_client)
         self.metrics = metrics
 
@@ -119,7 +128,7 @@ class KubeApi:
         return await self._call("patch", "pods", self.core.patch_namespaced_pod, name, namespace, body,
                                 ok_codes=(404,))
 
-    # ---- the router's objects: server-side apply, so fields we stop setting are removed ----
+    # ---- the router's objects and the budgets: server-side apply, so fields we stop setting are removed ----
 
     _APPLY = {
         "ServiceAccount": ("serviceaccounts", "core", "patch_namespaced_service_account",
@@ -130,6 +139,8 @@ class KubeApi:
         "RoleBinding": ("rolebindings", "rbac", "patch_namespaced_role_binding", "delete_namespaced_role_binding"),
         "NetworkPolicy": ("networkpolicies", "networking", "patch_namespaced_network_policy",
                           "delete_namespaced_network_policy"),
+        "PodDisruptionBudget": ("poddisruptionbudgets", "policy", "patch_namespaced_pod_disruption_budget",
+                                "delete_namespaced_pod_disruption_budget"),
     }
 
     async def apply(self, manifest: dict) -> ApiResult:
@@ -145,6 +156,36 @@ class KubeApi:
                                       propagation_policy="Background")
         return await self._call("delete", resource, getattr(getattr(self, api), delete), name, namespace,
                                 body=body, ok_codes=(404, 409))
+
+    # ---- leader election (a coordination.k8s.io Lease) ----
+
+    def _plain(self, out: ApiResult) -> dict | None:
+        return self.api_client.sanitize_for_serialization(out.body) if out.ok and out.body is not None else None
+
+    async def read_lease(self, namespace: str, name: str) -> tuple[ApiResult, dict | None]:
+        """The Lease as a plain object (None when there is none yet)."""
+        out = await self._call("get", "leases", self.coordination.read_namespaced_lease, name, namespace,
+                               ok_codes=(404,))
+        return out, self._plain(out)
+
+    async def create_lease(self, namespace: str, name: str, spec: dict) -> tuple[ApiResult, dict | None]:
+        body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                "metadata": {"name": name, "namespace": namespace, "labels": {names.LABEL_MANAGED_BY: names.MANAGER}},
+                "spec": spec}
+        out = await self._call("create", "leases", self.coordination.create_namespaced_lease, namespace, body,
+                               field_manager=names.MANAGER)
+        return out, self._plain(out)
+
+    async def replace_lease(self, namespace: str, name: str, spec: dict,
+                            resource_version: str) -> tuple[ApiResult, dict | None]:
+        """Write the Lease as it was at `resource_version` (409 when it changed since)."""
+        body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                "metadata": {"name": name, "namespace": namespace, "resourceVersion": resource_version,
+                             "labels": {names.LABEL_MANAGED_BY: names.MANAGER}},
+                "spec": spec}
+        out = await self._call("update", "leases", self.coordination.replace_namespaced_lease, name, namespace, body,
+                               field_manager=names.MANAGER)
+        return out, self._plain(out)
 
     # ---- the fleet ----
 

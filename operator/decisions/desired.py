@@ -1,8 +1,9 @@
 """The objects a fleet should have, as plain manifests: a pure function of its spec.
 
-Server pods (one per server, `<fleet>-<role>-<index>`), and the router: a Deployment running
+Server pods (one per server, `<fleet>-<role>-<index>`), the router: a Deployment running
 `adpfleet router` with Kubernetes discovery, its Service, and a ServiceAccount bound to a Role that
-can read pods in the fleet's namespace and nothing else.
+can read pods in the fleet's namespace and nothing else; and a PodDisruptionBudget per role and for
+the router. A role's (or the router's) pod template is laid over its pods (`pod_template.py`).
 
 Every object carries `adpfleet.io/template-hash`: a digest of what it was built from. A server pod
 whose hash differs from its role's current one is rolled; any other child whose hash differs is
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 
 from adpfleet.operator.decisions import security
 from adpfleet.operator.decisions.security import SecurityConfig
+from adpfleet.operator.decisions import pod_template
 from adpfleet.operator.resource import names
 from adpfleet.operator.resource.names import FleetRef
 from adpfleet.operator.resource.models import FleetSpec, Resources, ServerRole
@@ -45,9 +47,7 @@ def _resource_requirements(resources: Resources, gpus: int = 0, gpu_resource: st
 
 
 def _downward_env() -> list[dict]:
-    return [{"name": var, "valueFrom": {"fieldRef": {"fieldPath": path}}}
-            for var, path in (("POD_IP", "status.podIP"), ("POD_NAME", "metadata.name"),
-                              ("POD_NAMESPACE", "metadata.namespace"))]
+    return [{"name": var, "valueFrom": {"fieldRef": {"fieldPath": path}}} for var, path in names.DOWNWARD_ENV.items()]
 
 
 # The uid of the images' `adpfleet` user (docker/*.Dockerfile).
@@ -60,14 +60,15 @@ CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem
 # shared between rank processes, NCCL buffers; a container's default 64 MiB is too small).
 # /var/tmp rather than /tmp: the local node agent keeps its pods' state under /tmp, and a volume
 # mounted over it would hide that state from the container's own start-up.
-SCRATCH_DIR = "/var/tmp"
-SCRATCH_VOLUMES = [{"name": "scratch", "emptyDir": {}}, {"name": "shm", "emptyDir": {"medium": "Memory"}}]
-SCRATCH_MOUNTS = [{"name": "scratch", "mountPath": SCRATCH_DIR}, {"name": "shm", "mountPath": "/dev/shm"}]
-SCRATCH_ENV = [{"name": "HOME", "value": SCRATCH_DIR}, {"name": "TMPDIR", "value": SCRATCH_DIR}]
+SCRATCH_VOLUMES = [{"name": names.SCRATCH_VOLUME, "emptyDir": {}}, {"name": names.SHM_VOLUME, "emptyDir": {"medium": "Memory"}}]
+SCRATCH_MOUNTS = [{"name": names.SCRATCH_VOLUME, "mountPath": names.SCRATCH_DIR},
+                  {"name": names.SHM_VOLUME, "mountPath": names.SHM_DIR}]
+SCRATCH_ENV = [{"name": var, "value": names.SCRATCH_DIR} for var in names.SCRATCH_ENV]
 
 
-def _pod_metadata_extras(spec: FleetSpec) -> tuple[dict, dict]:
-    return dict(spec.pod_metadata.labels), dict(spec.pod_metadata.annotations)
+def _pod_metadata_extras(spec: FleetSpec, template) -> tuple[dict, dict]:
+    labels, annotations = pod_template.metadata(spec.pod_metadata.labels, spec.pod_metadata.annotations, template)
+    return labels, {**annotations, **pod_template.default_container(template)}
 
 
 # ---- servers ----
@@ -98,17 +99,17 @@ def server_args(spec: FleetSpec, role: str) -> list[str]:
 
 def _server_container(spec: FleetSpec, role: str) -> dict:
     r = spec.role(role)
-    env = _downward_env() + SCRATCH_ENV + [{"name": "OMP_NUM_THREADS", "value": str(r.engine.threads_per_rank)}]
+    env = _downward_env() + SCRATCH_ENV + [{"name": names.THREADS_ENV, "value": str(r.engine.threads_per_rank)}]
     if spec.model.token_secret_ref:
         ref = spec.model.token_secret_ref
-        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+        env.append({"name": names.TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
     env += [e.to_kube() for e in r.env]
     ports = [{"name": "http", "containerPort": names.SERVER_HTTP_PORT, "protocol": "TCP"}]
     if role == "context":  # context servers serve KV-cache transfers to generation servers
         ports.append({"name": "kv", "containerPort": names.SERVER_KV_PORT, "protocol": "TCP"})
     health = {"httpGet": {"path": "/health", "port": "http"}}
     return {
-        "name": "server",
+        "name": names.SERVER_CONTAINER,
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["adpfleet"],
@@ -131,7 +132,7 @@ def _server_container(spec: FleetSpec, role: str) -> dict:
     }
 
 
-def _server_pod_spec(spec: FleetSpec, role: str) -> dict:
+def _server_pod_spec(fleet: FleetRef, spec: FleetSpec, role: str) -> dict:
     r = spec.role(role)
     pod_spec = {
         "containers": [_server_container(spec, role)],
@@ -148,7 +149,8 @@ def _server_pod_spec(spec: FleetSpec, role: str) -> dict:
         pod_spec["tolerations"] = [t.to_kube() for t in r.tolerations]
     if spec.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [s.to_kube() for s in spec.image_pull_secrets]
-    return pod_spec
+    pod_spec = security.with_credentials(pod_spec, fleet, spec, names.SERVER_CONTAINER)
+    return pod_template.pod_spec(pod_spec, r.pod_template)
 
 
 @dataclass(frozen=True)
@@ -174,8 +176,8 @@ class ServerTemplate:
 
 
 def server_template(fleet: FleetRef, spec: FleetSpec, role: str) -> ServerTemplate:
-    pod_spec = security.with_credentials(_server_pod_spec(spec, role), fleet, spec)
-    labels, annotations = _pod_metadata_extras(spec)
+    pod_spec = _server_pod_spec(fleet, spec, role)
+    labels, annotations = _pod_metadata_extras(spec, spec.role(role).pod_template)
     template_hash = digest({"spec": pod_spec, "labels": labels, "annotations": annotations})
     return ServerTemplate(fleet, role, pod_spec, labels, annotations, template_hash)
 
@@ -203,10 +205,10 @@ def router_objects(fleet: FleetRef, spec: FleetSpec) -> list[dict]:
     if not spec.router.enabled:
         return []
     name = names.router_name(fleet.name)
-    extra_labels, extra_annotations = _pod_metadata_extras(spec)
+    extra_labels, extra_annotations = _pod_metadata_extras(spec, spec.router.pod_template)
     selector = names.router_selector(fleet.name)
     container = {
-        "name": "router",
+        "name": names.ROUTER_CONTAINER,
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["adpfleet"],
@@ -224,9 +226,10 @@ def router_objects(fleet: FleetRef, spec: FleetSpec) -> list[dict]:
     pod_spec = {"serviceAccountName": name, "containers": [container], "enableServiceLinks": False,
                 "securityContext": POD_SECURITY, "volumes": [SCRATCH_VOLUMES[0]],
                 "terminationGracePeriodSeconds": 30}
-    pod_spec = security.with_credentials(pod_spec, fleet, spec)
+    pod_spec = security.with_credentials(pod_spec, fleet, spec, names.ROUTER_CONTAINER)
     if spec.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [s.to_kube() for s in spec.image_pull_secrets]
+    pod_spec = pod_template.pod_spec(pod_spec, spec.router.pod_template)
     pod_labels = {**extra_labels, **names.common_labels(fleet.name, "router")}
     objects = [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(fleet, name, "router")},
@@ -249,15 +252,41 @@ def router_objects(fleet: FleetRef, spec: FleetSpec) -> list[dict]:
     return [_with_hash(o) for o in objects]
 
 
+# ---- disruption budgets ----
+
+def min_available(replicas: int, max_unavailable: int) -> int:
+    """A budget's minAvailable: `maxUnavailable` fewer than the replicas, but never below one, so
+    that an eviction (a node drain) never takes the last Ready pod of a role. An integer, not a
+    percentage or maxUnavailable: the disruption controller can count a fleet's server pods only
+    when it need not ask their controller (the fleet) for a scale."""
+    return max(1, replicas - max_unavailable)
+
+
+def disruption_budgets(fleet: FleetRef, spec: FleetSpec) -> list[dict]:
+    """A PodDisruptionBudget per role (`<fleet>-<role>`) and one for the router (`<fleet>-router`)."""
+    wanted = [(role, spec.role(role).disruption_budget, spec.role(role).servers,
+               {names.LABEL_FLEET: fleet.name, names.LABEL_ROLE: role}) for role in names.ROLES]
+    if spec.router.enabled:
+        wanted.append(("router", spec.router.disruption_budget, spec.router.replicas,
+                       names.router_selector(fleet.name)))
+    return [_with_hash({
+        "apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+        "metadata": _meta(fleet, names.budget_name(fleet.name, component), component),
+        "spec": {"minAvailable": min_available(replicas, budget.max_unavailable), "selector": {"matchLabels": selector},
+                 # a pod that is not Ready serves nothing: evicting it never costs the budget
+                 "unhealthyPodEvictionPolicy": "AlwaysAllow"}})
+        for component, budget, replicas, selector in wanted if budget.enabled]
+
+
 @dataclass(frozen=True)
 class DesiredFleet:
     servers: dict[str, ServerTemplate]   # role -> template
     replicas: dict[str, int]             # role -> servers
-    objects: list[dict]                  # router objects, in apply order
+    objects: list[dict]                  # router objects and disruption budgets, in apply order
 
 
 def desired_fleet(fleet: FleetRef, spec: FleetSpec, config: SecurityConfig = SecurityConfig()) -> DesiredFleet:
-    objects = router_objects(fleet, spec)
+    objects = router_objects(fleet, spec) + disruption_budgets(fleet, spec)
     if config.network_policies is not None:
         objects += [_with_hash(p) for p in security.network_policies(fleet, spec, config.network_policies)]
     return DesiredFleet(

@@ -59,7 +59,7 @@ class ServerView:
 @dataclass(frozen=True)
 class OwnedObject:
     """A child other than a server pod: the router's Deployment, Service, ServiceAccount, Role,
-    RoleBinding."""
+    RoleBinding, and the disruption budgets."""
     kind: str
     name: str
     uid: str

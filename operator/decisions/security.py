@@ -66,10 +66,12 @@ def credential_env(fleet: FleetRef, spec: FleetSpec) -> list[dict]:
     return env
 
 
-def with_credentials(pod_spec: dict, fleet: FleetRef, spec: FleetSpec) -> dict:
-    """`pod_spec` with the fleet's credentials in every container's environment."""
+def with_credentials(pod_spec: dict, fleet: FleetRef, spec: FleetSpec, container: str) -> dict:
+    """`pod_spec` with the fleet's credentials in the environment of its main `container` (not in
+    a pod template's other containers)."""
     env = credential_env(fleet, spec)
-    return {**pod_spec, "containers": [{**c, "env": list(c.get("env", [])) + env} for c in pod_spec["containers"]]}
+    return {**pod_spec, "containers": [{**c, "env": list(c.get("env", [])) + env} if c.get("name") == container else c
+                                       for c in pod_spec["containers"]]}
 
 
 def secret_fields(fleet: str, spec: FleetSpec) -> dict[str, str]:

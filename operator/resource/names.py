@@ -39,6 +39,37 @@ SERVER_HTTP_PORT = 8000  # OpenAI API, /health, /metrics
 SERVER_KV_PORT = 8001    # KV-cache transfers (context servers; the runtime's default: HTTP port + 1)
 ROUTER_HTTP_PORT = 8000
 
+# What the operator sets in every pod of a fleet, and a pod template therefore may not
+# (docs/operator.md, "Pod templates"). decisions/desired.py builds the pods from these names.
+SERVER_CONTAINER = "server"  # the container running `adpfleet serve`; a template entry of this name amends it
+ROUTER_CONTAINER = "router"
+SCRATCH_VOLUME, SCRATCH_DIR = "scratch", "/var/tmp"  # HOME and TMPDIR (the root filesystem is read-only)
+SHM_VOLUME, SHM_DIR = "shm", "/dev/shm"              # tensors shared by rank processes, NCCL
+DOWNWARD_ENV = {"POD_IP": "status.podIP", "POD_NAME": "metadata.name", "POD_NAMESPACE": "metadata.namespace"}
+SCRATCH_ENV = ("HOME", "TMPDIR")
+THREADS_ENV = "OMP_NUM_THREADS"  # engine.threadsPerRank
+TOKEN_ENV = "HF_TOKEN"           # model.tokenSecretRef
+
+
+@dataclass(frozen=True)
+class OwnedPodParts:
+    """The names in a pod that belong to the operator: its main container, and that container's
+    environment variables, volumes and mount paths."""
+    container: str
+    env: tuple[str, ...]
+    volumes: tuple[str, ...]
+    mount_paths: tuple[str, ...]
+
+
+# The credentials the operator sets from Secrets, and fault injection, which only spec.faultInjection
+# turns on: neither a fleet's `env` nor a pod template may name them (docs/security.md).
+RESERVED_ENV = ("ADPFLEET_API_KEY", "ADPFLEET_INTERNAL_TOKEN", "ADPFLEET_FAULT_INJECTION")
+SERVER_OWNS = OwnedPodParts(SERVER_CONTAINER, (*DOWNWARD_ENV, *SCRATCH_ENV, THREADS_ENV, TOKEN_ENV, *RESERVED_ENV),
+                            (SCRATCH_VOLUME, SHM_VOLUME), (SCRATCH_DIR, SHM_DIR))
+ROUTER_OWNS = OwnedPodParts(ROUTER_CONTAINER, (*DOWNWARD_ENV, *SCRATCH_ENV, *RESERVED_ENV), (SCRATCH_VOLUME,),
+                            (SCRATCH_DIR,))
+DEFAULT_CONTAINER_ANNOTATION = "kubectl.kubernetes.io/default-container"  # `kubectl logs` without -c
+
 MAX_FLEET_NAME = 40  # "<fleet>-generation-<index>" and "<fleet>-router" must stay valid DNS labels
 
 
@@ -61,6 +92,11 @@ def server_name(fleet: str, role: str, index: int) -> str:
 def router_name(fleet: str) -> str:
     """The router's Deployment, Service, ServiceAccount, Role and RoleBinding all share this name."""
     return f"{fleet}-router"
+
+
+def budget_name(fleet: str, component: str) -> str:
+    """The PodDisruptionBudget of a role (`context`, `generation`) or of the router."""
+    return f"{fleet}-{component}"
 
 
 def common_labels(fleet: str, component: str) -> dict[str, str]:

@@ -9,6 +9,8 @@ from decimal import Decimal
 # Kubernetes' own quantity grammar, without the sign (a negative request is never meaningful here).
 PATTERN = (r"^(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
            r"(([KMGTPE]i)|[numkMGTPE]|([eE][+-]?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
+# The same grammar with its optional sign, as the API server's own schemas check quantities (pod templates).
+SIGNED_PATTERN = "^[+-]?" + PATTERN[1:]
 _RE = re.compile(PATTERN)
 _BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
 _DECIMAL = {"n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"), "": Decimal(1),

@@ -48,10 +48,17 @@ def _rows(node: dict, path: str, required: set[str], out: list[tuple[str, dict, 
         out.append((f"{path}.{name}" if path else name, sub, name in required))
 
 
+def _vendored(path: str) -> bool:
+    """A pod template's spec: Kubernetes' own PodSpec, documented upstream, not here."""
+    return path.endswith(".podTemplate.spec")
+
+
 def _sections(node: dict, path: str) -> list[tuple[str, dict]]:
     """(path, object node) for `node` and every object below it, depth first."""
     found = [(path, node)]
     for name, sub in node.get("properties", {}).items():
+        if _vendored(f"{path}.{name}"):
+            continue
         target = sub.get("items", sub) if sub.get("type") == "array" else sub
         if target.get("type") == "object" and "properties" in target:
             found += _sections(target, f"{path}.{name}" + ("[]" if sub.get("type") == "array" else ""))

@@ -88,11 +88,30 @@ def explain(k8s_cluster, namespace, request):
         print(diagnosis(k8s_cluster, namespace))
 
 
-def _operator_pod(cluster, namespace: str):
+def _operator_pods(cluster, namespace: str) -> list:
+    """The operator's replicas (not those already terminating)."""
     pods = cluster.core.list_namespaced_pod(namespace, label_selector="app.kubernetes.io/component=operator,"
                                                                       f"app.kubernetes.io/instance={RELEASE}").items
-    assert len(pods) == 1, [p.metadata.name for p in pods]
-    return pods[0]
+    return [p for p in pods if p.metadata.deletion_timestamp is None]
+
+
+def _role(pod) -> str | None:
+    """'leader' or 'standby', as the replica itself says on /readyz."""
+    try:
+        r = httpx.get(f"http://{pod.status.pod_ip}:8080/readyz", timeout=5)
+    except httpx.HTTPError:
+        return None
+    return r.json().get("role") if r.status_code == 200 else None
+
+
+def _operator_pod(cluster, namespace: str):
+    """The replica that acts: it holds the Lease (named like the release) and says so on /readyz."""
+    def leader():
+        lease = client.CoordinationV1Api(cluster.api_client).read_namespaced_lease(FULLNAME, namespace)
+        holder = (lease.spec.holder_identity or "").rsplit("_", 1)[0]
+        pods = [p for p in _operator_pods(cluster, namespace) if p.metadata.name == holder]
+        return pods[0] if pods and _role(pods[0]) == "leader" else None
+    return wait_for(leader, timeout=60, what="an operator replica holding the Lease")
 
 
 def _fleet_condition(cluster, namespace: str, name: str, type_: str) -> str | None:
@@ -121,6 +140,12 @@ def test_install_runs_the_operator_under_its_service_account_and_it_reconciles_a
         k8s_cluster, namespace, release, explain):
     pod = _operator_pod(k8s_cluster, namespace)
     assert pod.spec.service_account_name == FULLNAME
+    # two replicas, both Ready: the one holding the Lease acts, the other stands by
+    replicas = _operator_pods(k8s_cluster, namespace)
+    assert len(replicas) == 2 and all(any(c.type == "Ready" and c.status == "True" for c in p.status.conditions)
+                                      for p in replicas)
+    assert sorted(_role(p) for p in replicas) == ["leader", "standby"]
+    assert k8s_cluster.get_json("pdb", FULLNAME, "-n", namespace)["spec"]["maxUnavailable"] == 1
     # the namespace really enforces the restricted profile: the operator's pod passed it
     privileged = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "privileged"},
                   "spec": {"containers": [{"name": "c", "image": "x", "command": ["true"],
@@ -192,6 +217,12 @@ def test_the_webhook_receiver_reads_its_token_from_the_chart_secret(k8s_cluster,
         return httpx.post(url, json=payload, headers={"Authorization": f"Bearer {bearer}"}, timeout=10)
     assert wait_for(lambda: post(token).status_code == 202, timeout=30, what="the webhook to accept the token")
     assert post("not-the-token").status_code == 401
+    # the standby acts on no alert: 503 and Retry-After, so Alertmanager retries (and reaches the leader)
+    standby, = [p for p in _operator_pods(k8s_cluster, namespace) if p.metadata.uid != _operator_pod(
+        k8s_cluster, namespace).metadata.uid]
+    refused = httpx.post(f"http://{standby.status.pod_ip}:8080/alerts", json=payload, timeout=10,
+                         headers={"Authorization": f"Bearer {token}"})
+    assert refused.status_code == 503 and refused.headers["Retry-After"] and "standby" in refused.text
 
 
 DENIED = [  # (verb, resource, namespace or "" for cluster scope, what it would allow)
@@ -281,7 +312,7 @@ def test_upgrade_keeps_the_webhook_token_and_leaves_the_fleet_alone(k8s_cluster,
     token = k8s_cluster.core.read_namespaced_secret(secret_name, namespace).data["token"]
     servers = {p.metadata.name: p.metadata.uid for p in k8s_cluster.core.list_namespaced_pod(
         namespace, label_selector=f"adpfleet.io/fleet={FLEET},adpfleet.io/role").items}
-    old_operator = _operator_pod(k8s_cluster, namespace).metadata.uid
+    old_operators = {p.metadata.uid for p in _operator_pods(k8s_cluster, namespace)}
 
     start = time.monotonic()
     helm("upgrade", RELEASE, str(CHART), "-n", namespace, "--wait", "--timeout", "120s", "--set",
@@ -289,8 +320,9 @@ def test_upgrade_keeps_the_webhook_token_and_leaves_the_fleet_alone(k8s_cluster,
     TIMINGS["helm upgrade --wait (new operator Ready)"] = time.monotonic() - start
 
     assert k8s_cluster.core.read_namespaced_secret(secret_name, namespace).data["token"] == token
-    new_operator = _operator_pod(k8s_cluster, namespace)
-    assert new_operator.metadata.uid != old_operator and "--resync-seconds=120" in new_operator.spec.containers[0].args
+    new_operator = _operator_pod(k8s_cluster, namespace)  # the Lease went to a new replica
+    assert new_operator.metadata.uid not in old_operators
+    assert "--resync-seconds=120" in new_operator.spec.containers[0].args
     wait_for(lambda: _fleet_condition(k8s_cluster, namespace, FLEET, "Ready") == "True", timeout=60,
              what="the fleet to stay Ready")
     after = {p.metadata.name: p.metadata.uid for p in k8s_cluster.core.list_namespaced_pod(
@@ -307,10 +339,10 @@ def test_install_with_invalid_values_fails_with_the_schema_message_and_creates_n
     ns = _namespace(k8s_cluster, "chart-bad")
     try:
         proc = helm("install", "bad", str(CHART), "-n", ns, "--set", "operator.resyncSeconds=-5",
-                    "--set", "replicaCount=2", kubeconfig=k8s_cluster.kubeconfig, check=False)
+                    "--set", "replicas=2", kubeconfig=k8s_cluster.kubeconfig, check=False)
         assert proc.returncode != 0
         assert "values don't meet the specifications of the schema" in proc.stderr
-        assert "/operator/resyncSeconds" in proc.stderr and "additional properties 'replicaCount'" in proc.stderr
+        assert "/operator/resyncSeconds" in proc.stderr and "additional properties 'replicas'" in proc.stderr
         assert helm("list", "-n", ns, "-q", kubeconfig=k8s_cluster.kubeconfig).stdout.strip() == ""
         assert not k8s_cluster.core.list_namespaced_service_account(ns).items[1:]  # only `default`
     finally:

@@ -19,6 +19,7 @@ from adpfleet.operator.resource import crd, names
 from adpfleet.operator.resource.models import FleetSpec
 
 from helm_chart import (ALL_MONITORING_ON, CHART, EXAMPLES, MONITORING_APIS, ROOT, Rendered, helm,
+                        render_error,
                         operator_container, render)
 
 MONITORING_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule", "AlertmanagerConfig"}
@@ -232,12 +233,10 @@ def test_the_grafana_dashboard_shows_progress_empty_batches_per_rank_and_remedia
 
 # ---- the operator Deployment -------------------------------------------------------------------
 
-def test_the_operator_runs_one_replica_recreated_with_flags_the_operator_accepts():
+def test_the_operator_runs_with_flags_the_operator_accepts():
     import argparse
 
     rendered = render({"operator.verbose": "true", "operator.extraArgs": ["--stuck-seconds=60"]})
-    deployment = rendered.one("Deployment")
-    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"] == {"type": "Recreate"}
     container = operator_container(rendered)
     assert container["command"] == ["adpfleet", "operator"]
     parser = argparse.ArgumentParser(exit_on_error=False)
@@ -254,6 +253,43 @@ def test_the_operator_runs_one_replica_recreated_with_flags_the_operator_accepts
     assert parser.parse_args(wide["args"]).all_namespaces
     two = operator_container(render({"watch.namespaces": ["a", "b"]}))
     assert parser.parse_args(two["args"]).namespace == ["a", "b"]
+
+
+def test_two_replicas_elect_a_leader_by_a_lease_and_roll_without_a_gap():
+    import argparse
+
+    rendered = render()
+    deployment = rendered.one("Deployment")
+    assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["strategy"] == {"type": "RollingUpdate",
+                                              "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_arguments(parser)
+    args = parser.parse_args(operator_container(rendered)["args"])
+    assert args.leader_elect and args.leader_election_id == "adp-adpfleet"
+    assert (args.lease_duration, args.renew_deadline, args.retry_period) == (15, 10, 2)
+    env = {e["name"]: e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") for e in operator_container(rendered)["env"]}
+    assert env["POD_NAMESPACE"] == "metadata.namespace" and env["POD_NAME"] == "metadata.name"  # the Lease's namespace, who
+    role = rendered.one("Role", "-leader")
+    assert role["metadata"]["namespace"] == "adpfleet-system"
+    assert flatten(role["rules"]) == LEADER_RULES
+    assert {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "resourceNames": ["adp-adpfleet"],
+            "verbs": ["get", "update"]} in role["rules"]  # renewing only its own Lease
+    budget = rendered.one("PodDisruptionBudget")
+    assert budget["spec"] == {"maxUnavailable": 1, "selector": deployment["spec"]["selector"]}
+    spread = deployment["spec"]["template"]["spec"]["topologySpreadConstraints"]
+    assert spread == [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway",
+                       "labelSelector": deployment["spec"]["selector"]}]
+
+    single = render({"replicaCount": 1, "leaderElection.enabled": "false"})
+    assert single.one("Deployment")["spec"]["strategy"] == {"type": "Recreate"}
+    assert not parser.parse_args(operator_container(single)["args"]).leader_elect
+    assert not single.of("PodDisruptionBudget") and not [r for r in single.of("Role") if "leader" in r["metadata"]["name"]]
+
+
+def test_unelected_replicas_and_unsafe_election_timing_are_refused():
+    assert "needs leaderElection.enabled=true" in render_error({"replicaCount": 3, "leaderElection.enabled": "false"})
+    assert "retryPeriod < renewDeadline < leaseDuration" in render_error({"leaderElection.renewDeadline": 20})
 
 
 def test_the_operator_pod_meets_the_restricted_pod_security_standard():
@@ -287,7 +323,8 @@ def test_the_webhook_token_secret_is_generated_or_taken_from_an_existing_one():
                                     "verbs": ["get"]}]
 
     off = render({"webhook.enabled": "false"})
-    assert not off.of("Secret") and not off.of("Role")[1:]
+    assert not off.of("Secret") and [r["metadata"]["name"] for r in off.of("Role")] == ["adp-adpfleet",
+                                                                                         "adp-adpfleet-leader"]
     assert "ADPFLEET_ALERTS_TOKEN_SECRET" not in {e["name"] for e in operator_container(off)["env"]}
 
 
@@ -334,9 +371,13 @@ FLEET_RULES = {
     ("rbac.authorization.k8s.io", "roles"): {"list", "watch", "create", "patch", "delete"},
     ("rbac.authorization.k8s.io", "rolebindings"): {"list", "watch", "create", "patch", "delete"},
     ("networking.k8s.io", "networkpolicies"): {"list", "watch", "create", "patch", "delete"},
+    ("policy", "poddisruptionbudgets"): {"list", "watch", "create", "patch", "delete"},
     ("", "events"): {"create"},
     ("", "secrets"): {"create"},  # the fleets' internal tokens; never get or list (docs/security.md)
 }
+
+
+LEADER_RULES = {("coordination.k8s.io", "leases"): {"get", "create", "update"}}
 
 
 def flatten(rules: list[dict]) -> dict[tuple[str, str], set[str]]:
@@ -357,7 +398,8 @@ def test_every_api_request_in_the_operator_code_is_covered_by_the_rules():
     source = "\n".join(p.read_text() for p in (ROOT / "operator").rglob("*.py"))
     calls = set(re.findall(r'_call\(\s*"(\w+)",\s*(f?"[^"]+")', source))
     assert calls, "no API requests found in operator/: the pattern needs updating"
-    group_of = {"pods": "", "secrets": "", "events": "", f"{names.PLURAL}/status": names.GROUP}
+    group_of = {"pods": "", "secrets": "", "events": "", f"{names.PLURAL}/status": names.GROUP,
+                "leases": "coordination.k8s.io"}
     needed = set()
     for verb, resource in calls:
         resource = resource.replace('f"{names.PLURAL}', f'"{names.PLURAL}').strip('"')
@@ -369,6 +411,10 @@ def test_every_api_request_in_the_operator_code_is_covered_by_the_rules():
         needed |= {(group, plural, verb) for verb in ("list", "watch", "create", "patch", "delete")}
     needed |= {(names.GROUP, names.PLURAL, verb) for verb in ("list", "watch", "patch")}  # kopf
     needed |= {("", "pods", verb) for verb in ("list", "watch")}  # kopf index of server pods
+    # the Lease (leader election) is in the release namespace, granted by a Role of its own
+    leases = {n for n in needed if n[1] == "leases"}
+    assert leases == {(g, r, v) for (g, r), verbs in LEADER_RULES.items() for v in verbs}
+    needed -= leases
     granted = {(g, r, v) for (g, r), verbs in FLEET_RULES.items() for v in verbs}
     assert needed <= granted, needed - granted
     # and nothing granted that nothing needs, except `get` on pods (the router's Role grants it)
@@ -401,7 +447,7 @@ def test_rbac_covers_each_watched_namespace_or_the_cluster_by_a_value():
     wide = render({"watch.allNamespaces": "true"})
     assert flatten(wide.one("ClusterRole")["rules"]) == FLEET_RULES
     assert wide.one("ClusterRoleBinding")["roleRef"]["kind"] == "ClusterRole"
-    assert [r["metadata"]["name"] for r in wide.of("Role")] == ["adp-adpfleet-webhook-token"]
+    assert [r["metadata"]["name"] for r in wide.of("Role")] == ["adp-adpfleet-leader", "adp-adpfleet-webhook-token"]
 
 
 # ---- examples ----------------------------------------------------------------------------------

@@ -24,7 +24,9 @@ INVALID = [  # (values, words the error must contain)
     ({"watch.namespaces": "team-a"}, ["/watch/namespaces", "got string, want array"]),
     ({"resources": "lots"}, ["/resources", "want object"]),
     # unknown keys, at the top and nested (a typo must not be silently ignored)
-    ({"replicaCount": 2}, ["additional properties 'replicaCount' not allowed"]),
+    ({"replicas": 2}, ["additional properties 'replicas' not allowed"]),
+    ({"replicaCount": 0}, ["/replicaCount", "minimum"]),
+    ({"leaderElection.leaseDuration": "long"}, ["/leaderElection/leaseDuration", "want number"]),
     ({"monitoring.serviceMonitor.enable": True}, ["/monitoring/serviceMonitor", "additional properties 'enable'"]),
     ({"image.name": "x"}, ["/image", "additional properties 'name'"]),
     # negative and out-of-range numbers

@@ -32,12 +32,16 @@ def free_port() -> int:
 
 
 class OperatorProcess:
-    """`adpfleet operator` in a subprocess whose every API request goes through `proxy`."""
+    """`adpfleet operator` in a subprocess whose every API request goes through `proxy` (a
+    CountingProxy, or anything else that writes a kubeconfig: partition.Relay). `name` tells the
+    files (and the Lease identities) of several operators in one directory apart."""
 
     def __init__(self, proxy: CountingProxy, workdir: Path, scope: list[str], *, resync_seconds: float = 300,
-                 extra_args: tuple[str, ...] = (), extra_env: dict[str, str] | None = None):
+                 extra_args: tuple[str, ...] = (), name: str = "operator",
+                 extra_env: dict[str, str] | None = None):
         self.proxy = proxy
-        self.kubeconfig = proxy.write_kubeconfig(workdir / "operator.kubeconfig")
+        self.name = name
+        self.kubeconfig = proxy.write_kubeconfig(workdir / f"{name}.kubeconfig")
         self.scope = scope
         self.resync_seconds = resync_seconds
         self.extra_args = extra_args
@@ -49,7 +53,7 @@ class OperatorProcess:
 
     @property
     def log_path(self) -> Path:
-        return self.workdir / f"operator-{self.runs}.log"
+        return self.workdir / f"{self.name}-{self.runs}.log"
 
     def start(self) -> "OperatorProcess":
         self.runs += 1
@@ -57,7 +61,7 @@ class OperatorProcess:
         argv = [str(ADPFLEET), "operator", *self.scope, "--http-host", "127.0.0.1", "--http-port", str(self.port),
                 "--resync-seconds", str(self.resync_seconds), *self.extra_args]
         env = {"KUBECONFIG": str(self.kubeconfig), "PATH": "/usr/bin:/bin", "HOME": str(self.workdir),
-               **self.extra_env}
+               "POD_NAME": self.name, **self.extra_env}
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
@@ -81,8 +85,19 @@ class OperatorProcess:
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def kill(self) -> None:
+        """SIGKILL: no goodbye, no Lease handed back."""
+        self.proc.kill()
+        self.proc.wait()
+        self._log.close()
+
+    def role(self) -> str | None:
+        """'leader' or 'standby' (leader election), None when it does not answer."""
+        code, body = self._get("/readyz")
+        return json.loads(body).get("role") if code == 200 else None
+
     def log(self) -> str:
-        return "".join(p.read_text() for p in sorted(self.workdir.glob("operator-*.log")))
+        return "".join(p.read_text() for p in sorted(self.workdir.glob(f"{self.name}-*.log")))
 
     def _get(self, path: str) -> tuple[int, str]:
         try:

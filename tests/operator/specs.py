@@ -28,6 +28,42 @@ def fleet_manifest(name: str = "demo", *, status_only: bool = False, **spec_over
             "spec": spec}
 
 
+# A pod template as a GPU cluster needs one (docs/operator.md, "Pod templates"): node affinity, a
+# topology spread, a priority class, a scheduler and runtime class, an extra volume mounted into the
+# server, RDMA and hugepages beside the GPUs, IPC_LOCK, a sidecar and an init container.
+GPU_TEMPLATE: dict = {
+    "metadata": {"labels": {"team": "inference"}, "annotations": {"example.com/owner": "ml-platform"}},
+    "spec": {
+        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [{"key": "kubernetes.io/os", "operator": "In", "values": ["linux"]}]}]}}},
+        "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
+                                       "whenUnsatisfiable": "ScheduleAnyway",
+                                       "labelSelector": {"matchLabels": {"adpfleet.io/role": "context"}}}],
+        "priorityClassName": "inference-high",
+        "schedulerName": "volcano",
+        "runtimeClassName": "nvidia",
+        "volumes": [{"name": "models", "emptyDir": {}}],
+        "initContainers": [{"name": "warm-cache", "image": "busybox:1.36", "command": ["true"]}],
+        "containers": [
+            {"name": "server", "env": [{"name": "NCCL_IB_HCA", "value": "mlx5"}],
+             "envFrom": [{"configMapRef": {"name": "nccl-tuning"}}],
+             "volumeMounts": [{"name": "models", "mountPath": "/models"}],
+             "resources": {"limits": {"rdma/ib": "1", "hugepages-2Mi": "1Gi"}},
+             "securityContext": {"capabilities": {"add": ["IPC_LOCK"]}}},
+            {"name": "log-shipper", "image": "fluent/fluent-bit:3.0",
+             "volumeMounts": [{"name": "scratch", "mountPath": "/logs", "readOnly": True}]},
+        ],
+    },
+}
+
+
+def gpu_role(template: dict = GPU_TEMPLATE, **extra) -> dict:
+    """A role of one GPU server (memory 8Gi) with `template`."""
+    return {"servers": 1, "adpRanks": 1, "gpusPerServer": 1, "engine": {"kvBlocks": 64, "device": "cuda"},
+            "resources": {"requests": {"memory": "8Gi"}, "limits": {"memory": "8Gi"}}, "podTemplate": template,
+            **extra}
+
+
 def _set(path: str, value: Any) -> Callable[[dict], None]:
     """A mutation setting spec.<path> (dotted); value DELETE removes the key."""
     def mutate(manifest: dict) -> None:
@@ -138,6 +174,98 @@ INVALID_SPECS = [
         _set("spec.context.engine.maxNumTokens", 8),
         api=("spec.context.engine.maxNumTokens", "decode query"), py=("decode query",)),
 ]
+
+
+def _template(role: str, spec: dict | None = None, **template) -> Callable[[dict], None]:
+    """A mutation giving `role` (context, generation or router) a pod template."""
+    return _set(f"spec.{role}.podTemplate", {**({"spec": spec} if spec is not None else {}), **template})
+
+
+def _server(**fields) -> dict:
+    return {"name": "server", **fields}
+
+
+SIDECAR = {"name": "log-shipper", "image": "fluent/fluent-bit:3.0"}
+T = "spec.context.podTemplate"
+
+# Pod templates the API server refuses, by the Kubernetes schema or by the operator's rules.
+INVALID_TEMPLATES = [
+    bad("template: a misspelt affinity field",
+        _template("context", {"affinity": {"nodeAffinity": {"requiredDuringScheduling": {}}}}),
+        api=(f"{T}.spec.affinity.nodeAffinity.requiredDuringScheduling", "field not declared in schema"),
+        py=("spec.affinity.nodeAffinity.requiredDuringScheduling", "field not declared")),
+    bad("template: priorityClassName given as a number", _template("generation", {"priorityClassName": 5}),
+        api=("spec.generation.podTemplate.spec.priorityClassName", "expected string"),
+        py=("spec.priorityClassName", "must be of type string")),
+    bad("template: a topology spread without topologyKey",
+        _template("context", {"topologySpreadConstraints": [{"maxSkew": 1, "whenUnsatisfiable": "DoNotSchedule"}]}),
+        api=(f"{T}.spec.topologySpreadConstraints[0].topologyKey", "Required value"),
+        py=("spec.topologySpreadConstraints[0].topologyKey: Required value",)),
+    bad("template: an unknown whenUnsatisfiable",
+        _template("context", {"topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "zone",
+                                                             "whenUnsatisfiable": "Sometimes"}]}),
+        api=(f"{T}.spec.topologySpreadConstraints[0].whenUnsatisfiable", "Unsupported value", "Sometimes"),
+        py=("whenUnsatisfiable: Unsupported value",)),
+    bad("template: a pod field the operator owns (hostNetwork)", _template("context", {"hostNetwork": True}),
+        api=(f"{T}.spec.hostNetwork", "field not declared in schema"), py=("spec.hostNetwork", "not declared")),
+    bad("template: a sidecar without a name", _template("context", {"containers": [{"image": "busybox"}]}),
+        api=(f"{T}.spec.containers", "omits all key fields [\"name\"]"),
+        py=("spec.containers[0].name: Required value",)),
+    bad("template: a sidecar without an image", _template("context", {"containers": [{"name": "log-shipper"}]}),
+        api=(f"{T}.spec.containers", "sidecars) need an image"), py=("sidecars) need an image",)),
+    bad("template: the server container's command",
+        _template("context", {"containers": [_server(command=["sleep", "infinity"])]}),
+        api=(f"{T}.spec.containers", "containers[name=server] may set only env", "set by the operator"),
+        py=("containers[name=server] may set only env",)),
+    bad("template: the server container's probes",
+        _template("generation", {"containers": [_server(readinessProbe={"tcpSocket": {"port": 8000}})]}),
+        api=("spec.generation.podTemplate.spec.containers", "probes"), py=("may set only env",)),
+    bad("template: a volume named like the operator's", _template("context", {"volumes": [{"name": "shm",
+                                                                                          "emptyDir": {}}]}),
+        api=(f"{T}.spec.volumes", "volumes scratch, shm are the operator's"),
+        py=("volumes scratch, shm are the operator's",)),
+    bad("template: two volumes of one name",
+        _template("context", {"volumes": [{"name": "models", "emptyDir": {}}, {"name": "models", "emptyDir": {}}]}),
+        api=(f"{T}.spec.volumes", "duplicate entries for key", 'name="models"'),
+        py=("spec.volumes[1]: Duplicate value",)),
+    bad("template: a mount of a volume that is not there",
+        _template("context", {"containers": [_server(volumeMounts=[{"name": "models", "mountPath": "/models"}])]}),
+        api=(f"{T}.spec.containers", "every volumeMount names a volume of the template"),
+        py=("every volumeMount names a volume",)),
+    bad("template: a mount over the operator's /dev/shm",
+        _template("context", {"volumes": [{"name": "big-shm", "emptyDir": {"medium": "Memory"}}],
+                              "containers": [_server(volumeMounts=[{"name": "big-shm", "mountPath": "/dev/shm"}])]}),
+        api=(f"{T}.spec.containers", "/var/tmp, /dev/shm are mounted by the operator"),
+        py=("/dev/shm are mounted by the operator",)),
+    bad("template: the server's POD_IP", _template("context", {"containers": [_server(env=[{"name": "POD_IP",
+                                                                                             "value": "1.2.3.4"}])]}),
+        api=(f"{T}.spec.containers", "POD_IP", "set by the operator"), py=("POD_IP",)),
+    bad("template: an env name set twice (env and the template)",
+        _set("spec.generation.env", [{"name": "NCCL_DEBUG", "value": "INFO"}]),
+        _template("generation", {"containers": [_server(env=[{"name": "NCCL_DEBUG", "value": "WARN"}])]}),
+        api=("spec.generation.podTemplate.spec.containers", "set both in env and in the server container's env"),
+        py=("set both in env",)),
+    bad("template: cpu in the server container (the role's resources set it)",
+        _template("context", {"containers": [_server(resources={"limits": {"cpu": "4"}})]}),
+        api=(f"{T}.spec.containers", "cpu, memory, ephemeral-storage are set by"),
+        py=("cpu, memory, ephemeral-storage are set by",)),
+    bad("template: GPUs in the server container (gpusPerServer requests them)",
+        _template("context", {"containers": [_server(resources={"limits": {"nvidia.com/gpu": "1"}})]}),
+        api=(f"{T}.spec.containers", "requested by gpusPerServer"), py=("requested by gpusPerServer",)),
+    bad("template: a malformed quantity in a sidecar",
+        _template("context", {"containers": [{**SIDECAR, "resources": {"limits": {"memory": "lots"}}}]}),
+        api=(f"{T}.spec.containers[0].resources.limits.memory", "should match"), py=("memory", "should match")),
+    bad("template: an init container named server",
+        _template("context", {"initContainers": [{"name": "server", "image": "busybox"}]}),
+        api=(f"{T}.spec.initContainers", "names of their own"), py=("names of their own",)),
+    bad("template: a reserved label", _template("context", metadata={"labels": {"adpfleet.io/role": "x"}}),
+        api=(f"{T}.metadata.labels", "set by the operator"), py=("set by the operator",)),
+    bad("template: the router container's ports",
+        _template("router", {"containers": [{"name": "router", "ports": [{"containerPort": 9000}]}]}),
+        api=("spec.router.podTemplate.spec.containers", "containers[name=router] may set only env"),
+        py=("containers[name=router] may set only env",)),
+]
+INVALID_SPECS += INVALID_TEMPLATES
 
 # Names the root rule refuses: (name, words)
 INVALID_NAMES = [

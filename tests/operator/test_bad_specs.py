@@ -7,7 +7,7 @@ same entries are refused by pydantic in test_models.py, so the operator and the 
 import pytest
 import yaml
 
-from specs import INVALID_NAMES, INVALID_SPECS, fleet_manifest
+from specs import GPU_TEMPLATE, INVALID_NAMES, INVALID_SPECS, INVALID_TEMPLATES, fleet_manifest, gpu_role
 
 pytestmark = pytest.mark.k8s
 
@@ -26,8 +26,8 @@ def kubectl_apply(cluster, namespace, manifest):
                            input=yaml.safe_dump(manifest), check=False)
 
 
-def test_there_are_at_least_fifteen_kinds_of_invalid_spec():
-    assert len(INVALID_SPECS) >= 15
+def test_there_are_at_least_fifteen_kinds_of_invalid_spec_and_ten_of_invalid_pod_template():
+    assert len(INVALID_SPECS) >= 15 and len(INVALID_TEMPLATES) >= 10
 
 
 @pytest.mark.parametrize("case", INVALID_SPECS, ids=lambda c: c.what)
@@ -53,3 +53,14 @@ def test_a_valid_fleet_is_accepted_and_defaulted(k8s_cluster, bad_specs_namespac
     assert spec["remediation"]["mode"] == "Auto" and spec["context"]["engine"]["kvBlocks"] == 64
     assert spec["generation"]["engine"]["maxBatchSize"] == 64  # nested defaults of a partly given object
     k8s_cluster.kubectl("delete", "inferencefleet", "good", f"--namespace={bad_specs_namespace}")
+
+
+def test_a_full_pod_template_is_accepted_as_written(k8s_cluster, bad_specs_namespace):
+    """The CRD takes a template with every kind of field (and the API server prices its rules)."""
+    manifest = fleet_manifest("templated", context=gpu_role(), router={"podTemplate": {"spec": {
+        "priorityClassName": "router-high", "containers": [{"name": "router", "env": [{"name": "A", "value": "1"}]}]}}})
+    result = kubectl_apply(k8s_cluster, bad_specs_namespace, manifest)
+    assert result.returncode == 0, result.stderr
+    stored = k8s_cluster.get_json("inferencefleet", "templated", f"--namespace={bad_specs_namespace}")["spec"]
+    assert stored["context"]["podTemplate"] == GPU_TEMPLATE  # no field pruned, nothing defaulted into it
+    k8s_cluster.kubectl("delete", "inferencefleet", "templated", f"--namespace={bad_specs_namespace}")

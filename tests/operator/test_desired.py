@@ -151,3 +151,33 @@ def test_router_can_be_left_out():
 
 def test_desired_fleet_is_deterministic():
     assert desired_fleet(FLEET, spec()) == desired_fleet(FLEET, spec())
+
+
+# ---- disruption budgets ----
+
+def budgets(**overrides) -> dict:
+    from adpfleet.operator.decisions.desired import disruption_budgets
+    return {b["metadata"]["name"]: b for b in disruption_budgets(FLEET, spec(**overrides))}
+
+
+def test_each_role_and_the_router_get_a_budget_that_never_lets_a_drain_take_the_last_ready_pod():
+    found = budgets(context={"servers": 3}, generation={"servers": 1}, router={"replicas": 2})
+    assert set(found) == {"demo-context", "demo-generation", "demo-router"}
+    assert {n: b["spec"]["minAvailable"] for n, b in found.items()} == \
+        {"demo-context": 2, "demo-generation": 1, "demo-router": 1}  # maxUnavailable 1, and never 0
+    assert found["demo-context"]["spec"]["selector"] == {"matchLabels": {"adpfleet.io/fleet": "demo",
+                                                                         "adpfleet.io/role": "context"}}
+    assert found["demo-router"]["spec"]["selector"] == {"matchLabels": names.router_selector("demo")}
+    assert all(b["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow" for b in found.values())
+    assert all(b["metadata"]["ownerReferences"][0]["uid"] == "uid-1" for b in found.values())
+
+
+def test_a_budget_follows_the_roles_size_and_its_max_unavailable_and_can_be_disabled():
+    found = budgets(context={"servers": 4, "disruptionBudget": {"maxUnavailable": 2}},
+                    generation={"servers": 2, "disruptionBudget": {"enabled": False}}, router={"enabled": False})
+    assert set(found) == {"demo-context"} and found["demo-context"]["spec"]["minAvailable"] == 2
+    zero = budgets(context={"servers": 3, "disruptionBudget": {"maxUnavailable": 0}})
+    assert zero["demo-context"]["spec"]["minAvailable"] == 3
+    before = budgets(context={"servers": 3})["demo-context"]["metadata"]["annotations"]
+    after = budgets(context={"servers": 4})["demo-context"]["metadata"]["annotations"]
+    assert before[names.ANNOTATION_TEMPLATE_HASH] != after[names.ANNOTATION_TEMPLATE_HASH]  # re-applied on scale

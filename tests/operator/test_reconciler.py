@@ -49,8 +49,16 @@ class FakeApi:
         return self._out("create_secret", manifest["metadata"]["name"])
 
 
+def servers_only() -> dict:
+    """A fleet of two servers and nothing else (no router, no disruption budgets)."""
+    m = fleet_manifest("f", router={"enabled": False})
+    for role in ("context", "generation"):
+        m["spec"][role]["disruptionBudget"] = {"enabled": False}
+    return m
+
+
 def observation(manifest=None, pods=(), objects=(), status=None, generation=1, rv="1"):
-    m = manifest or fleet_manifest("f", router={"enabled": False})
+    m = manifest or servers_only()
     return FleetObservation(name="f", namespace="ns", uid="fleet-uid", generation=generation, resource_version=rv,
                             spec=m["spec"], status=status or {}, pods=tuple(pods), objects=tuple(objects))
 
@@ -65,7 +73,7 @@ def running_pods(status_from_hash=None):
     from adpfleet.operator.decisions.desired import desired_fleet
     from adpfleet.operator.resource.names import FleetRef
     from adpfleet.operator.resource.models import FleetSpec
-    spec = FleetSpec.model_validate(fleet_manifest("f", router={"enabled": False})["spec"])
+    spec = FleetSpec.model_validate(servers_only()["spec"])
     desired = desired_fleet(FleetRef("f", "ns", "fleet-uid"), spec)
     return [ServerPod(name=f"f-{role}-0", uid=f"u-{role}", role=role, index=0,
                       template_hash=desired.servers[role].template_hash, owner_uid="fleet-uid", phase="Running",
@@ -218,7 +226,8 @@ def test_router_objects_are_applied_in_dependency_order():
     api = FakeApi()
     reconcile(api, observation(fleet_manifest("f")))
     applied = [c[1] for c in api.calls if c[0] == "apply"]
-    assert applied == ["ServiceAccount", "Role", "RoleBinding", "Deployment", "Service"]
+    assert applied == ["ServiceAccount", "Role", "RoleBinding", "Deployment", "Service",
+                       "PodDisruptionBudget", "PodDisruptionBudget", "PodDisruptionBudget"]
     assert [c[0] for c in api.calls].index("create_secret") < [c[0] for c in api.calls].index("apply")
 
 

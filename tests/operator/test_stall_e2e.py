@@ -20,6 +20,8 @@ from kubernetes import client
 from adpfleet.cluster.testing import wait_for
 from adpfleet.operator.resource import names
 
+from adpfleet.operator.decisions.leadership import Timing
+
 from operator_harness import Fleets, OperatorProcess, PodTimeline, pod_ready
 from stall_harness import Load, Monitoring, inject, remediations, stall_fleet
 
@@ -28,6 +30,7 @@ pytestmark = [pytest.mark.k8s, pytest.mark.slow, pytest.mark.multiproc]
 FLEET = "stalls"
 WINDOW, INTERVAL = 6, 1
 TOKEN = secrets.token_hex(16)
+ELECTION = Timing(lease_duration=6, renew_deadline=4, retry_period=1)  # the operators run elected, as the chart's do
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +44,7 @@ def env(k8s_cluster, fleet_crd, api_proxy, tmp_path_factory):
     core.create_namespaced_secret(ns, client.V1Secret(metadata=client.V1ObjectMeta(name="alerts-token"),
                                                       string_data={"token": TOKEN}))
     fleets = Fleets(k8s_cluster, ns)
-    holder = {"op": None, "ns": ns, "proxy": api_proxy, "workdir": workdir}
+    holder = {"op": None, "ns": ns, "proxy": api_proxy, "workdir": workdir, "started": []}
     start_op(holder)
     fleets.apply(stall_fleet(FLEET, window=WINDOW, interval=INTERVAL))
     fleets.wait_ready(FLEET, timeout=300)
@@ -51,18 +54,31 @@ def env(k8s_cluster, fleet_crd, api_proxy, tmp_path_factory):
         wait_for(lambda: not fleets.custom.list_namespaced_custom_object(
             names.GROUP, names.VERSION, ns, names.PLURAL)["items"], timeout=60, what="the fleet to be deleted")
     finally:
-        holder["op"].stop()
+        for op in holder["started"]:
+            op.stop()
         print(f"---- operator log ----\n{holder['op'].log()[-15000:]}")
         core.delete_namespace(ns)
 
 
+def elected_op(holder, name: str, *extra: str) -> OperatorProcess:
+    """An operator replica with leader election (started: the leader, or a standby when one leads)."""
+    op = OperatorProcess(holder["proxy"], holder["workdir"], ["--namespace", holder["ns"]], name=name,
+                         extra_args=("--alerts-token-secret", f"{holder['ns']}/alerts-token", "--log-format",
+                                     "plain", "--leader-elect", "--leader-election-namespace", holder["ns"],
+                                     "--lease-duration", str(ELECTION.lease_duration),
+                                     "--renew-deadline", str(ELECTION.renew_deadline),
+                                     "--retry-period", str(ELECTION.retry_period), *extra))
+    holder["started"].append(op)
+    return op.start()
+
+
 def start_op(holder, *extra: str) -> OperatorProcess:
+    """Replace the acting operator (a stopped leader hands the Lease over: the new one leads at once)."""
     if holder["op"] is not None and holder["op"].running():
         holder["op"].stop()
-    op = OperatorProcess(holder["proxy"], holder["workdir"], ["--namespace", holder["ns"]],
-                         extra_args=("--alerts-token-secret", f"{holder['ns']}/alerts-token", "--log-format",
-                                     "plain", *extra))
-    holder["op"] = op.start()
+    op = elected_op(holder, "operator", *extra)
+    wait_for(lambda: op.role() == "leader", timeout=3 * ELECTION.retry_period + 10, what="the new operator to lead")
+    holder["op"] = op
     return op
 
 
@@ -233,22 +249,28 @@ def test_an_exhausted_budget_degrades_the_fleet_and_only_emits_events(env):
     assert_none_lost(load)
 
 
-# ---- the operator restarted in the middle of a remediation ----------------------------------------
+# ---- the leader killed in the middle of a remediation: the standby finishes it --------------------
 
-def test_an_operator_killed_mid_remediation_is_replaced_without_a_duplicate_action(env):
+def test_a_leader_killed_mid_remediation_is_replaced_by_the_standby_without_a_duplicate_action(env):
     fleets, holder, _ = env
     wait_healthy_fleet(fleets)
+    standby = elected_op(holder, "standby")
+    assert standby.role() == "standby"
     victim = server(fleets, "context")
     with PodTimeline(fleets.cluster, fleets.ns, FLEET) as timeline, Load(router_url(fleets), clients=3) as load:
         wait_flowing(load)
         t_fault = time.time()
         inject(fleets, victim, "starve", 1)
         wait_for(lambda: record_for(fleets, victim.metadata.name, t_fault), timeout=90, what="the remediation record")
-        holder["op"].proc.kill()  # no goodbye: SIGKILL right after the decision was recorded
-        holder["op"].proc.wait()
-        start_op(holder)
+        holder["op"].kill()  # no goodbye, no Lease handed back: SIGKILL right after the decision was recorded
+        killed = time.monotonic()
+        wait_for(lambda: standby.role() == "leader", timeout=ELECTION.takeover_bound + 5, interval=0.2,
+                 what="the standby to take over")
+        took = time.monotonic() - killed
+        assert took <= ELECTION.takeover_bound, f"takeover took {took:.1f} s (bound {ELECTION.takeover_bound:g} s)"
+        holder["op"] = standby
         record = wait_for(lambda: record_for(fleets, victim.metadata.name, t_fault, "Succeeded"), timeout=120,
-                          what="the remediation finished by the new operator")
+                          what="the remediation finished by the new leader")
         wait_healthy_fleet(fleets)
         time.sleep(2 * WINDOW)  # the new operator must not act again on the same stall
         wait_flowing(load)
@@ -257,6 +279,7 @@ def test_an_operator_killed_mid_remediation_is_replaced_without_a_duplicate_acti
     mine = [r for r in remediations(fleets.get(FLEET)) if r["server"] == victim.metadata.name
             and r["time"] >= record["time"]]
     assert len(mine) == 1, mine
+    print(f"leader SIGKILLed mid-remediation: the standby led after {took:.1f} s and finished it, once")
 
 
 # ---- the alert path: Prometheus → Alertmanager → webhook → the same policy --------------------------

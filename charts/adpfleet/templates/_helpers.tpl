@@ -90,4 +90,12 @@ app.kubernetes.io/part-of: adpfleet
 {{- if and .Values.watch.allNamespaces .Values.watch.namespaces }}
 {{- fail "set either watch.allNamespaces=true or a list in watch.namespaces, not both" }}
 {{- end }}
+{{- if and (gt (int .Values.replicaCount) 1) (not .Values.leaderElection.enabled) }}
+{{- fail "replicaCount > 1 needs leaderElection.enabled=true: unelected replicas would all act on every fleet" }}
+{{- end }}
+{{- with .Values.leaderElection }}
+{{- if and .enabled (not (and (lt (float64 .retryPeriod) (float64 .renewDeadline)) (lt (float64 .renewDeadline) (float64 .leaseDuration)))) }}
+{{- fail "leaderElection needs retryPeriod < renewDeadline < leaseDuration (a leader cut off must stop before a standby takes over)" }}
+{{- end }}
+{{- end }}
 {{- end }}
