@@ -126,6 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default: only the request timeout applies)")
     router.add_argument("--health-interval", type=float, default=2.0,
                         help="seconds between /health probes of every known server")
+    router.add_argument("--queue-size", type=int, default=256,
+                        help="requests held while no server can take them (none of a role Ready: starting, drained, "
+                             "restarting, failed); one more is answered 503 with Retry-After (0: no queue)")
+    router.add_argument("--queue-timeout", type=float, default=60.0,
+                        help="seconds a request may wait in all for a server before the router answers 503 with "
+                             "Retry-After")
     _add_http_args(router)
     router.set_defaults(run="adpfleet.runtime.router.app:main")
 

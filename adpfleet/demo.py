@@ -53,7 +53,7 @@ class Traffic:
     completed: int = 0
     failed: int = 0
     errors: dict[str, int] = field(default_factory=dict)
-    latencies: list[float] = field(default_factory=list)
+    latencies: list[tuple[float, float]] = field(default_factory=list)  # (sent at, seconds) of completed requests
 
 
 API_KEY_SECRET = f"{FLEET}-api-key"
@@ -70,6 +70,13 @@ def fleet_manifest(window: int, scrape: int) -> dict:
                      "monitoring": {"scrapeIntervalSeconds": scrape},
                      "remediation": {"mode": "Auto", "stallWindowSeconds": window, "cooldownSeconds": 60,
                                      "drainTimeoutSeconds": 2}}}
+
+
+def percentile(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    ordered = sorted(xs)
+    return round(ordered[min(len(ordered) - 1, int(len(ordered) * q / 100))], 2)
 
 
 class Demo:
@@ -196,7 +203,7 @@ class Demo:
                 i += 1
                 body = {"model": "tiny", "prompt": f"worker {worker} request {i}: tell me about ADP padding",
                         "max_tokens": 48, "temperature": 0, "ignore_eos": True}
-                started = time.monotonic()
+                started, sent_at = time.monotonic(), self.timeline.now()
                 try:
                     r = http.post(url + "/v1/completions", json=body)
                     ok = r.status_code == 200
@@ -206,7 +213,7 @@ class Demo:
                 with self._lock:
                     if ok:
                         self.traffic.completed += 1
-                        self.traffic.latencies.append(time.monotonic() - started)
+                        self.traffic.latencies.append((sent_at, time.monotonic() - started))
                     else:
                         self.traffic.failed += 1
                         self.traffic.errors[reason] = self.traffic.errors.get(reason, 0) + 1
@@ -272,7 +279,7 @@ class Demo:
         from rich.live import Live
         from rich.table import Table
 
-        url = self.router_url()
+        url = self.url = self.router_url()
         workers = [threading.Thread(target=self.client_loop, args=(url, w), daemon=True) for w in range(4)]
         observer = threading.Thread(target=self.observe, daemon=True)
         for th in workers + [observer]:
@@ -310,6 +317,21 @@ class Demo:
             th.join(timeout=70)
         observer.join(timeout=10)
 
+    def router_counts(self) -> dict[str, float]:
+        """The router's retries and queued requests (all outcomes), or {} when it cannot be read."""
+        import httpx
+
+        try:
+            text = httpx.get(self.url + "/metrics", timeout=5).text
+        except (httpx.HTTPError, AttributeError):
+            return {}
+        counts: dict[str, float] = {}
+        for line in text.splitlines():
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in ("adpfleet_router_retries_total", "adpfleet_router_queued_total") and 'outcome="full"' not in line:
+                counts[name] = counts.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        return counts
+
     def recovered_at(self) -> float | None:
         action = self.timeline.first("Remediation")
         if action is None:
@@ -326,8 +348,15 @@ class Demo:
         def since(t):
             return None if t is None or fault is None else round(t - fault, 1)
 
+        router = self.router_counts()
+        before = [s for t, s in self.traffic.latencies if fault is None or t < fault]
+        after = [s for t, s in self.traffic.latencies if fault is not None and t >= fault]
+        latency = {name: {"requests": len(xs), "p50_s": percentile(xs, 50), "p99_s": percentile(xs, 99)}
+                   for name, xs in (("before_fault", before), ("from_fault", after))}
         result = {"requests_completed": self.traffic.completed, "requests_failed": self.traffic.failed,
-                  "errors": self.traffic.errors, "fault_at_s": fault and round(fault, 1),
+                  "errors": self.traffic.errors, "router_retries": router.get("adpfleet_router_retries_total"),
+                  "router_queued": router.get("adpfleet_router_queued_total"), "latency": latency,
+                  "fault_at_s": fault and round(fault, 1),
                   "detection_s": since(detected), "first_action_s": since(acted), "recovery_s": since(recovered),
                   "stall_window_s": self.window, "scrape_interval_s": self.scrape,
                   "events": [(round(t, 1), what) for t, what in self.timeline.events]}
@@ -339,6 +368,11 @@ class Demo:
         table.add_column("value", justify="right")
         table.add_row("requests completed", str(self.traffic.completed))
         table.add_row("requests failed (explicit errors)", f"{self.traffic.failed} {self.traffic.errors or ''}")
+        table.add_row("requests retried by the router / held in its queue",
+                      f"{result['router_retries']} / {result['router_queued']}")
+        for name, what in (("before_fault", "latency before the fault"), ("from_fault", "latency from the fault on")):
+            row = latency[name]
+            table.add_row(f"{what} p50 / p99", f"{row['p50_s']} / {row['p99_s']} s ({row['requests']} requests)")
         table.add_row("fault → stall detected", f"{result['detection_s']} s (window {self.window} s)")
         table.add_row("fault → drain + restart", f"{result['first_action_s']} s")
         table.add_row("fault → progress restored", f"{result['recovery_s']} s")

@@ -18,6 +18,9 @@ Kubernetes' CamelCase) and an exit code per reason. `adpfleet fetch-model` and `
 exit with that code and write `termination_message(...)` — one JSON object
 `{"reason", "message", "exitCode", "uri"}` — to TERMINATION_LOG, which Kubernetes shows as the
 container's `state.terminated.message`; `parse_termination_message` reads it back.
+
+A download logs its progress every few seconds (`progress_line`, `progress_start_line`); the
+operator reads bytes done / total back from the init container's log with `parse_progress`.
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ PVC_MOUNT_ROOT = "/mnt/adpfleet/pvc"
 PVC_ROOT_ENV = "ADPFLEET_PVC_ROOT"  # overrides PVC_MOUNT_ROOT (outside Kubernetes, tests)
 CACHE_MOUNT_PATH = "/var/cache/adpfleet/models"
 CACHE_ENV = "ADPFLEET_MODEL_CACHE"  # the cache root when --cache-dir is not given
+# What the cache volume may hold, in bytes, where the file system does not say: an emptyDir's
+# sizeLimit is enforced by the kubelet evicting the pod, not by ENOSPC (the operator sets it).
+CACHE_LIMIT_ENV = "ADPFLEET_CACHE_SIZE_LIMIT"
 COMPLETE_MARKER = ".adpfleet-complete.json"
 TERMINATION_LOG = "/dev/termination-log"  # Kubernetes' default terminationMessagePath
 TERMINATION_LOG_ENV = "ADPFLEET_TERMINATION_LOG"
@@ -74,6 +80,11 @@ REASONS: dict[str, tuple[int, str]] = {
     DIRECTORY_NOT_FOUND: (23, "the model directory does not exist"),
     SOURCE_UNREACHABLE: (24, "the hub or S3 endpoint could not be reached or failed"),
 }
+
+
+def reason_of_exit_code(code: int | None) -> str | None:
+    """The reason a fetch-model or serve exit code stands for (when no termination message came)."""
+    return next((reason for reason, (c, _) in REASONS.items() if c == code), None)
 
 
 class ModelSourceError(ValueError):
@@ -252,3 +263,38 @@ def write_termination_message(error: ModelSourceError) -> str | None:
     except OSError:
         return None
     return path
+
+
+# ---- download progress: the log lines fetch-model writes and the operator reads back ----
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
+def progress_start_line(label: str, total: int, already: int) -> str:
+    return f"{label}: downloading {_mb(total)} ({_mb(already)} already here)"
+
+
+def progress_amount(done: int, total: int) -> str:
+    """'52.4 MB of 104.9 MB (50%)'"""
+    return f"{_mb(done)} of {_mb(total)}" + (f" ({100 * done / total:.0f}%)" if total else "")
+
+
+def progress_line(label: str, done: int, total: int, rate: float) -> str:
+    return f"{label}: {progress_amount(done, total)} at {_mb(rate)}/s"
+
+
+_PROGRESS = re.compile(r": (\d+\.\d) MB of (\d+\.\d) MB|: downloading (\d+\.\d) MB \((\d+\.\d) MB already here\)")
+
+
+def parse_progress(log: str) -> tuple[int, int] | None:
+    """(bytes done, bytes total) from the last progress line in `log` (to 0.1 MB), or None."""
+    found = None
+    for m in _PROGRESS.finditer(log or ""):
+        found = m
+    if found is None:
+        return None
+    done, total, start_total, already = found.groups()
+    if total is None:
+        done, total = already, start_total
+    return round(float(done) * 1e6), round(float(total) * 1e6)

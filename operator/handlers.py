@@ -1,6 +1,7 @@
 """The kopf layer: which watch events matter, and where they go. No decisions here.
 
-- indexes keep every fleet's server pods, router objects and disruption budgets in memory, keyed (namespace, fleet),
+- indexes keep every fleet's server pods, router objects, disruption budgets and InferenceFleetRoles in memory,
+  keyed (namespace, fleet),
   reduced to the small records the decisions read (`decisions/observed.py`);
 - event handlers wake the loop of the fleet the event belongs to;
 - one daemon per fleet runs its reconcile loop (`loops.py`), another its stall watch (`stall.py`).
@@ -36,6 +37,8 @@ SERVER_POD_LABELS = {names.LABEL_MANAGED_BY: names.MANAGER, names.LABEL_ROLE: ko
                      names.LABEL_FLEET: kopf.PRESENT}
 OWNED_LABELS = {names.LABEL_MANAGED_BY: names.MANAGER, names.LABEL_FLEET: kopf.PRESENT}
 POD_INDEX = "fleet_server_pods"
+ROLE_OBJECTS = (names.GROUP, names.VERSION, names.ROLE_PLURAL)  # each role's scale target
+ROLE_INDEX = "fleet_role_objects"
 
 
 def object_index_id(plural: str) -> str:
@@ -56,7 +59,8 @@ def observe(body, indexes: dict) -> FleetObservation:
         resource_version=meta.get("resourceVersion", ""),
         spec=_plain(body.get("spec") or {}), status=_plain(body.get("status") or {}),
         pods=values(POD_INDEX),
-        objects=tuple(o for _, _, _, plural in OWNED_KINDS for o in values(object_index_id(plural))))
+        objects=tuple(o for _, _, _, plural in OWNED_KINDS for o in values(object_index_id(plural))),
+        role_objects=values(ROLE_INDEX))
 
 
 def fleet_logger(namespace: str, name: str, uid: str) -> logging.LoggerAdapter:
@@ -92,6 +96,14 @@ def build_registry() -> kopf.OperatorRegistry:
 
     for kind, group, version, plural in OWNED_KINDS:
         _register_owned_kind(registry, kind, group, version, plural)
+
+    @kopf.index(*ROLE_OBJECTS, labels=OWNED_LABELS, id=ROLE_INDEX, registry=registry)
+    def index_role_object(namespace, labels, body, **_):
+        return {(namespace, labels[names.LABEL_FLEET]): observed.role_object(_plain(body))}
+
+    @kopf.on.event(*ROLE_OBJECTS, labels=OWNED_LABELS, id="wake_for_role_objects", registry=registry)
+    def wake_for_role_object(namespace, labels, memo, **_):  # kubectl scale, an HPA, the policy
+        memo.loops.wake((namespace, labels[names.LABEL_FLEET]))
 
     @kopf.on.event(*FLEETS, registry=registry)
     def wake_for_fleet(namespace, name, memo, **_):

@@ -189,15 +189,18 @@ async def run(args, namespaces: list[str]) -> None:
     import kopf
 
     from adpfleet.operator.adapters.kube import CONNECTION_POOL, KubeApi, load_api_client, require_crd
+    from adpfleet.operator.adapters.scrape import HttpScraper
     from adpfleet.operator.alerts import AlertReceiver, token_source
+    from adpfleet.operator.drains import DrainWatch
     from adpfleet.operator.election import LeaderElector
     from adpfleet.operator.handlers import build_registry
     from adpfleet.operator.httpserver import leader_only, start_http_server, start_webhook_server
     from adpfleet.operator.inbox import AlertInbox
     from adpfleet.operator.loops import FleetLoops
     from adpfleet.operator.reconciler import Reconciler
+    from adpfleet.operator.scaling import ScalingController
     from adpfleet.operator.stall import StallController
-    from adpfleet.operator.telemetry import Heartbeats, OperatorMetrics, StallMetrics
+    from adpfleet.operator.telemetry import Heartbeats, OperatorMetrics, ScalingMetrics, StallMetrics
 
     # The API client is synchronous and runs in worker threads: enough of them that fifty fleets
     # converging at once are not queued behind six (the default on a two-core machine).
@@ -209,10 +212,13 @@ async def run(args, namespaces: list[str]) -> None:
     require_crd(api_client)
     api = KubeApi(api_client, metrics)
     inbox = AlertInbox()
+    scraper = HttpScraper()  # one connection pool for every scrape: detection, autoscaling, drains
+    scaling = ScalingController(api, ScalingMetrics(metrics.registry), lambda key: loops.wake(key))
     stall = StallController(api, StallMetrics(metrics.registry), inbox, lambda key: loops.wake(key),
-                            detection=args.stall_detection == "on")
-    loops = FleetLoops(Reconciler(api, metrics, status_part=stall, security_config=security_config(args)),
-                       metrics, heartbeats,
+                            detection=args.stall_detection == "on", scraper=scraper, listener=scaling)
+    drains = DrainWatch(scraper, lambda key: loops.wake(key))
+    loops = FleetLoops(Reconciler(api, metrics, status_part=stall, drains=drains,
+                                  security_config=security_config(args)), metrics, heartbeats,
                        resync_seconds=args.resync_seconds)
     receiver = AlertReceiver(token_source(api, args.alerts_token_secret), inbox, stall.fleet_known,
                              count=lambda result, n: stall.metrics.alerts.labels(result).inc(n))
@@ -248,5 +254,7 @@ async def run(args, namespaces: list[str]) -> None:
             if server is not None:
                 await server.cleanup()
         await stall.close()
+        drains.close()
+        await scraper.close()
         api_client.close()
         log.info("stopped")

@@ -3,8 +3,11 @@
 Reads come from the kopf indexes (memory), so a pass that finds nothing to change makes no API
 request at all: it computes the same status as the one stored and leaves it alone. A pass that acts
 first creates the fleet's internal token Secret (409: it exists). The operator never reads a
-Secret: the kubelet resolves the ones the pods name, and a missing one shows in the pod's status
-(CreateContainerConfigError), which becomes the fleet's Degraded condition.
+Secret: the kubelet resolves the ones the pods name (API key, internal token, model credentials),
+and a missing one shows in the pod's status (CreateContainerConfigError), which becomes the fleet's
+Degraded condition. The only requests a pass may make without changing anything are checking that
+the claims the model names exist, only when it is about to create server pods, and reading the log
+of a server's running download (its progress), only while one runs.
 
 The pass is the status's one writer. Another controller that owns part of the status (the stall
 controller: Stalled, Remediating, recentRemediations) is composed in as a `StatusPart`: its
@@ -14,6 +17,7 @@ server now holds.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import enum
 import logging
@@ -24,19 +28,29 @@ from typing import Protocol
 from pydantic import ValidationError
 
 from adpfleet.operator.adapters.kube import ApiResult, KubeApi, now_rfc3339
+from adpfleet.model_uri import parse_progress
 from adpfleet.operator.decisions import conditions, security
-from adpfleet.operator.decisions.conditions import Problem
+from adpfleet.operator.decisions import scale_target
+from adpfleet.operator.decisions.conditions import MODEL_UNAVAILABLE, Problem
 from adpfleet.operator.decisions.desired import DesiredFleet, desired_fleet
-from adpfleet.operator.decisions.observed import FleetObservation, ServerPod
+from adpfleet.operator.decisions.history import history_from_status, restarts_in_progress
+from adpfleet.operator.decisions.model_status import CLAIM_NOT_FOUND, model_report
+from adpfleet.operator.decisions.observed import FETCHING, FleetObservation, ServerPod
 from adpfleet.operator.decisions.rollout import (Action, ApplyObject, CreateServer, DeleteObject, DeleteServer,
-                                                 RolePlan, Wording, plan_objects, plan_role)
+                                                 Drain, DrainServer, RolePlan, UndrainServer, Wording, plan_objects,
+                                                 plan_role)
+from adpfleet.operator.decisions.scale_target import CreateRoleObject, SetRoleReplicas
 from adpfleet.operator.decisions.security import SecurityConfig
 from adpfleet.operator.resource import names
-from adpfleet.operator.resource.models import FleetSpec, fleet_name_problem
+from adpfleet.operator.resource.models import FleetSpec, ModelSource, fleet_name_problem
 from adpfleet.operator.resource.names import FleetRef
 from adpfleet.operator.telemetry import OperatorMetrics
 
 EXPECTATION_SECONDS = 60.0   # how long an action's effect may take to show up in the watch cache
+MIN_RECHECK_SECONDS = 1.0    # a pass that waits for a drain's timeout looks again no sooner than this
+CLAIM_RECHECK_SECONDS = 30.0   # a missing claim (it has no watch) is looked at again this often
+PROGRESS_SECONDS = 5.0         # a running download's progress is read from its log this often (fetch-model logs it every 5 s)
+PROGRESS_LOG_LINES = 20        # ... from this many of its last lines
 MAX_BACKOFF_SECONDS = 300.0
 
 Key = tuple[str, str]  # (namespace, fleet name)
@@ -50,6 +64,13 @@ class StatusPart(Protocol):
 
     def stored(self, key: Key, status: dict) -> None:
         """The API server now holds `status` (the pass wrote it, or found it already there)."""
+
+
+class DrainPart(Protocol):
+    """Knows which servers a scale-down drained have finished their requests (it scrapes them)."""
+
+    def finished(self, key: Key, leaving: list[ServerPod], role: str) -> frozenset[str]:
+        """The uids among `leaving` (all of `role`'s) that have nothing in flight; watches the others."""
 
 
 class StatusWrite(enum.Enum):
@@ -111,12 +132,15 @@ def with_expectations(pods: list[ServerPod], memory: FleetMemory, now: float, te
 
 class Reconciler:
     def __init__(self, api: KubeApi, metrics: OperatorMetrics, clock=time.monotonic,
-                 status_part: StatusPart | None = None, security_config: SecurityConfig = SecurityConfig()):
+                 status_part: StatusPart | None = None, drains: DrainPart | None = None, wall_clock=time.time,
+                 security_config: SecurityConfig = SecurityConfig()):
         self.api = api
         self.metrics = metrics
         self.clock = clock
+        self.wall_clock = wall_clock  # annotations and the drain deadlines they carry are wall-clock times
         self.status_part = status_part
         self.security = security_config
+        self.drains = drains
 
     async def reconcile(self, obs: FleetObservation, memory: FleetMemory, logger: logging.Logger) -> PassResult:
         fleet = FleetRef(obs.name, obs.namespace, obs.uid)
@@ -133,15 +157,27 @@ class Reconciler:
             return PassResult(None, 0, written is StatusWrite.REFUSED)
 
         desired = desired_fleet(fleet, spec, self.security)
-        role_pods, plans = self._roles(obs, memory, desired)
+        desired = dataclasses.replace(desired, replicas={
+            role: scale_target.replicas_of(spec, role, obs.role_object(role)) for role in names.ROLES})
+        role_pods, plans = self._roles(obs, memory, desired, spec)
         objects_plan = plan_objects(desired.objects, list(obs.objects), obs.uid)
+        taken = {o.name for o in obs.role_objects if o.owner_uid != obs.uid}
+        scale_actions = [a for role in names.ROLES for a in scale_target.plan_role_object(
+            fleet, spec, role, obs.role_object(role), names.role_object_name(fleet.name, role) in taken,
+            now_rfc3339())]
 
         problems: list[Problem] = []
         requeue: float | None = None
+        missing = await self._check_claims(spec, obs.namespace, plans)  # (problem, what creations wait for)
+        if missing:
+            problems.append(missing[0])
+            plans = _hold_creations(plans, missing[1])
+            requeue = CLAIM_RECHECK_SECONDS
 
         # Router objects first (the ServiceAccount and Role before the Deployment that uses them),
         # then deletions (they free names and capacity), then creations.
-        actions: list[Action] = list(objects_plan.actions)
+        actions: list[Action] = list(objects_plan.actions) + scale_actions
+        actions += [a for p in plans for a in p.actions if isinstance(a, (DrainServer, UndrainServer))]
         actions += [a for p in plans for a in p.actions if isinstance(a, DeleteServer)]
         actions += [a for p in plans for a in p.actions if isinstance(a, CreateServer)]
         failures = []
@@ -178,16 +214,35 @@ class Reconciler:
         # The status describes the fleet as these actions left it (a deleted pod is terminating, a
         # created one pending), so it does not announce a state that is already gone.
         if actions:
-            role_pods, plans = self._roles(obs, memory, desired)
+            role_pods, plans = self._roles(obs, memory, desired, spec)
+            if missing:
+                plans = _hold_creations(plans, missing[1])
             plans = [dataclasses.replace(p, actions=()) for p in plans]  # the next pass's business
         own_pods = {role: [p for p in role_pods[role] if p.owner_uid == obs.uid] for role in names.ROLES}
+        live = [p for role in names.ROLES for p in own_pods[role] if not p.terminating]
+        progress = await self._download_progress(fleet, spec.model, live)
+        model = model_report(spec.model.parsed, live, progress,
+                             claim_missing=bool(missing) and missing[0].reason == MODEL_UNAVAILABLE)
+        if model.downloading:
+            requeue = min(requeue or PROGRESS_SECONDS, PROGRESS_SECONDS)
+        problems += model.problems
         problems += conditions.pod_problems([p for role in names.ROLES for p in own_pods[role]],
                                             security.secret_fields(fleet.name, spec))
         counts = {role: conditions.role_counts(desired.replicas[role], desired.servers[role].template_hash,
                                                own_pods[role]) for role in names.ROLES}
+        pending = {a.role: a for a in scale_actions if isinstance(a, SetRoleReplicas)}
+        last_scales = await self._store_role_statuses(fleet, obs, spec, counts, pending, logger)
+        for role, c in counts.items():
+            c["servers"] = f"{c['ready']}/{c['desired']}"
+            if last_scales.get(role):
+                c["lastScale"] = last_scales[role]
         router = conditions.router_counts(spec.router.enabled, spec.router.replicas, list(obs.objects))
         status = conditions.fleet_status(obs, counts, router, plans, objects_plan.waiting_for, problems,
-                                         now_rfc3339())
+                                         now_rfc3339(), downloading=model.downloading)
+        status["model"] = model.status
+        newest = max((r for r in last_scales.values() if r), key=lambda r: r["time"], default=None)
+        if newest:
+            status["lastScale"] = newest
         written = await self._store_status(fleet, obs, status, memory, logger)
 
         failed = bool(failures) or written is StatusWrite.REFUSED
@@ -198,23 +253,99 @@ class Reconciler:
             memory.failures = 0
         if requeue is None and (memory.created or memory.deleted):
             requeue = EXPECTATION_SECONDS / 4  # look again even if the watch stays silent
+        drains_end = min((p.recheck_at for p in plans if p.recheck_at is not None), default=None)
+        if drains_end is not None:  # a drain times out without any event to say so
+            wait = max(MIN_RECHECK_SECONDS, drains_end - self.wall_clock())
+            requeue = wait if requeue is None else min(requeue, wait)
         return PassResult(requeue, len(actions), failed)
 
-    def _roles(self, obs: FleetObservation, memory: FleetMemory,
-               desired: DesiredFleet) -> tuple[dict[str, list[ServerPod]], list[RolePlan]]:
+    def _roles(self, obs: FleetObservation, memory: FleetMemory, desired: DesiredFleet,
+               spec: FleetSpec) -> tuple[dict[str, list[ServerPod]], list[RolePlan]]:
         """Each role's pods as the watch and this loop's own recent actions show them (pods of an
         earlier fleet of the same name count as terminating: they hold their names), and its plan."""
         now = self.clock()
+        wall = self.wall_clock()
         foreign = [dataclasses.replace(p, terminating=True) for p in obs.foreign_pods()]
         role_pods = {role: with_expectations(obs.role_pods(role), memory, now, desired, obs.uid, role) +
                      [p for p in foreign if p.role == role] for role in names.ROLES}
-        plans = [plan_role(role, desired.replicas[role], desired.servers[role].template_hash, role_pods[role])
-                 for role in names.ROLES]
+        # servers a remediation is restarting are never a scale-down's choice
+        views = [p.view for role in names.ROLES for p in obs.role_pods(role)]
+        protected = frozenset(restarts_in_progress(history_from_status(obs.status), views, spec, wall))
+        key = (obs.namespace, obs.name)
+        plans = []
+        for role in names.ROLES:
+            leaving = [p for p in role_pods[role] if p.leaving and not p.terminating]
+            finished = self.drains.finished(key, leaving, role) if self.drains is not None else frozenset()
+            drain = Drain(wall, float(spec.role(role).drain_timeout_seconds), finished, protected)
+            plans.append(plan_role(role, desired.replicas[role], desired.servers[role].template_hash,
+                                   role_pods[role], drain))
         return role_pods, plans
 
     # ---- pieces ----
 
+    async def _check_claims(self, spec: FleetSpec, namespace: str,
+                            plans: list[RolePlan]) -> tuple[Problem, str] | None:
+        """The first PersistentVolumeClaim the servers need that is missing, and what their creation
+        waits for; looked at only when servers are about to be created. Secrets are not looked at: the
+        kubelet resolves them, and a missing one shows in the pod's status (docs/security.md)."""
+        if not any(isinstance(a, CreateServer) for p in plans for a in p.actions):
+            return None
+        for claim, field_ in _claims_needed(spec.model):
+            outcome = await self.api.claim_exists(namespace, claim)
+            if outcome.code == 404:  # (unreadable: the pods are created, and the scheduler says what it sees)
+                return Problem(MODEL_UNAVAILABLE, f"{CLAIM_NOT_FOUND}: PersistentVolumeClaim {claim!r} ({field_}) "
+                                                  f"does not exist in namespace {namespace}; create it"), \
+                    f"PersistentVolumeClaim {claim}"
+        return None
+
+    async def _store_role_statuses(self, fleet: FleetRef, obs: FleetObservation, spec: FleetSpec, counts: dict,
+                                   pending: dict[str, SetRoleReplicas], logger: logging.Logger) -> dict[str, dict]:
+        """Each InferenceFleetRole's status, written when it changed; a new lastScale is an Event and
+        a metric. Role -> its lastScale (None when it has none)."""
+        out: dict[str, dict] = {}
+        for role in names.ROLES:
+            obj = obs.role_object(role)
+            if obj is None or obj.terminating:
+                out[role] = None
+                continue
+            status = scale_target.role_status(spec, role, obj, fleet.name, counts[role], now_rfc3339(),
+                                              pending.get(role))
+            out[role] = status.get("lastScale")
+            if all(obj.status.get(k) == v for k, v in status.items()):
+                continue
+            outcome = await self.api.patch_role_status(fleet.namespace, obj.name, status)
+            if not outcome.ok:
+                logger.warning("could not write the status of %s %s: %s", names.ROLE_KIND, obj.name, outcome.message)
+                out[role] = obj.status.get("lastScale")
+                continue
+            record = status.get("lastScale")
+            if record and record != obj.status.get("lastScale"):
+                up = record["desired"] > record["previous"]
+                self.metrics.scale_changes.labels(role, record["reason"]).inc()
+                await self.api.record_event(fleet, "Normal", "ScaledUp" if up else "ScaledDown",
+                                            f"{record['message']} ({record['reason']}, {record['source']})")
+        return out
+
+    async def _download_progress(self, fleet: FleetRef, model: ModelSource,
+                                 pods: list[ServerPod]) -> dict[str, tuple[int, int]]:
+        """Pod name -> (bytes done, total) of each running download, from the last progress line in
+        its init container's log (the pod's status does not carry it)."""
+        if not model.parsed.downloads:
+            return {}
+        fetching = [p.name for p in pods if p.model == FETCHING]
+        logs = await asyncio.gather(*(self.api.container_log(fleet.namespace, name, names.FETCH_CONTAINER,
+                                                             PROGRESS_LOG_LINES) for name in fetching))
+        return {name: found for name, text in zip(fetching, logs) if (found := parse_progress(text or ""))}
+
     async def _act(self, fleet: FleetRef, desired: DesiredFleet, action: Action, memory: FleetMemory) -> ApiResult:
+        if isinstance(action, CreateRoleObject):
+            return await self.api.create_role_object(action.manifest)
+        if isinstance(action, SetRoleReplicas):
+            return await self.api.patch_role_object(fleet.namespace, action.name, action.patch())
+        if isinstance(action, DrainServer):
+            return await self.api.set_leaving(fleet.namespace, action.name, action.uid, now_rfc3339())
+        if isinstance(action, UndrainServer):
+            return await self.api.set_leaving(fleet.namespace, action.name, action.uid, None)
         if isinstance(action, CreateServer):
             manifest = desired.servers[action.role].pod(action.index)
             outcome = await self.api.create_pod(manifest)
@@ -245,10 +376,9 @@ class Reconciler:
     async def _write_status(self, fleet: FleetRef, obs: FleetObservation, status: dict, memory: FleetMemory,
                             logger: logging.Logger) -> StatusWrite:
         before = obs.status or {}
-        removed = {k: None for k in before if k not in status}
-        if not removed and all(before.get(k) == v for k, v in status.items()):
+        if before.keys() <= status.keys() and all(before.get(k) == v for k, v in status.items()):
             return StatusWrite.UNCHANGED
-        outcome = await self.api.patch_fleet_status(fleet.namespace, fleet.name, {**status, **removed})
+        outcome = await self.api.patch_fleet_status(fleet.namespace, fleet.name, merge_patch(before, status))
         if outcome.code == 404:
             return StatusWrite.GONE
         if not outcome.ok:
@@ -276,6 +406,31 @@ class Reconciler:
             await self.api.record_event(fleet, "Normal", "FleetReady", cond["message"])
         elif type_ == "Ready" and had and had.get("status") == "True":
             await self.api.record_event(fleet, "Warning", "FleetNotReady", cond["message"])
+
+
+def merge_patch(before: dict, after: dict) -> dict:
+    """The JSON merge patch that turns `before` into `after`: every key `after` has, and null for each
+    key it dropped, at any depth of nested objects (status.model loses its bytes once downloaded)."""
+    patch = {k: merge_patch(before[k], v) if isinstance(v, dict) and isinstance(before.get(k), dict) else v
+             for k, v in after.items()}
+    patch.update({k: None for k in before if k not in after})
+    return patch
+
+
+def _claims_needed(model: ModelSource) -> list[tuple[str, str]]:
+    """(PersistentVolumeClaim, the field naming it)."""
+    uri = model.parsed
+    out = [(uri.name, f"spec.model.uri {uri.uri}")] if uri.kind == "pvc" else []
+    if uri.downloads and model.cache.claim_name:
+        out.append((model.cache.claim_name, "spec.model.cache.claimName"))
+    return out
+
+
+def _hold_creations(plans: list[RolePlan], waiting_for: str) -> list[RolePlan]:
+    """The plans without their server creations, saying what they wait for."""
+    return [dataclasses.replace(p, actions=tuple(a for a in p.actions if not isinstance(a, CreateServer)),
+                                waiting_for=waiting_for)
+            if any(isinstance(a, CreateServer) for a in p.actions) else p for p in plans]
 
 
 def _read_spec(obs: FleetObservation) -> tuple[FleetSpec | None, Problem | None]:

@@ -21,12 +21,10 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import Awaitable, Callable
-
-import httpx
+from typing import Awaitable, Callable, Protocol
 
 from adpfleet.operator.adapters.kube import KubeApi, now_rfc3339
-from adpfleet.operator.adapters.scrape import Scrape, metrics_url, scrape, timeout_for
+from adpfleet.operator.adapters.scrape import HttpScraper, Scrape, metrics_url, timeout_for
 from adpfleet.operator.decisions import stall_status
 from adpfleet.operator.decisions.detection import SampleWindows, StallVerdict, evidence_text, judge, keep_seconds
 from adpfleet.operator.decisions.history import (Remediation, budget_used, history_from_status, left_drained,
@@ -58,6 +56,20 @@ WATCH_SCRAPE_TIMEOUT = 2.0      # a scrape while draining (progress made? reques
 WATCH_POLL_SECONDS = 0.5        # how often a drain or a rolling restart looks again
 
 Scraper = Callable[[str, float], Awaitable[Scrape]]  # (url, timeout) -> Scrape
+
+
+class ScrapeListener(Protocol):
+    """Another reader of each tick's scrapes (the autoscaling policy): the servers are scraped once."""
+
+    def wanted(self, spec: FleetSpec) -> bool:
+        """Whether this fleet needs scrapes for it (the servers are scraped when it or detection does)."""
+
+    async def observe(self, key: Key, ref: FleetRef, obs: FleetObservation, spec: FleetSpec,
+                      scrapes: dict[str, Scrape]) -> None:
+        """This tick's scrapes of the fleet's serving servers (pod name -> Scrape)."""
+
+    def forget(self, key: Key) -> None:
+        """The fleet is gone (or no longer needs scrapes)."""
 
 
 @dataclass
@@ -93,7 +105,7 @@ class Look:
     obs: FleetObservation
     spec: FleetSpec
     pods: list[ServerPod]    # every server pod of the fleet
-    judged: list[ServerPod]  # the Running, Ready ones with an address: the ones whose scrapes count
+    judged: list[ServerPod]  # the Running, Ready ones with an address, not being scaled down: the ones scraped
 
     @property
     def interval(self) -> float:
@@ -107,7 +119,8 @@ class Look:
 class StallController:
     def __init__(self, api: KubeApi, metrics: StallMetrics, inbox: AlertInbox,
                  wake_reconcile: Callable[[Key], None], *, detection: bool = True,
-                 clock: Callable[[], float] = time.time, scraper: Scraper | None = None):
+                 clock: Callable[[], float] = time.time, scraper: Scraper | None = None,
+                 listener: ScrapeListener | None = None):
         self.api = api
         self.metrics = metrics
         self.inbox = inbox
@@ -115,10 +128,11 @@ class StallController:
         self.detection = detection
         self.clock = clock
         self.fleets: dict[Key, FleetStall] = {}
-        self.http = httpx.AsyncClient(limits=httpx.Limits(max_connections=64), follow_redirects=False)
         logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per scrape otherwise
         inbox.on_put = self._alert_arrived
-        self._scraper = scraper  # tests script the servers' /metrics
+        self._owned_scraper = None if scraper is not None else HttpScraper(clock)
+        self._scraper: Scraper = scraper or self._owned_scraper  # tests script the servers' /metrics
+        self.listener = listener
 
     def fleet_known(self, namespace: str, name: str) -> bool:
         return (namespace, name) in self.fleets
@@ -150,6 +164,8 @@ class StallController:
                 task.cancel()
             self.fleets.pop(key, None)
             self.metrics.forget(key)
+            if self.listener is not None:
+                self.listener.forget(key)
 
     async def tick(self, key: Key, fleet: FleetStall) -> float:
         """One pass of the diagram above; the seconds until the next."""
@@ -157,12 +173,19 @@ class StallController:
         if look is None:
             return INVALID_SPEC_RETRY_SECONDS
         alerts = self.inbox.take(*key)
-        if look.spec.remediation.mode is RemediationMode.DISABLED:
+        disabled = look.spec.remediation.mode is RemediationMode.DISABLED
+        listening = self.listener is not None and self.listener.wanted(look.spec)
+        scrapes = await self._scrape_judged(look) if (self.detection and not disabled) or listening else {}
+        if listening:
+            await self.listener.observe(key, fleet.ref, look.obs, look.spec, scrapes)
+        elif self.listener is not None:
+            self.listener.forget(key)
+        if disabled:
             await self._stand_down(key, fleet, look, alerts)
             return look.interval
         await self._finish_left_over(key, fleet, look)
 
-        fleet.verdicts = await self._judge(fleet, look) if self.detection else {}
+        fleet.verdicts = await self._judge(fleet, look, scrapes) if self.detection else {}
         sources = await self._recheck_alerts(fleet, look, alerts)
         await self._count_stalls(key, fleet, look)
         plan = self._decide(fleet, look, sources)
@@ -172,14 +195,26 @@ class StallController:
 
     # ---- verdicts --------------------------------------------------------------------------------
 
-    async def _judge(self, fleet: FleetStall, look: Look) -> dict[str, StallVerdict]:
-        """Scrape every judged server and judge its window of scrapes."""
+    async def _scrape_judged(self, look: Look) -> dict[str, Scrape]:
+        """One scrape of every judged server, all at once: pod name -> Scrape."""
+        timeout = timeout_for(look.interval)
+
+        async def timed(pod: ServerPod) -> Scrape:
+            start = time.monotonic()
+            sample = await self._scrape(pod, timeout)
+            self.metrics.scrape_seconds.observe(time.monotonic() - start)
+            self.metrics.scrapes.labels("ok" if sample.ok else "failed").inc()
+            return sample
+        samples = await asyncio.gather(*(timed(p) for p in look.judged))
+        return {pod.name: sample for pod, sample in zip(look.judged, samples)}
+
+    async def _judge(self, fleet: FleetStall, look: Look, scrapes: dict[str, Scrape]) -> dict[str, StallVerdict]:
+        """Judge every judged server's window of scrapes, this tick's included."""
         fleet.windows.retain(p.name for p in look.judged)
-        scrapes = await asyncio.gather(*(self._scrape(p, timeout_for(look.interval)) for p in look.judged))
         keep = keep_seconds(look.window, look.interval, CONFIRMATIONS)
         verdicts = {}
-        for pod, sample in zip(look.judged, scrapes):
-            self.metrics.scrapes.labels("ok" if sample.ok else "failed").inc()
+        for pod in look.judged:
+            sample = scrapes[pod.name]
             fleet.windows.add(pod.name, pod.uid, sample, keep_seconds=keep)
             verdicts[pod.name] = judge(pod.name, pod.role, fleet.windows.samples(pod.name),
                                        window_seconds=look.window, interval_seconds=look.interval,
@@ -516,9 +551,7 @@ class StallController:
         await self.api.record_event(fleet.ref, type_, reason, message)
 
     async def _scrape(self, pod: ServerPod, timeout: float) -> Scrape:
-        if self._scraper is not None:
-            return await self._scraper(metrics_url(pod.ip), timeout)
-        return await scrape(self.http, metrics_url(pod.ip), timeout, self.clock)
+        return await self._scraper(metrics_url(pod.ip), timeout)
 
     # ---- the reconcile pass's StatusPart -----------------------------------------------------------
 
@@ -542,7 +575,8 @@ class StallController:
         fleet.persisted_changed.set()
 
     async def close(self) -> None:
-        await self.http.aclose()
+        if self._owned_scraper is not None:
+            await self._owned_scraper.close()
 
 
 def _look(obs: FleetObservation) -> Look | None:
@@ -551,6 +585,8 @@ def _look(obs: FleetObservation) -> Look | None:
         spec = FleetSpec.model_validate(obs.spec or {})
     except Exception:  # noqa: BLE001 - the reconciler reports an invalid spec
         return None
-    pods = [p for role in names.ROLES for p in obs.role_pods(role)]
+    # A server a scale-down is draining is on its way out: never judged (its queue empties on purpose),
+    # never a remediation's concern.
+    pods = [p for role in names.ROLES for p in obs.role_pods(role) if not p.leaving]
     judged = [p for p in pods if p.phase == "Running" and p.ready and not p.terminating and p.ip]
     return Look(obs, spec, pods, judged)

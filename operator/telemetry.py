@@ -86,6 +86,9 @@ class OperatorMetrics:
                                      "Latency of the reconciler's API requests.", ["verb"], registry=r)
         self.actions = Counter("adpfleet_operator_actions_total", "Changes made to fleets' children, by action.",
                                ["action"], registry=r)
+        self.scale_changes = Counter("adpfleet_operator_scale_changes_total", "Changes of a role's desired server "
+                                     "count, by role and reason (the policy's, the spec's, kubectl's or an "
+                                     "autoscaler's).", ["role", "reason"], registry=r)
         self.fleets = Gauge("adpfleet_operator_fleets", "Fleets the operator currently reconciles.", registry=r)
         self.healthy = Gauge("adpfleet_operator_healthy", "1 while /healthz passes.", registry=r)
         self.leader = Gauge("adpfleet_operator_leader", "1 while this replica holds the leader Lease (and acts); "
@@ -117,6 +120,10 @@ class StallMetrics:
                                     ["action", "result"], registry=r)
         self.scrapes = Counter("adpfleet_operator_scrapes_total", "Scrapes of servers' /metrics, by result.",
                                ["result"], registry=r)
+        self.scrape_seconds = Histogram("adpfleet_operator_scrape_duration_seconds", "Latency of one scrape of a "
+                                        "server's /metrics (connect, request, read, parse).",
+                                        buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5),
+                                        registry=r)
         self.alerts = Counter("adpfleet_operator_alerts_received_total", "Alerts received on the webhook, by "
                               "result.", ["result"], registry=r)
         self.servers = Gauge("adpfleet_operator_servers", "Servers by their latest verdict.",
@@ -150,3 +157,25 @@ class StallMetrics:
                 self.servers.remove(*key, state.value)
             except KeyError:
                 pass
+
+
+class ScalingMetrics:
+    """The autoscaling policy's part of the operator's /metrics (docs/autoscaling.md)."""
+
+    def __init__(self, registry: CollectorRegistry):
+        r = registry
+        labels = ["fleet_namespace", "fleet", "role"]
+        self.signal = Gauge("adpfleet_operator_role_signal", "A role's signal as the autoscaling policy last read it "
+                            "(mean per ADP rank over its serving servers).", labels + ["signal"], registry=r)
+        self.desired = Gauge("adpfleet_operator_role_desired_servers", "Servers the autoscaling policy wants for "
+                             "a role.", labels, registry=r)
+        self.decisions = Counter("adpfleet_operator_scaling_decisions_total", "Changes the autoscaling policy "
+                                 "decided, by role and reason.", ["role", "reason"], registry=r)
+
+    def forget(self, key: tuple[str, str], roles: Iterable[str], signals: Iterable[str]) -> None:
+        for role in roles:
+            for gauge, extra in ((self.desired, ()),) + tuple((self.signal, (s,)) for s in signals):
+                try:
+                    gauge.remove(*key, role, *extra)
+                except KeyError:
+                    pass

@@ -10,6 +10,26 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+# Latency buckets in seconds (vLLM's scale, from a few ms on a GPU to a minute on a loaded CPU).
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+@dataclass
+class LatencyHistogram:
+    """Observations per bucket (not cumulative), their sum and count; rendered as a Prometheus histogram."""
+    buckets: list[int] = field(default_factory=lambda: [0] * len(LATENCY_BUCKETS))
+    sum: float = 0.0
+    count: int = 0
+
+    def observe(self, seconds: float) -> None:
+        for i, bound in enumerate(LATENCY_BUCKETS):
+            if seconds <= bound:
+                self.buckets[i] += 1
+                break
+        self.sum += seconds
+        self.count += 1
+
+
 PADDING_PHASES = ("pre_schedule", "post_schedule")
 PADDING_OUTCOMES = ("committed", "rolled_back", "unaffordable", "failed")
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -34,6 +54,8 @@ class RankStats:
     kv_cache_blocks_total: int = 0
     kv_transfers_in_flight: int = 0
     last_progress_timestamp: float = field(default_factory=time.time)
+    time_to_first_token: LatencyHistogram = field(default_factory=LatencyHistogram)
+    inter_token_latency: LatencyHistogram = field(default_factory=LatencyHistogram)
     # internal (benchmarks), not exported
     requests_fetched: int = 0
     collective_calls: int = 0
@@ -66,6 +88,14 @@ _GAUGES = [
 ]
 
 
+_HISTOGRAMS = [
+    ("time_to_first_token", "adpfleet_time_to_first_token_seconds",
+     "Seconds from a request's arrival on the rank to its first token (on a generation server: to the first "
+     "token handed over by the context server, KV pull included)."),
+    ("inter_token_latency", "adpfleet_inter_token_latency_seconds", "Seconds between two tokens of a request."),
+]
+
+
 def render(role: str, ranks: list[tuple[int, RankStats]]) -> str:
     """Prometheus text exposition of the given ranks' stats."""
     lines: list[str] = []
@@ -87,4 +117,17 @@ def render(role: str, ranks: list[tuple[int, RankStats]]) -> str:
             for r, s in ranks for k, n in sorted(s.requests_finished.items())])
     for attr, name, help_ in _GAUGES:
         family(name, "gauge", help_, [((("role", role), ("rank", r)), getattr(s, attr)) for r, s in ranks])
+    for attr, name, help_ in _HISTOGRAMS:
+        lines.append(f"# HELP {name} {help_}")
+        lines.append(f"# TYPE {name} histogram")
+        for r, s in ranks:
+            h: LatencyHistogram = getattr(s, attr)
+            base = f'role="{role}",rank="{r}"'
+            cumulative = 0
+            for bound, n in zip(LATENCY_BUCKETS, h.buckets):
+                cumulative += n
+                lines.append(f'{name}_bucket{{{base},le="{bound}"}} {float(cumulative)!r}')
+            lines.append(f'{name}_bucket{{{base},le="+Inf"}} {float(h.count)!r}')
+            lines.append(f"{name}_sum{{{base}}} {float(h.sum)!r}")
+            lines.append(f"{name}_count{{{base}}} {float(h.count)!r}")
     return "\n".join(lines) + "\n"

@@ -128,6 +128,36 @@ class KubeApi:
         return await self._call("patch", "pods", self.core.patch_namespaced_pod, name, namespace, body,
                                 ok_codes=(404,))
 
+    async def set_leaving(self, namespace: str, name: str, uid: str, since: str | None) -> ApiResult:
+        """Start (`since`: the time, RFC 3339) or cancel (None) a scale-down's drain of a server: the
+        drain annotation the router reads and the scale-down annotation the reconcile reads, in one
+        patch with metadata.uid as a precondition."""
+        annotations = {names.ANNOTATION_DRAIN: "true" if since else None, names.ANNOTATION_SCALE_DOWN: since}
+        body = {"metadata": {"uid": uid, "annotations": annotations}}
+        return await self._call("patch", "pods", self.core.patch_namespaced_pod, name, namespace, body,
+                                ok_codes=(404,))
+
+    # ---- InferenceFleetRoles: each role's scale target ----
+
+    async def create_role_object(self, manifest: dict) -> ApiResult:
+        meta = manifest["metadata"]
+        return await self._call("create", "inferencefleetroles", self.custom.create_namespaced_custom_object,
+                                names.GROUP, names.VERSION, meta["namespace"], names.ROLE_PLURAL, manifest,
+                                field_manager=names.MANAGER, ok_codes=(409,))
+
+    async def patch_role_object(self, namespace: str, name: str, body: dict) -> ApiResult:
+        """A merge patch of an InferenceFleetRole (its replicas and the operator's annotations);
+        metadata.uid in `body` makes a replacement of the same name refuse it."""
+        return await self._call("patch", "inferencefleetroles", self.custom.patch_namespaced_custom_object,
+                                names.GROUP, names.VERSION, namespace, names.ROLE_PLURAL, name, body,
+                                field_manager=names.MANAGER, _content_type="application/merge-patch+json")
+
+    async def patch_role_status(self, namespace: str, name: str, status: dict) -> ApiResult:
+        return await self._call("patch", "inferencefleetroles/status",
+                                self.custom.patch_namespaced_custom_object_status, names.GROUP, names.VERSION,
+                                namespace, names.ROLE_PLURAL, name, {"status": status},
+                                field_manager=names.MANAGER, _content_type="application/merge-patch+json")
+
     # ---- the router's objects and the budgets: server-side apply, so fields we stop setting are removed ----
 
     _APPLY = {
@@ -213,6 +243,17 @@ class KubeApi:
         return await self._call("create", "secrets", self.core.create_namespaced_secret,
                                 manifest["metadata"]["namespace"], manifest, field_manager=names.MANAGER,
                                 ok_codes=(409,))
+
+    async def container_log(self, namespace: str, pod: str, container: str, tail_lines: int) -> str | None:
+        """The last lines of a running container's log (a download's progress); None when unreadable."""
+        out = await self._call("get", "pods/log", self.core.read_namespaced_pod_log, pod, namespace,
+                               container=container, tail_lines=tail_lines)
+        return out.body if out.ok and isinstance(out.body, str) else None
+
+    async def claim_exists(self, namespace: str, name: str) -> ApiResult:
+        """Whether a PersistentVolumeClaim exists: ok, or code 404 (a claim being deleted still exists)."""
+        return await self._call("get", "persistentvolumeclaims", self.core.read_namespaced_persistent_volume_claim,
+                                name, namespace, ok_codes=(404,))
 
     async def secret_value(self, namespace: str, name: str, key: str) -> str | None:
         """One value of a Secret, stripped; None when the Secret or the key is missing or unreadable."""

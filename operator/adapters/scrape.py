@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 import time
 from dataclasses import dataclass
 from typing import Mapping
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
-
 from adpfleet.operator.resource import names
 
 MAX_METRICS_BYTES = 4 * 1024 * 1024  # a server's /metrics is a few KiB; more is not a server of ours
@@ -45,7 +44,15 @@ _OPTIONAL = {
     "adpfleet_kv_cache_blocks_used": "kv_cache_blocks_used",
     "adpfleet_kv_cache_blocks_total": "kv_cache_blocks_total",
     "adpfleet_last_progress_timestamp_seconds": "last_progress_timestamp",
+    # latency histograms: only their sums and counts (means over an interval), never the buckets
+    "adpfleet_time_to_first_token_seconds_sum": "ttft_sum",
+    "adpfleet_time_to_first_token_seconds_count": "ttft_count",
+    "adpfleet_inter_token_latency_seconds_sum": "itl_sum",
+    "adpfleet_inter_token_latency_seconds_count": "itl_count",
 }
+_WANTED = {**_REQUIRED, **_OPTIONAL}
+_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*\Z")
+_RANK = re.compile(r'(?:^|,)\s*rank\s*=\s*"([^"]*)"')
 
 
 class ScrapeError(ValueError):
@@ -67,6 +74,10 @@ class RankSample:
     kv_cache_blocks_used: float = 0.0
     kv_cache_blocks_total: float = 0.0
     last_progress_timestamp: float | None = None
+    ttft_sum: float = 0.0   # adpfleet_time_to_first_token_seconds: sum and count of observations
+    ttft_count: float = 0.0
+    itl_sum: float = 0.0    # adpfleet_inter_token_latency_seconds
+    itl_count: float = 0.0
 
     @property
     def tokens(self) -> float:
@@ -80,31 +91,38 @@ class RankSample:
 
 def parse_metrics(text: str) -> dict[int, RankSample]:
     """Per-rank samples from a server's Prometheus text. Raises `ScrapeError` for anything that is
-    not a complete adpfleet server exposition (garbage, HTML, truncated, a metric missing)."""
+    not a complete adpfleet server exposition (garbage, HTML, truncated, a metric missing).
+
+    A scrape of every rank of every server every few seconds is most of the operator's work at
+    scale, so this reads the text line by line and parses the labels and values of only the
+    families it uses (every line's shape is still checked: garbage is refused, not skipped)."""
     if len(text) > MAX_METRICS_BYTES:
         raise ScrapeError(f"/metrics is {len(text)} bytes, more than {MAX_METRICS_BYTES}: not an adpfleet server")
-    wanted = {**_REQUIRED, **_OPTIONAL}
     values: dict[int, dict[str, float]] = {}
     seen: dict[int, set[str]] = {}
-    try:
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                attr = wanted.get(sample.name)
-                if attr is None:
-                    continue
-                try:
-                    rank = int(sample.labels["rank"])
-                except (KeyError, ValueError):
-                    raise ScrapeError(f"{sample.name} has no integer 'rank' label: {sample.labels}") from None
-                value = float(sample.value)
-                if math.isnan(value) or math.isinf(value) or (value < 0 and attr != "last_progress_timestamp"):
-                    raise ScrapeError(f"{sample.name}{{rank={rank}}} is {value}")
-                values.setdefault(rank, {})[attr] = value
-                seen.setdefault(rank, set()).add(sample.name)
-    except ScrapeError:
-        raise
-    except Exception as e:  # noqa: BLE001 - the parser raises ValueError and friends on garbage
-        raise ScrapeError(f"not Prometheus text: {e}") from None
+    for number, line in enumerate(text.split("\n"), 1):
+        if not line or line[0] == "#":
+            continue
+        name, labels, rest = _split_line(line)
+        if name is None:
+            raise ScrapeError(f"not Prometheus text: line {number}: {line[:80]!r}")
+        value = _value(rest)
+        if value is None:
+            raise ScrapeError(f"not Prometheus text: line {number}: {line[:80]!r}")
+        attr = _WANTED.get(name)
+        if attr is None:
+            continue
+        match = _RANK.search(labels)
+        try:
+            rank = int(match.group(1)) if match else None
+        except ValueError:
+            rank = None
+        if rank is None:
+            raise ScrapeError(f"{name} has no integer 'rank' label: {{{labels}}}")
+        if math.isnan(value) or math.isinf(value) or (value < 0 and attr != "last_progress_timestamp"):
+            raise ScrapeError(f"{name}{{rank={rank}}} is {value}")
+        values.setdefault(rank, {})[attr] = value
+        seen.setdefault(rank, set()).add(name)
     if not values:
         raise ScrapeError("no adpfleet_* series: not an adpfleet server (or no rank is alive)")
     for rank, exported in seen.items():
@@ -114,6 +132,33 @@ def parse_metrics(text: str) -> dict[int, RankSample]:
     return {rank: RankSample(**fields) for rank, fields in sorted(values.items())}
 
 
+def _split_line(line: str) -> tuple[str | None, str, str]:
+    """(metric name, label text, the rest) of one sample line; name None when it is not one."""
+    brace = line.find("{")
+    space = line.find(" ")
+    if brace >= 0 and (space < 0 or brace < space):
+        close = line.rfind("}")
+        if close < brace:
+            return None, "", ""
+        name, labels, rest = line[:brace], line[brace + 1:close], line[close + 1:]
+    elif space > 0:
+        name, labels, rest = line[:space], "", line[space:]
+    else:
+        return None, "", ""
+    return (name if _NAME.match(name) else None), labels, rest
+
+
+def _value(rest: str) -> float | None:
+    """The sample value (an optional timestamp may follow it)."""
+    parts = rest.split()
+    if not 1 <= len(parts) <= 2:
+        return None
+    try:
+        return float(parts[0])
+    except ValueError:
+        return None
+
+
 @dataclass(frozen=True)
 class Scrape:
     """One scrape of one server: `ranks` when it succeeded, `error` when it did not. `at` is the
@@ -121,6 +166,7 @@ class Scrape:
     at: float
     ranks: Mapping[int, RankSample] | None = None
     error: str | None = None
+    refused: bool = False  # the connection could not be made: nothing listens at the address
 
     @property
     def ok(self) -> bool:
@@ -161,7 +207,26 @@ async def scrape(client: httpx.AsyncClient, url: str, timeout: float, clock=time
         return Scrape(at=clock(), error=f"GET {url}: timed out after {timeout:g} s")
     except ScrapeError as e:
         return Scrape(at=clock(), error=f"GET {url}: {e}")
+    except httpx.ConnectError as e:
+        return Scrape(at=clock(), error=f"GET {url}: {type(e).__name__}: {e}".rstrip(": "), refused=True)
     except httpx.HTTPError as e:
         return Scrape(at=clock(), error=f"GET {url}: {type(e).__name__}: {e}".rstrip(": "))
     except OSError as e:
         return Scrape(at=clock(), error=f"GET {url}: {e}")
+
+
+class HttpScraper:
+    """Scrapes servers over one connection pool (kept-alive connections are reused from scrape to
+    scrape): `await scraper(url, timeout)` is a `Scrape`, never an exception."""
+
+    def __init__(self, clock=time.time, max_connections: int = 256):
+        self.clock = clock
+        self.http = httpx.AsyncClient(limits=httpx.Limits(max_connections=max_connections,
+                                                          max_keepalive_connections=max_connections),
+                                      follow_redirects=False, trust_env=False)
+
+    async def __call__(self, url: str, timeout: float) -> Scrape:
+        return await scrape(self.http, url, timeout, self.clock)
+
+    async def close(self) -> None:
+        await self.http.aclose()

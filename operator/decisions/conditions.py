@@ -16,6 +16,8 @@ from adpfleet.operator.decisions.observed import FleetObservation, OwnedObject, 
 from adpfleet.operator.decisions.rollout import RolePlan
 
 OWNED_CONDITIONS = ("Ready", "Progressing", "Degraded")
+MODEL_DOWNLOADING = "ModelDownloading"  # Progressing: servers wait for their model's download
+MODEL_UNAVAILABLE = "ModelUnavailable"  # Degraded: the model cannot be had (model_status.py says why)
 
 
 @dataclass(frozen=True)
@@ -26,7 +28,8 @@ class Problem:
 
 
 def role_counts(desired: int, template_hash: str, pods: list[ServerPod]) -> dict:
-    live = [p for p in pods if not p.terminating]
+    """desired/current/updated/ready of a role; servers a scale-down is draining no longer count."""
+    live = [p for p in pods if not p.terminating and not p.leaving]
     return {"desired": desired, "current": len(live),
             "updated": sum(p.template_hash == template_hash for p in live),
             "ready": sum(p.ready for p in live)}
@@ -73,9 +76,10 @@ def condition(type_: str, status: bool | str, reason: str, message: str, generat
 
 def fleet_status(obs: FleetObservation, counts: dict[str, dict], router: dict | None,
                  plans: list[RolePlan], objects_waiting: str | None, problems: list[Problem],
-                 now: str) -> dict:
+                 now: str, downloading: str | None = None) -> dict:
     """The whole `status` for `obs`'s generation. `counts`: role -> role_counts; `router`:
-    router_counts or None when the spec could not be read."""
+    router_counts or None when the spec could not be read; `downloading`: servers waiting for their
+    model's download (model_status.py), which Progressing names first."""
     previous = {c.get("type"): c for c in (obs.status or {}).get("conditions") or []}
     gen = obs.generation
 
@@ -98,10 +102,11 @@ def fleet_status(obs: FleetObservation, counts: dict[str, dict], router: dict | 
     if invalid:
         progressing = condition("Progressing", False, "InvalidSpec", "nothing is changed until the spec is fixed",
                                 gen, previous, now)
-    elif moving or objects_waiting or lagging:
-        reason = next((ph for ph in ("RollingUpdate", "Replacing", "Scaling") if any(p.phase == ph for p in moving)),
-                      "Converging")
-        parts = [f"{p.role}: {p.phase}" + (f", waiting for {p.waiting_for}" if p.waiting_for else "") for p in moving]
+    elif moving or objects_waiting or lagging or downloading:
+        reason = MODEL_DOWNLOADING if downloading else next(
+            (ph for ph in ("RollingUpdate", "Replacing", "Scaling") if any(p.phase == ph for p in moving)), "Converging")
+        parts = [downloading] if downloading else []
+        parts += [f"{p.role}: {p.phase}" + (f", waiting for {p.waiting_for}" if p.waiting_for else "") for p in moving]
         if objects_waiting:
             parts.append(f"waiting for {objects_waiting}")
         if router and router["ready"] < router["desired"] and not parts:

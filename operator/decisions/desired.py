@@ -20,10 +20,11 @@ from dataclasses import dataclass
 
 from adpfleet.operator.decisions import security
 from adpfleet.operator.decisions.security import SecurityConfig
+from adpfleet.model_uri import CACHE_LIMIT_ENV, CACHE_MOUNT_PATH, PVC_MOUNT_ROOT, TERMINATION_LOG
 from adpfleet.operator.decisions import pod_template
-from adpfleet.operator.resource import names
+from adpfleet.operator.resource import names, quantity
 from adpfleet.operator.resource.names import FleetRef
-from adpfleet.operator.resource.models import FleetSpec, Resources, ServerRole
+from adpfleet.operator.resource.models import FleetSpec, ModelSource, Resources, RouterSpec, ServerRole
 
 
 def digest(obj) -> str:
@@ -66,9 +67,102 @@ SCRATCH_MOUNTS = [{"name": names.SCRATCH_VOLUME, "mountPath": names.SCRATCH_DIR}
 SCRATCH_ENV = [{"name": var, "value": names.SCRATCH_DIR} for var in names.SCRATCH_ENV]
 
 
+# A container that cannot have its model (or crashes) says why where Kubernetes shows it: the JSON
+# of adpfleet.model_uri.termination_message, else the end of its log.
+TERMINATION_MESSAGE = {"terminationMessagePath": TERMINATION_LOG, "terminationMessagePolicy": "FallbackToLogsOnError"}
+
+
 def _pod_metadata_extras(spec: FleetSpec, template) -> tuple[dict, dict]:
     labels, annotations = pod_template.metadata(spec.pod_metadata.labels, spec.pod_metadata.annotations, template)
     return labels, {**annotations, **pod_template.default_container(template)}
+
+
+# ---- the model: fetched by an init container, read by the server ----
+#
+# hf:// and s3:// sources are downloaded by `adpfleet fetch-model` (the same image) into the cache
+# volume (an emptyDir, or the claim named in model.cache), which the server mounts read-only and
+# finds complete; a pvc:// source's claim is mounted read-only at PVC_MOUNT_ROOT/<claim>, and
+# fetch-model checks it (and an in-image directory) the way loading would refuse it, so a model that
+# cannot be had is the init container's termination message, not a server crash loop. Credentials
+# reach the init container only: the server reads files.
+
+CACHE_VOLUME = names.MODEL_CACHE_VOLUME
+MODEL_CLAIM_VOLUME = names.MODEL_SOURCE_VOLUME
+
+
+def _model_volumes(model: ModelSource) -> list[dict]:
+    uri = model.parsed
+    volumes = []
+    if uri.downloads:
+        if model.cache.claim_name:
+            volumes.append({"name": CACHE_VOLUME, "persistentVolumeClaim": {"claimName": model.cache.claim_name}})
+        else:
+            volumes.append({"name": CACHE_VOLUME, "emptyDir": {"sizeLimit": model.cache.size_limit}
+                            if model.cache.size_limit else {}})
+    if uri.kind == "pvc":
+        volumes.append({"name": MODEL_CLAIM_VOLUME,
+                        "persistentVolumeClaim": {"claimName": uri.name, "readOnly": True}})
+    return volumes
+
+
+def _model_mounts(model: ModelSource, fetching: bool) -> list[dict]:
+    uri = model.parsed
+    mounts = []
+    if uri.downloads:
+        mounts.append({"name": CACHE_VOLUME, "mountPath": CACHE_MOUNT_PATH, **({} if fetching else {"readOnly": True})})
+    if uri.kind == "pvc":
+        mounts.append({"name": MODEL_CLAIM_VOLUME, "mountPath": f"{PVC_MOUNT_ROOT}/{uri.name}", "readOnly": True})
+    return mounts
+
+
+def _source_env(model: ModelSource) -> list[dict]:
+    """What the download needs: HF_TOKEN and HF_ENDPOINT (hf://), the AWS variables (s3://), the
+    emptyDir cache's size limit."""
+    kind = model.parsed.kind
+    env = []
+    if model.token_secret_ref:
+        ref = model.token_secret_ref
+        env.append({"name": names.TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+    if model.endpoint:
+        env.append({"name": "AWS_ENDPOINT_URL" if kind == "s3" else "HF_ENDPOINT", "value": model.endpoint})
+    if model.parsed.downloads and model.cache.size_limit:
+        # the kubelet enforces an emptyDir's sizeLimit by evicting the pod: fetch-model checks it first
+        env.append({"name": CACHE_LIMIT_ENV, "value": str(int(quantity.parse(model.cache.size_limit)))})
+    if model.credentials_secret_ref:
+        name = model.credentials_secret_ref.name
+        for key, optional in S3_SECRET_KEYS.items():
+            ref = {"name": name, "key": key, **({"optional": True} if optional else {})}
+            env.append({"name": key, "valueFrom": {"secretKeyRef": ref}})
+    return env
+
+
+# The keys of model.credentialsSecretRef, each the variable it becomes: required, or used when present.
+S3_SECRET_KEYS = {"AWS_ACCESS_KEY_ID": False, "AWS_SECRET_ACCESS_KEY": False, "AWS_SESSION_TOKEN": True,
+                  "AWS_REGION": True}
+
+
+def model_args(model: ModelSource) -> list[str]:
+    """`--model URI` (and the cache when the source is downloaded), for fetch-model and serve."""
+    return [model.source] + (["--cache-dir", CACHE_MOUNT_PATH] if model.parsed.downloads else [])
+
+
+def _fetch_container(spec: FleetSpec, role: str) -> dict | None:
+    """The init container that fetches (or checks) the model; None for a built-in model."""
+    if spec.model.parsed.kind == "builtin":
+        return None
+    r = spec.role(role)
+    return {
+        "name": names.FETCH_CONTAINER,
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": ["adpfleet"],
+        "args": ["fetch-model", *model_args(spec.model)],
+        "env": _downward_env() + SCRATCH_ENV + _source_env(spec.model) + [e.to_kube() for e in r.env],
+        "resources": _resource_requirements(r.resources),  # no GPUs: a download needs none
+        "securityContext": CONTAINER_SECURITY,
+        "volumeMounts": [SCRATCH_MOUNTS[0]] + _model_mounts(spec.model, fetching=True),
+        **TERMINATION_MESSAGE,
+    }
 
 
 # ---- servers ----
@@ -77,7 +171,7 @@ def server_args(spec: FleetSpec, role: str) -> list[str]:
     """`adpfleet serve` arguments (DESIGN §3.1) for a server of `role`."""
     r: ServerRole = spec.role(role)
     e = r.engine
-    args = ["serve", "--role", role, "--model", spec.model.name, "--dp", str(r.adp_ranks),
+    args = ["serve", "--role", role, "--model", *model_args(spec.model), "--dp", str(r.adp_ranks),
             "--host", "$(POD_IP)", "--port", str(names.SERVER_HTTP_PORT),
             "--device", e.device, "--dtype", e.dtype, "--kv-blocks", str(e.kv_blocks),
             "--tokens-per-block", str(e.tokens_per_block), "--max-num-tokens", str(e.max_num_tokens),
@@ -100,9 +194,6 @@ def server_args(spec: FleetSpec, role: str) -> list[str]:
 def _server_container(spec: FleetSpec, role: str) -> dict:
     r = spec.role(role)
     env = _downward_env() + SCRATCH_ENV + [{"name": names.THREADS_ENV, "value": str(r.engine.threads_per_rank)}]
-    if spec.model.token_secret_ref:
-        ref = spec.model.token_secret_ref
-        env.append({"name": names.TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
     env += [e.to_kube() for e in r.env]
     ports = [{"name": "http", "containerPort": names.SERVER_HTTP_PORT, "protocol": "TCP"}]
     if role == "context":  # context servers serve KV-cache transfers to generation servers
@@ -128,7 +219,8 @@ def _server_container(spec: FleetSpec, role: str) -> dict:
                           "timeoutSeconds": 5, "failureThreshold": 3},
         "resources": _resource_requirements(r.resources, r.gpus_per_server, spec.gpu_resource_name),
         "securityContext": CONTAINER_SECURITY,
-        "volumeMounts": SCRATCH_MOUNTS,
+        "volumeMounts": SCRATCH_MOUNTS + _model_mounts(spec.model, fetching=False),
+        **TERMINATION_MESSAGE,
     }
 
 
@@ -141,8 +233,11 @@ def _server_pod_spec(fleet: FleetRef, spec: FleetSpec, role: str) -> dict:
         "automountServiceAccountToken": False,  # servers never talk to the API server
         "enableServiceLinks": False,
         "securityContext": POD_SECURITY,
-        "volumes": SCRATCH_VOLUMES,
+        "volumes": SCRATCH_VOLUMES + _model_volumes(spec.model),
     }
+    fetch = _fetch_container(spec, role)
+    if fetch:
+        pod_spec["initContainers"] = [fetch]
     if r.node_selector:
         pod_spec["nodeSelector"] = dict(r.node_selector)
     if r.tolerations:
@@ -184,10 +279,11 @@ def server_template(fleet: FleetRef, spec: FleetSpec, role: str) -> ServerTempla
 
 # ---- router ----
 
-def router_args(fleet: FleetRef) -> list[str]:
+def router_args(fleet: FleetRef, router: RouterSpec) -> list[str]:
     return ["router", "--host", "$(POD_IP)", "--port", str(names.ROUTER_HTTP_PORT),
             "--kube-namespace", "$(POD_NAMESPACE)", "--kube-selector", names.discovery_selector(fleet.name),
-            "--server-port", str(names.SERVER_HTTP_PORT)]
+            "--server-port", str(names.SERVER_HTTP_PORT),
+            "--queue-size", str(router.queue_size), "--queue-timeout", str(router.queue_timeout_seconds)]
 
 
 def _with_hash(manifest: dict) -> dict:
@@ -212,11 +308,13 @@ def router_objects(fleet: FleetRef, spec: FleetSpec) -> list[dict]:
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["adpfleet"],
-        "args": router_args(fleet),
+        "args": router_args(fleet, spec.router),
         "env": _downward_env() + SCRATCH_ENV,
         "ports": [{"name": "http", "containerPort": names.ROUTER_HTTP_PORT, "protocol": "TCP"}],
-        "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 2,
-                           "timeoutSeconds": 3, "failureThreshold": 2},
+        # Ready while it listens, not only while servers are usable: it holds requests it cannot place
+        # yet (--queue-size), which is what a client should get while a role has no Ready server
+        "readinessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 2, "timeoutSeconds": 3,
+                           "failureThreshold": 2},
         "livenessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 10, "timeoutSeconds": 5,
                           "failureThreshold": 3},
         "resources": _resource_requirements(spec.router.resources),

@@ -10,11 +10,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
+from adpfleet.model_uri import REASONS, parse_termination_message, reason_of_exit_code
 from adpfleet.operator.resource import names
 
 # Container states a server will not get out of by waiting: surfaced as Degraded with the reason.
 _STUCK_WAITING = {"CrashLoopBackOff", "CreateContainerConfigError", "CreateContainerError", "ErrImagePull",
                   "ImagePullBackOff", "InvalidImageName", "RunContainerError", "StartError"}
+
+# What a server pod's model is doing, from its fetch-model init container (ServerPod.model).
+FETCHING, FETCHED, UNAVAILABLE = "Fetching", "Fetched", "Unavailable"
 
 
 @dataclass(frozen=True)
@@ -34,10 +38,24 @@ class ServerPod:
     ip: str = ""            # status.podIP: where stall detection scrapes /metrics
     created: float | None = None  # creationTimestamp (epoch): tells a replaced pod from the one it replaced
     draining: bool = False  # adpfleet.io/drain: the router sends it no new requests
+    leaving_since: float | None = None  # adpfleet.io/scale-down: drained by a scale-down since then (epoch)
+    model: str = ""         # FETCHING (running), FETCHED or UNAVAILABLE; "" before fetch-model runs, or without it
+    model_failure: tuple[str, str] | None = None  # UNAVAILABLE: (reason, message) from the termination message
+
+    @property
+    def leaving(self) -> bool:
+        """Being removed by a scale-down: drained, deleted once idle."""
+        return self.leaving_since is not None
+
+    @property
+    def waiting_for_model(self) -> bool:
+        """Not Ready because its model is still being fetched or cannot be had: restarting it cannot help."""
+        return not self.ready and self.model in (FETCHING, UNAVAILABLE)
 
     @property
     def view(self) -> "ServerView":
-        return ServerView(self.name, self.role, self.ready, self.terminating, self.created, self.draining)
+        return ServerView(self.name, self.role, self.ready, self.terminating, self.created, self.draining,
+                          self.waiting_for_model)
 
     @property
     def finished(self) -> bool:
@@ -54,6 +72,7 @@ class ServerView:
     terminating: bool = False
     created: float | None = None  # pod creationTimestamp (epoch); tells a replaced pod from the old one
     draining: bool = False
+    waiting_for_model: bool = False  # never Ready yet because its model is being fetched or cannot be had
 
 
 @dataclass(frozen=True)
@@ -86,9 +105,10 @@ def server_pod(body: dict) -> ServerPod:
     problem = None
     if unschedulable:
         problem = f"Unschedulable: {scheduled.get('message', '')}".rstrip(": ")
-    for container in status.get("containerStatuses") or []:
+    model, model_failure = _model_state(status)
+    for container in (status.get("initContainerStatuses") or []) + (status.get("containerStatuses") or []):
         waiting = (container.get("state") or {}).get("waiting") or {}
-        if waiting.get("reason") in _STUCK_WAITING:
+        if waiting.get("reason") in _STUCK_WAITING and not model_failure:  # that one is the fleet's model's
             problem = f"{waiting['reason']}: {waiting.get('message', '')}".rstrip(": ")
     if status.get("phase") == "Failed":
         problem = f"Failed: {status.get('reason', '')} {status.get('message', '')}".strip()
@@ -104,7 +124,44 @@ def server_pod(body: dict) -> ServerPod:
         terminating=bool(meta.get("deletionTimestamp")), unschedulable=unschedulable, problem=problem,
         restarts=sum(c.get("restartCount", 0) for c in status.get("containerStatuses") or []),
         ip=status.get("podIP") or "", created=_epoch(meta.get("creationTimestamp")),
-        draining=annotations.get(names.ANNOTATION_DRAIN) == "true")
+        draining=annotations.get(names.ANNOTATION_DRAIN) == "true",
+        leaving_since=_epoch(annotations.get(names.ANNOTATION_SCALE_DOWN)), model=model, model_failure=model_failure)
+
+
+def _model_state(status: dict) -> tuple[str, tuple[str, str] | None]:
+    """(ServerPod.model, the failure) from the fetch-model init container and the server container.
+
+    A failure is the JSON termination message `adpfleet fetch-model` or `serve` leaves (or, without
+    one, the reason its exit code stands for), in the container's current or last termination. It
+    stands until that container gets past it (the init container succeeds, the server turns ready),
+    so a retry in its back-off does not make the fleet flap between Degraded and not."""
+    by_name = {c.get("name"): c for c in (status.get("initContainerStatuses") or [])}
+    fetch = by_name.get(names.FETCH_CONTAINER)
+    server = next((c for c in status.get("containerStatuses") or [] if c.get("name") == names.SERVER_CONTAINER), None)
+    fetched = fetch is not None and ((fetch.get("state") or {}).get("terminated") or {}).get("exitCode") == 0
+    for container, past_it in ((fetch, fetched), (server, bool(server and server.get("ready")))):
+        failure = None if container is None or past_it else _model_failure(container)
+        if failure:
+            return UNAVAILABLE, failure
+    if fetched:
+        return FETCHED, None
+    if fetch is not None and "running" in (fetch.get("state") or {}):
+        return FETCHING, None
+    return "", None
+
+
+def _model_failure(container: dict) -> tuple[str, str] | None:
+    for state in (container.get("state") or {}, container.get("lastState") or {}):
+        ended = state.get("terminated") or {}
+        if not ended or ended.get("exitCode") == 0:
+            continue
+        error = parse_termination_message(ended.get("message"))
+        if error is not None:
+            return error.reason, error.message
+        reason = reason_of_exit_code(ended.get("exitCode"))
+        if reason is not None:
+            return reason, REASONS[reason][1]
+    return None
 
 
 def _epoch(timestamp) -> float | None:
@@ -133,6 +190,42 @@ def owned_object(kind: str, body: dict) -> OwnedObject:
 
 
 @dataclass(frozen=True)
+class RoleObject:
+    """A fleet's InferenceFleetRole: one role's scale target."""
+    name: str
+    uid: str
+    owner_uid: str | None
+    role: str
+    replicas: int                  # spec.replicas
+    spec_servers: int | None       # the fleet's servers it last took (annotation); None: never
+    replicas_manager: str | None   # the field manager that last set spec.replicas (kubectl, an HPA, ...)
+    decision: str | None           # the operator's last scale decision on it (JSON annotation)
+    status: dict
+    terminating: bool = False
+
+
+def role_object(body: dict) -> RoleObject:
+    meta, spec = body.get("metadata") or {}, body.get("spec") or {}
+    annotations = meta.get("annotations") or {}
+    try:
+        spec_servers = int(annotations[names.ANNOTATION_SPEC_SERVERS])
+    except (KeyError, TypeError, ValueError):
+        spec_servers = None
+    return RoleObject(name=meta.get("name", ""), uid=meta.get("uid", ""), owner_uid=controller_uid(meta),
+                      role=str(spec.get("role", "")), replicas=int(spec.get("replicas") or 0),
+                      spec_servers=spec_servers, replicas_manager=_replicas_manager(meta.get("managedFields")),
+                      decision=annotations.get(names.ANNOTATION_SCALE_DECISION),
+                      status=body.get("status") or {}, terminating=bool(meta.get("deletionTimestamp")))
+
+
+def _replicas_manager(managed_fields) -> str | None:
+    """Who last set spec.replicas, from the server-side field ownership (the newest entry owning it)."""
+    owners = [(str(m.get("time") or ""), m.get("manager") or "") for m in managed_fields or []
+              if "f:replicas" in ((m.get("fieldsV1") or {}).get("f:spec") or {})]
+    return max(owners)[1] if owners else None
+
+
+@dataclass(frozen=True)
 class FleetObservation:
     """One fleet and everything it owns, as last seen."""
     name: str
@@ -144,6 +237,11 @@ class FleetObservation:
     status: dict
     pods: tuple[ServerPod, ...]
     objects: tuple[OwnedObject, ...]
+    role_objects: tuple[RoleObject, ...] = ()
+
+    def role_object(self, role: str) -> RoleObject | None:
+        """This fleet's InferenceFleetRole of `role` (not one left by an earlier fleet of the same name)."""
+        return next((o for o in self.role_objects if o.role == role and o.owner_uid == self.uid), None)
 
     def role_pods(self, role: str) -> list[ServerPod]:
         """This fleet's pods of `role`; pods left by an earlier fleet of the same name are not ours."""

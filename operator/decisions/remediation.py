@@ -23,7 +23,8 @@ For every **stalled** server, in order (the first rule that applies wins):
    n ≥ `afterRemediations` → `escalation.action`: `RestartRole` (every server of the role) or
    `Halt` (stop remediating the fleet, report Degraded).
    `RestartPeers` and `RestartRole` are rolling: `batch` servers at a time, each batch back Ready
-   before the next, so they obey rules 8 and 9 at every step.
+   before the next, so they obey rules 8 and 9 at every step. Neither targets a server that is
+   not Ready because it is still fetching its model or cannot have it (`waiting_for_model`).
 6. mode `DryRun` (or `budgetPerHour: 0`) → record what would have been done, do nothing.
 7. `BudgetExhausted`: `budgetPerHour` actions were taken in the last hour → skip; the fleet is
    Degraded (reason RemediationBudgetExhausted) until the hour rolls on.
@@ -211,13 +212,16 @@ def decide(verdicts: Sequence[StallVerdict], history: Sequence[Remediation], spe
 
 def _ladder(v: StallVerdict, level: int, spec: FleetSpec, servers: Sequence[ServerView]) -> tuple[Action, tuple]:
     escalation = spec.remediation.escalation
+    # A server still fetching its model, or one that cannot have it, never got to stall anything:
+    # restarting it would only throw its download away.
+    restartable = [s for s in servers if not s.terminating and not s.waiting_for_model]
     if level >= escalation.after_remediations:
         if escalation.action is Action.HALT:
             return Action.HALT, ()
-        role = tuple(sorted(s.name for s in servers if s.role == v.role and not s.terminating))
+        role = tuple(sorted(s.name for s in restartable if s.role == v.role))
         return Action.RESTART_ROLE, role or (v.server,)
     if level >= 1:
-        peers = tuple(sorted(s.name for s in servers if s.role in PEER_ROLES.get(v.role, ()) and not s.terminating))
+        peers = tuple(sorted(s.name for s in restartable if s.role in PEER_ROLES.get(v.role, ())))
         if peers:
             return Action.RESTART_PEERS, peers
     return Action.RESTART_SERVER, (v.server,)

@@ -3,11 +3,17 @@
 Per role the rules, in order (the first that applies decides this pass):
 
 1. A finished pod (Failed/Succeeded, e.g. evicted) is deleted; its slot is refilled next pass.
-2. Scale up: fill the lowest free slots, all at once. A slot whose old pod is still terminating is
-   waited for, so a server keeps its name (`<fleet>-<role>-<index>`), as in a StatefulSet.
-3. Scale down: delete the excess, not-ready pods first, then outdated ones, then the highest slots.
-   Ready pods go last, so a role that has a ready server keeps one.
-4. Roll (a pod built from an older spec exists), one server at a time, new before old: create one
+2. Scale up: first take back servers that a scale-down is still draining (they are serving, so
+   un-draining them is immediate), then fill the lowest free slots, all at once. A slot whose old
+   pod is still terminating is waited for, so a server keeps its name (`<fleet>-<role>-<index>`),
+   as in a StatefulSet.
+3. Servers a scale-down drained are deleted once drained: their in-flight requests finished (the
+   stall loop's scrapes say so), their pod is not Ready, or the role's `drainTimeoutSeconds` passed.
+4. Scale down: the excess goes, not-ready pods first, then outdated ones, then the highest slots.
+   Ready pods go last, so a role that has a ready server keeps one. A not-ready pod is deleted at
+   once; a Ready one is drained first (the router stops sending it requests; rule 3 deletes it),
+   unless the drain timeout is 0. A server under remediation is never chosen.
+5. Roll (a pod built from an older spec exists), one server at a time, new before old: create one
    surge pod from the current template; when it is Ready, delete one outdated pod; wait until that
    one is gone; repeat. When the surge pod cannot be scheduled (no room, e.g. GPUs), an outdated
    pod is deleted first to make room, but only if the role keeps a ready server.
@@ -84,7 +90,48 @@ class DeleteObject:
         return f"{self.kind} {self.name}"
 
 
-Action = CreateServer | DeleteServer | ApplyObject | DeleteObject
+@dataclass(frozen=True)
+class DrainServer:
+    """Start a scale-down's drain: the router stops sending the server requests; deleted when drained."""
+    role: str
+    name: str
+    uid: str
+    why: str
+    wording: ClassVar[Wording] = Wording("drain", "draining", "DrainingServer", "DrainServerFailed")
+
+    def describe(self, fleet: str) -> str:
+        return f"{self.role} server {self.name}"
+
+
+@dataclass(frozen=True)
+class UndrainServer:
+    """Cancel a scale-down's drain: the server is wanted again."""
+    role: str
+    name: str
+    uid: str
+    why: str
+    wording: ClassVar[Wording] = Wording("undrain", "kept", "KeptServer", "UndrainServerFailed")
+
+    def describe(self, fleet: str) -> str:
+        return f"{self.role} server {self.name}"
+
+
+Action = CreateServer | DeleteServer | DrainServer | UndrainServer | ApplyObject | DeleteObject
+
+
+@dataclass(frozen=True)
+class Drain:
+    """What the scale-down rules need to know about draining: `timeout` (the role's
+    drainTimeoutSeconds; 0 deletes Ready servers at once), the uids of the leaving servers whose
+    requests have finished, and the servers under remediation (never chosen)."""
+    now: float = 0.0
+    timeout: float = 0.0
+    finished: frozenset[str] = frozenset()
+    protected: frozenset[str] = frozenset()
+
+    def done(self, pod: ServerPod) -> bool:
+        return (pod.uid in self.finished or not pod.ready or pod.leaving_since is None
+                or self.now >= pod.leaving_since + self.timeout)
 
 
 @dataclass(frozen=True)
@@ -93,6 +140,7 @@ class RolePlan:
     actions: tuple[Action, ...] = ()
     waiting_for: str | None = None   # why nothing (more) can be done now, for Progressing's message
     phase: str | None = None         # Scaling | RollingUpdate | Replacing | None when converged
+    recheck_at: float | None = None  # when waiting ends by itself (a drain's timeout), wall-clock seconds
 
     @property
     def converged(self) -> bool:
@@ -104,32 +152,47 @@ def _removal_order(pod: ServerPod, template_hash: str) -> tuple:
     return (pod.ready, pod.template_hash == template_hash, -pod.index)
 
 
-def plan_role(role: str, desired: int, template_hash: str, pods: list[ServerPod]) -> RolePlan:
+def plan_role(role: str, desired: int, template_hash: str, pods: list[ServerPod], drain: Drain = Drain()) -> RolePlan:
     finished = [p for p in pods if p.finished and not p.terminating]
     if finished:
         return RolePlan(role, tuple(DeleteServer(role, p.name, p.uid, f"pod {p.phase.lower()}: {p.problem or ''}".strip())
                                     for p in finished), phase="Replacing")
 
-    live = [p for p in pods if not p.terminating]
+    alive = [p for p in pods if not p.terminating]
+    leaving = [p for p in alive if p.leaving]
+    live = [p for p in alive if not p.leaving]  # the role's servers; the leaving ones are on their way out
     terminating = [p for p in pods if p.terminating]
     current = [p for p in live if p.template_hash == template_hash]
     outdated = [p for p in live if p.template_hash != template_hash]
-    taken = {p.index for p in live}
+    taken = {p.index for p in alive}
     held = {p.index: p for p in terminating}
 
     missing = desired - len(live)
     if missing > 0:
-        slots = _free_slots(taken, missing)
+        kept = sorted(leaving, key=lambda p: (p.template_hash != template_hash, not p.ready, p.index))[:missing]
+        actions: tuple[Action, ...] = tuple(UndrainServer(role, p.name, p.uid, "scale up: wanted again") for p in kept)
+        slots = _free_slots(taken, missing - len(kept))
         creatable = [i for i in slots if i not in held]
         waiting = [held[i].name for i in slots if i in held]
-        actions = tuple(CreateServer(role, i, "scale up" if not waiting else "replace a deleted server")
-                        for i in creatable)
+        actions += tuple(CreateServer(role, i, "scale up" if not waiting else "replace a deleted server")
+                         for i in creatable)
         return RolePlan(role, actions, f"{', '.join(waiting)} to terminate" if waiting else None, "Scaling")
+
+    if leaving:
+        gone = [p for p in leaving if drain.done(p)]
+        draining = [p for p in leaving if not drain.done(p)]
+        return RolePlan(role, tuple(DeleteServer(role, p.name, p.uid, "scale down: drained") for p in gone),
+                        f"{', '.join(p.name for p in draining)} to drain" if draining else None, "Scaling",
+                        min((p.leaving_since + drain.timeout for p in draining), default=None))
 
     excess = len(live) - desired - (1 if outdated else 0)  # a roll may hold one surge pod
     if excess > 0:
-        victims = sorted(live, key=lambda p: _removal_order(p, template_hash))[:excess]
-        return RolePlan(role, tuple(DeleteServer(role, p.name, p.uid, "scale down") for p in victims),
+        candidates = [p for p in live if p.name not in drain.protected]
+        victims = sorted(candidates, key=lambda p: _removal_order(p, template_hash))[:excess]
+        actions = tuple(DrainServer(role, p.name, p.uid, "scale down") if p.ready and drain.timeout > 0
+                        else DeleteServer(role, p.name, p.uid, "scale down") for p in victims)
+        protected = sorted(p.name for p in live if p.name in drain.protected)
+        return RolePlan(role, actions, f"{', '.join(protected)} to be remediated" if len(victims) < excess else None,
                         phase="Scaling")
 
     if not outdated:

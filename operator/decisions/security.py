@@ -79,6 +79,8 @@ def secret_fields(fleet: str, spec: FleetSpec) -> dict[str, str]:
     out = {internal_token_secret_name(fleet): "the fleet's internal token, created by the operator"}
     if spec.model.token_secret_ref:
         out[spec.model.token_secret_ref.name] = "spec.model.tokenSecretRef"
+    if spec.model.credentials_secret_ref:
+        out[spec.model.credentials_secret_ref.name] = "spec.model.credentialsSecretRef"
     if spec.auth.api_key_secret:
         out[spec.auth.api_key_secret.name] = "spec.auth.apiKeySecret"
     return out

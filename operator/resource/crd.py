@@ -27,10 +27,16 @@ PRINTER_COLUMNS = [
      "description": "Roles (context, generation, router) with every server ready"},
     {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
     {"name": "Stalled", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Stalled")].status'},
-    {"name": "Context", "type": "string", "priority": 1, "jsonPath": ".status.context.ready",
-     "description": "Ready context servers"},
-    {"name": "Generation", "type": "string", "priority": 1, "jsonPath": ".status.generation.ready",
-     "description": "Ready generation servers"},
+    {"name": "Context", "type": "string", "priority": 1, "jsonPath": ".status.context.servers",
+     "description": "Ready / desired context servers"},
+    {"name": "Generation", "type": "string", "priority": 1, "jsonPath": ".status.generation.servers",
+     "description": "Ready / desired generation servers"},
+    {"name": "Last Scale", "type": "string", "priority": 1, "jsonPath": ".status.lastScale.message",
+     "description": "The last change of a role's desired server count, and why"},
+    {"name": "Model", "type": "string", "jsonPath": ".status.model.phase",
+     "description": "Pending, Downloading, Available or Unavailable (status.model)"},
+    {"name": "Downloaded", "type": "string", "priority": 1, "jsonPath": ".status.model.progress",
+     "description": "Bytes downloaded of the total, while servers download their model"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 
@@ -53,6 +59,10 @@ def to_structural(node: Any, defs: dict[str, Any]) -> Any:
         merged = dict(options[0])
         merged.update(node)
         return to_structural(merged, defs)
+    for bound, inclusive in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+        if isinstance(node.get(bound), (int, float)) and not isinstance(node.get(bound), bool):
+            node[inclusive] = node.pop(bound)  # JSON Schema 2020's number; OpenAPI v3.0 wants a flag
+            node[bound] = True
     if "const" in node:
         node["enum"] = [node.pop("const")]
     if "enum" in node and "type" not in node:
@@ -132,28 +142,67 @@ def openapi_schema() -> dict:
     }
 
 
-def crd() -> dict:
+ROLE_PRINTER_COLUMNS = [
+    {"name": "Fleet", "type": "string", "jsonPath": ".spec.fleet"},
+    {"name": "Role", "type": "string", "jsonPath": ".spec.role"},
+    {"name": "Desired", "type": "integer", "jsonPath": ".status.desiredReplicas",
+     "description": "Servers the operator runs"},
+    {"name": "Current", "type": "integer", "jsonPath": ".status.replicas", "description": "Server pods that exist"},
+    {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas"},
+    {"name": "Last Scale", "type": "string", "jsonPath": ".status.lastScale.reason",
+     "description": "Why the desired count last changed"},
+    {"name": "Message", "type": "string", "priority": 1, "jsonPath": ".status.lastScale.message"},
+    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+]
+
+
+def role_openapi_schema() -> dict:
+    """The InferenceFleetRole's schema (spec and status), as it goes into its CRD."""
+    spec = _schema_of(models.FleetRoleSpec, with_factory_defaults=False)
+    status = _schema_of(models.FleetRoleStatus, with_factory_defaults=False)
+    spec["description"] = models.FleetRoleSpec.__doc__.strip()
+    status["description"] = models.FleetRoleStatus.__doc__.strip()
+    return {
+        "type": "object",
+        "description": "InferenceFleetRole is the scale target of one role of an InferenceFleet (`kubectl scale`, "
+                       "a HorizontalPodAutoscaler, KEDA); the operator creates one per role and owns nothing else "
+                       "through it.",
+        "required": ["spec"],
+        "properties": {"apiVersion": {"type": "string"}, "kind": {"type": "string"},
+                       "metadata": {"type": "object"}, "spec": spec, "status": status},
+    }
+
+
+def _crd(plural: str, singular: str, kind: str, short_names: list[str], subresources: dict, columns: list,
+         schema: dict) -> dict:
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
-        "metadata": {"name": names.CRD_NAME,
+        "metadata": {"name": f"{plural}.{names.GROUP}",
                      "labels": {names.LABEL_NAME: "adpfleet", "app.kubernetes.io/part-of": "adpfleet"}},
         "spec": {
             "group": names.GROUP,
             "scope": "Namespaced",
-            "names": {"kind": names.KIND, "plural": names.PLURAL, "singular": names.SINGULAR,
-                      "shortNames": list(names.SHORT_NAMES), "listKind": f"{names.KIND}List",
-                      "categories": ["adpfleet"]},
-            "versions": [{
-                "name": names.VERSION,
-                "served": True,
-                "storage": True,
-                "subresources": {"status": {}},
-                "additionalPrinterColumns": PRINTER_COLUMNS,
-                "schema": {"openAPIV3Schema": openapi_schema()},
-            }],
+            "names": {"kind": kind, "plural": plural, "singular": singular, "shortNames": list(short_names),
+                      "listKind": f"{kind}List", "categories": ["adpfleet"]},
+            "versions": [{"name": names.VERSION, "served": True, "storage": True, "subresources": subresources,
+                          "additionalPrinterColumns": columns, "schema": {"openAPIV3Schema": schema}}],
         },
     }
+
+
+def role_crd() -> dict:
+    """The InferenceFleetRole CRD: status, and the scale subresource over spec.replicas."""
+    scale = {"specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",
+             "labelSelectorPath": ".status.selector"}
+    return _crd(names.ROLE_PLURAL, names.ROLE_SINGULAR, names.ROLE_KIND, names.ROLE_SHORT_NAMES,
+                {"status": {}, "scale": scale}, ROLE_PRINTER_COLUMNS, role_openapi_schema())
+
+
+def crd() -> dict:
+    """The InferenceFleet CRD."""
+    return _crd(names.PLURAL, names.SINGULAR, names.KIND, names.SHORT_NAMES, {"status": {}}, PRINTER_COLUMNS,
+                openapi_schema())
 
 
 HEADER = ("# Generated by `adpfleet crds` from the pydantic models in operator/resource/models.py.\n"
@@ -161,7 +210,8 @@ HEADER = ("# Generated by `adpfleet crds` from the pydantic models in operator/r
 
 
 def crd_yaml() -> str:
-    return HEADER + yaml.safe_dump(crd(), sort_keys=False, width=100)
+    """Both CRDs, one YAML document each: InferenceFleet, then InferenceFleetRole."""
+    return HEADER + "---\n".join(yaml.safe_dump(d, sort_keys=False, width=100) for d in (crd(), role_crd()))
 
 
 FILE_NAME = f"{names.CRD_NAME}.yaml"  # inferencefleets.adpfleet.io.yaml, in crds/ and charts/adpfleet/crds/

@@ -10,14 +10,16 @@ YAML names are camelCase (`adpRanks`); Python names are snake_case (`adp_ranks`)
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Annotated, Any, Callable, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 from pydantic.alias_generators import to_camel
 
+from adpfleet.model_uri import ModelURI, ModelURIError, parse_model_uri
 from adpfleet.operator.resource import names, pod_schema, quantity
-from adpfleet.operator.resource.vocabulary import Action, Outcome, RemediationMode, Signature
+from adpfleet.operator.resource.vocabulary import Action, Outcome, RemediationMode, ScaleReason, Signature
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,18 @@ class CelRule:
             out["fieldPath"] = self.field_path
             out["reason"] = "FieldValueInvalid"
         return out
+
+
+def cel_checked(*rules: CelRule) -> tuple:
+    """Annotated metadata putting CEL rules on a scalar field (`self` is its value) and running
+    their Python twins on it: `Annotated[str, *cel_checked(rule, ...)]`."""
+    def validate(value):
+        for rule in rules:
+            if not rule.check(value):
+                raise ValueError(rule.message)
+        return value
+    return (Field(json_schema_extra={"x-kubernetes-validations": [r.to_schema() for r in rules]}),
+            AfterValidator(validate))
 
 
 def _add_cel_rules(schema: dict, model: type) -> None:
@@ -109,16 +123,133 @@ class LocalObjectReference(KubeModel):
     name: str = Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN)
 
 
+# ---- the model source: a URI (adpfleet/model_uri.py) and what fetching it needs ----
+
+@dataclass(frozen=True)
+class URIRule:
+    """One part of the model-source URI grammar as RE2 regular expressions, for the API server:
+    where the URI matches `applies`, it must match every `require` and none of `forbid` (CEL's
+    `matches` searches, as `re.search` does). The Python twin is `parse_model_uri` itself: the rule
+    fails when parsing fails at this `part`. tests/operator/test_models.py keeps the expressions and
+    the parser in agreement over a catalogue of URIs."""
+    part: str
+    message: str
+    applies: str | None
+    require: tuple[str, ...] = ()
+    forbid: tuple[str, ...] = ()
+
+    def cel(self) -> str:
+        def matches(rx: str) -> str:
+            assert "'" not in rx
+            return "self.matches('" + rx.replace("\\", "\\\\") + "')"
+        terms = " && ".join([matches(r) for r in self.require] + [f"!{matches(r)}" for r in self.forbid])
+        return f"!{matches(self.applies)} || ({terms})" if self.applies else terms
+
+    def holds(self, text: str) -> bool:
+        """What the API server's CEL rule says about `text` (the regular expressions, in Python)."""
+        if self.applies and not re.search(self.applies, text):
+            return True
+        return all(re.search(r, text) for r in self.require) and not any(re.search(r, text) for r in self.forbid)
+
+    def check(self, text: str) -> bool:
+        """The Python twin: the parser does not refuse `text` for this part."""
+        if self.applies and not re.search(self.applies, text):
+            return True
+        try:
+            parse_model_uri(text)
+        except ModelURIError as e:
+            return e.part != self.part
+        return True
+
+    def cel_rule(self) -> CelRule:
+        return CelRule(self.cel(), self.message, None, self.check)
+
+
+_HF_NAME = "[A-Za-z0-9]([A-Za-z0-9._-]{0,94}[A-Za-z0-9])?"
+_DNS_LABEL = "[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?"
+URI_RULES = (
+    URIRule("the URI", "must not contain whitespace or control characters", None, forbid=(r"[\x00-\x20]",)),
+    URIRule("scheme", "the scheme must be hf://, s3://, pvc:// or file:// (or give a model directory or a built-in "
+                      "name: tiny, tiny-dense)",
+            "^[A-Za-z][A-Za-z0-9+.-]*://", require=("^(hf|s3|pvc|file)://",)),
+    URIRule("repo", "hf:// needs a repository, hf://ORG/REPO[@REVISION]: letters, digits, '-', '_' and '.', at most "
+                    "96 each, no '--' or '..'",
+            "^hf://", require=(f"^hf://{_HF_NAME}(/{_HF_NAME})?(@|$)",), forbid=("^hf://[^@]*(--|[.][.])",)),
+    URIRule("revision", "the revision after '@' must be a branch, tag or commit",
+            "^hf://[^@]*@", require=("^hf://[^@]*@[A-Za-z0-9._][A-Za-z0-9._/-]{0,254}$",),
+            forbid=("^hf://[^@]*@.*[.][.]", "/$")),
+    URIRule("bucket", "s3:// needs a bucket name, s3://BUCKET[/PREFIX]: 3-63 lowercase letters, digits, dots and "
+                      "hyphens",
+            "^s3://", require=("^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/|$)",), forbid=("^s3://[^/]*[.][.]",)),
+    URIRule("prefix", "the S3 prefix must not contain '.' or '..' segments",
+            "^s3://", forbid=("^s3://[^/]*/(.*/)?[.][.]?(/|$)",)),
+    URIRule("claim", "pvc:// needs a PersistentVolumeClaim name, pvc://CLAIM[/PATH]: a lowercase DNS subdomain "
+                     "(letters, digits, '-' and '.')",
+            "^pvc://", require=(f"^pvc://{_DNS_LABEL}([.]{_DNS_LABEL})*(/|$)", "^pvc://[^/]{1,253}(/|$)")),
+    URIRule("path", "the path inside the claim must not contain '.' or '..' segments",
+            "^pvc://", forbid=("^pvc://[^/]*/(.*/)?[.][.]?(/|$)",)),
+    URIRule("path", "file:// needs an absolute path (file:///DIR)", "^file://", require=("^file:///",)),
+)
+ModelURIText = Annotated[str, Field(min_length=1, max_length=512), *cel_checked(*(r.cel_rule() for r in URI_RULES))]
+_SOURCE = "(has(self.uri) ? self.uri : (has(self.name) ? self.name : ''))"  # CEL: the URI, whichever field has it
+
+
+class ModelCache(KubeModel):
+    """Where hf:// and s3:// models are downloaded before a server starts: an emptyDir of each pod, or
+    a PersistentVolumeClaim the fleet's servers share (downloaded once, kept across restarts)."""
+    size_limit: Quantity | None = Field(None, description="Size limit of each pod's emptyDir cache, e.g. '50Gi' (a "
+                                                          "download that does not fit fails with DiskFull).")
+    claim_name: str | None = Field(None, min_length=1, max_length=253, pattern=DNS_SUBDOMAIN,
+                                   description="A PersistentVolumeClaim in the fleet's namespace used as the cache by "
+                                               "every server of the fleet instead of an emptyDir (ReadWriteMany when "
+                                               "servers run on several nodes).")
+    cel_rules: ClassVar = (
+        CelRule("!has(self.sizeLimit) || !has(self.claimName)",
+                "sizeLimit is the emptyDir's; a claim's size is its own (set one of sizeLimit and claimName)",
+                ".sizeLimit", lambda c: c.size_limit is None or c.claim_name is None),
+    )
+
+
 class ModelSource(KubeModel):
-    """What the servers load."""
-    name: str = Field(min_length=1, max_length=512, pattern=r"^\S+$",
-                      description="Passed to `adpfleet serve --model`: 'tiny' or 'tiny-dense' (built in, no "
-                                  "download) or a Hugging Face model directory inside the image.")
+    """What the servers load, and what fetching it needs (docs/operator.md, Model sources)."""
+    uri: ModelURIText | None = Field(None, description="The model: hf://ORG/REPO[@REVISION] (Hugging Face Hub), "
+                                                       "s3://BUCKET/PREFIX, pvc://CLAIM/PATH (mounted read-only), a "
+                                                       "model directory inside the image, or a built-in name ('tiny', "
+                                                       "'tiny-dense'). hf:// and s3:// are downloaded by an init "
+                                                       "container into the cache before the server starts.")
+    name: ModelURIText | None = Field(None, description="The older spelling of uri (set one of them).")
     served_name: str | None = Field(None, min_length=1, max_length=256, pattern=r"^\S+$",
-                                    description="Model id the OpenAI API reports and accepts; default: derived "
-                                                "from `name`.")
-    token_secret_ref: SecretKeyRef | None = Field(None, description="Secret key exposed to the servers as "
-                                                                    "HF_TOKEN (gated Hugging Face models).")
+                                    description="Model id the OpenAI API reports and accepts; default: the "
+                                                "repository's name (else the last segment of the path).")
+    endpoint: str | None = Field(None, max_length=1024, pattern=r"^https?://[^\s/?#]+(/\S*)?$",
+                                 description="Where the source is served from: a Hugging Face Hub mirror for hf:// "
+                                             "(HF_ENDPOINT), an S3-compatible store such as MinIO or Ceph for s3:// "
+                                             "(AWS_ENDPOINT_URL).")
+    token_secret_ref: SecretKeyRef | None = Field(None, description="Secret key given to the download as HF_TOKEN "
+                                                                    "(gated or private Hugging Face repositories).")
+    credentials_secret_ref: LocalObjectReference | None = Field(
+        None, description="s3://: a Secret with the keys AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and, if "
+                          "present, AWS_SESSION_TOKEN and AWS_REGION), given to the download as those variables.")
+    cache: ModelCache = Field(default_factory=ModelCache, description="Where downloads land.")
+    cel_rules: ClassVar = (
+        CelRule("has(self.uri) != has(self.name)", "set exactly one of uri and name (name is the older spelling of "
+                                                   "uri)", ".uri", lambda m: (m.uri is None) != (m.name is None)),
+        CelRule(f"!has(self.endpoint) || {_SOURCE}.startsWith('hf://') || {_SOURCE}.startsWith('s3://')",
+                "endpoint is for hf:// and s3:// sources", ".endpoint",
+                lambda m: m.endpoint is None or m.source.startswith(("hf://", "s3://"))),
+        CelRule(f"!has(self.credentialsSecretRef) || {_SOURCE}.startsWith('s3://')",
+                "credentialsSecretRef is for s3:// sources (hf:// takes tokenSecretRef)", ".credentialsSecretRef",
+                lambda m: m.credentials_secret_ref is None or m.source.startswith("s3://")),
+    )
+
+    @property
+    def source(self) -> str:
+        """The model URI, from whichever of uri and name is set."""
+        return self.uri or self.name or ""
+
+    @property
+    def parsed(self) -> ModelURI:
+        return parse_model_uri(self.source)
 
 
 class EngineSettings(KubeModel):
@@ -188,6 +319,68 @@ class EnvVar(KubeModel):
 
 
 RESERVED_ENV = names.RESERVED_ENV  # the credentials and fault injection: not from a fleet's env
+class ScalingTargets(KubeModel):
+    """The level of each signal the policy holds a role at, per ADP rank (docs/autoscaling.md). A signal
+    left out is not used; the role scales on the one furthest above its target."""
+    waiting_per_rank: float | None = Field(None, gt=0, le=100_000,
+                                           description="Mean requests waiting per rank (adpfleet_requests_waiting): "
+                                                       "a queue longer than this adds servers.")
+    kv_cache_utilization: float | None = Field(None, gt=0, le=1,
+                                               description="Mean fraction of each rank's KV-cache blocks in use "
+                                                           "(adpfleet_kv_cache_blocks_used / _total).")
+    time_to_first_token_seconds: float | None = Field(None, gt=0, le=3600,
+                                                      description="Mean time to first token "
+                                                                  "(adpfleet_time_to_first_token_seconds).")
+    inter_token_latency_seconds: float | None = Field(None, gt=0, le=60,
+                                                      description="Mean time between two tokens of a request "
+                                                                  "(adpfleet_inter_token_latency_seconds).")
+
+    def given(self) -> dict[str, float]:
+        """The targets that are set: signal name (snake_case) -> target."""
+        return {k: v for k, v in self.model_dump().items() if v is not None}
+
+
+class ScaleUpBehavior(KubeModel):
+    """How fast a role grows."""
+    stabilization_window_seconds: int = Field(10, ge=0, le=3600,
+                                              description="Every scrape over this long must ask for more servers "
+                                                          "before a scale-up (the lowest recommendation wins).")
+    max_servers_per_step: int = Field(2, ge=1, le=256, description="Servers added by one decision at most; the next "
+                                                                   "decision waits until they are Ready.")
+
+
+class ScaleDownBehavior(KubeModel):
+    """How fast a role shrinks."""
+    stabilization_window_seconds: int = Field(120, ge=0, le=86_400,
+                                              description="Every scrape over this long must allow fewer servers "
+                                                          "before a scale-down (the highest recommendation wins).")
+    max_servers_per_step: int = Field(1, ge=1, le=256, description="Servers removed by one decision at most.")
+
+
+def _default_targets() -> "ScalingTargets":
+    return ScalingTargets(waiting_per_rank=2.0, kv_cache_utilization=0.8)
+
+
+class AutoscalingSpec(KubeModel):
+    """The built-in autoscaling policy of one role (docs/autoscaling.md); off by default. Off, the role's
+    count is `servers`, or what `kubectl scale`, an HPA or KEDA set on its InferenceFleetRole."""
+    enabled: bool = Field(False, description="Scale this role between minServers and maxServers on the signals "
+                                             "the operator scrapes.")
+    min_servers: int = Field(1, ge=1, le=256, description="Fewest servers the policy keeps.")
+    max_servers: int = Field(4, ge=1, le=256, description="Most servers the policy runs.")
+    targets: ScalingTargets = Field(default_factory=_default_targets, description="Per-rank signal targets.")
+    tolerance: float = Field(0.1, ge=0, le=0.9, description="Relative band around each target in which nothing "
+                                                           "changes (as the HPA's).")
+    scale_up: ScaleUpBehavior = Field(default_factory=ScaleUpBehavior, description="Growth limits.")
+    scale_down: ScaleDownBehavior = Field(default_factory=ScaleDownBehavior, description="Shrink limits.")
+    cel_rules: ClassVar = (
+        CelRule("self.minServers <= self.maxServers", "minServers must not exceed maxServers", ".minServers",
+                lambda a: a.min_servers <= a.max_servers),
+        CelRule("!self.enabled || has(self.targets.waitingPerRank) || has(self.targets.kvCacheUtilization) || "
+                "has(self.targets.timeToFirstTokenSeconds) || has(self.targets.interTokenLatencySeconds)",
+                "autoscaling needs at least one target when enabled", ".targets",
+                lambda a: not a.enabled or bool(a.targets.given())),
+    )
 
 
 def _no_reserved_labels(labels: dict[str, str]) -> bool:
@@ -351,6 +544,12 @@ class ServerRole(KubeModel):
                               description="Extra environment variables (names unique).")
     termination_grace_period_seconds: int = Field(30, ge=0, le=3600,
                                                   description="Time a server gets to finish requests when stopped.")
+    drain_timeout_seconds: int = Field(60, ge=0, le=3600,
+                                       description="A server removed by a scale-down is drained first: the router "
+                                                   "sends it nothing new and it may finish its requests (and hand "
+                                                   "back its KV) for this long before its pod is deleted.")
+    autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec,
+                                         description="The built-in autoscaling policy (off by default).")
     pod_template: ServerPodTemplate | None = Field(None, description=" ".join(ServerPodTemplate.__doc__.split()))
     disruption_budget: DisruptionBudget = Field(default_factory=DisruptionBudget,
                                                 description="The role's PodDisruptionBudget.")
@@ -395,6 +594,13 @@ class RouterSpec(KubeModel):
     service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = Field("ClusterIP",
                                                                              description="Type of the router's Service.")
     resources: Resources = Field(default_factory=Resources, description="CPU and memory of each router pod.")
+    queue_size: int = Field(256, ge=0, le=100_000,
+                            description="Requests the router holds while it cannot place them (no Ready server of a "
+                                        "role: starting, drained, restarting, failed); one more is answered 503 with "
+                                        "Retry-After at once. 0: no queue (router --queue-size).")
+    queue_timeout_seconds: int = Field(60, ge=1, le=3600,
+                                       description="How long a held request waits in all for a server before the "
+                                                   "router answers 503 with Retry-After (router --queue-timeout).")
     pod_template: RouterPodTemplate | None = Field(None, description=" ".join(RouterPodTemplate.__doc__.split()))
     disruption_budget: DisruptionBudget = Field(default_factory=DisruptionBudget,
                                                 description="The router's PodDisruptionBudget.")
@@ -529,12 +735,28 @@ class Condition(KubeModel):
     observed_generation: int | None = Field(None, ge=0, description="The generation this condition was set for.")
 
 
+class ScaleRecord(KubeModel):
+    """A change of a role's desired server count: who made it and why."""
+    time: Timestamp
+    role: Literal["context", "generation"]
+    previous: int = Field(ge=0, le=256, description="Desired servers before.")
+    desired: int = Field(ge=0, le=256, description="Desired servers after.")
+    reason: ScaleReason = Field(description="Why (docs/autoscaling.md lists the reasons).")
+    source: str = Field(max_length=128, description="Who: 'policy' (the built-in autoscaling), 'spec' (the "
+                                                    "fleet's servers), or the field manager that set the "
+                                                    "InferenceFleetRole's replicas (kubectl, an HPA, KEDA).")
+    message: str = Field("", max_length=1024, description="The signals against their targets, for people.")
+
+
 class RoleStatus(KubeModel):
     """Server counts of one role."""
-    desired: int = Field(0, ge=0, description="spec servers.")
+    desired: int = Field(0, ge=0, description="Servers wanted: spec servers, or the role's InferenceFleetRole "
+                                              "replicas once it was scaled.")
     current: int = Field(0, ge=0, description="Server pods that exist and are not being deleted.")
     updated: int = Field(0, ge=0, description="Of those, the ones built from the current spec.")
     ready: int = Field(0, ge=0, description="Of those that exist, the ones that are Ready.")
+    servers: str | None = Field(None, max_length=16, description="'<ready>/<desired>' (kubectl get -o wide).")
+    last_scale: ScaleRecord | None = Field(None, description="The last change of desired.")
 
 
 class RouterStatus(KubeModel):
@@ -563,6 +785,23 @@ class RemediationRecord(KubeModel):
                                            "or its role).")
 
 
+ModelPhase = Literal["Pending", "Downloading", "Available", "Unavailable"]
+
+
+class ModelStatus(KubeModel):
+    """The fleet's model as its servers last showed it."""
+    source: str = Field(max_length=512, description="spec.model.uri (or name).")
+    phase: ModelPhase = Field(description="Downloading: a server waits for its download. Unavailable: the model "
+                                          "cannot be had (reason; the Degraded condition says why). Available: "
+                                          "every server that started has it. Pending: no server has got that far.")
+    reason: str | None = Field(None, max_length=128, description="Unavailable: why (docs/engine.md's failure "
+                                                                 "reasons, or ClaimNotFound).")
+    bytes_done: int | None = Field(None, ge=0, description="Downloading: bytes on disk, summed over the servers "
+                                                          "downloading (where their log has said).")
+    bytes_total: int | None = Field(None, ge=0, description="Downloading: bytes those downloads fetch in all.")
+    progress: str | None = Field(None, max_length=64, description="Downloading: bytes done of total, for people.")
+
+
 class FleetStatus(KubeModel):
     """What the operator last observed and did."""
     observed_generation: int | None = Field(None, ge=0, description="The generation the status describes.")
@@ -576,6 +815,8 @@ class FleetStatus(KubeModel):
                                                                      "the router counting as a role.")
     recent_remediations: list[RemediationRecord] = Field(default_factory=list, max_length=HISTORY_LIMIT,
                                                          description="The last remediations, newest first.")
+    last_scale: ScaleRecord | None = Field(None, description="The newest of the roles' lastScale.")
+    model: ModelStatus | None = Field(None, description="The model source and whether the servers have it.")
 
 
 class InferenceFleet(KubeModel):
@@ -585,6 +826,42 @@ class InferenceFleet(KubeModel):
     metadata: dict = Field(default_factory=dict)
     spec: FleetSpec
     status: FleetStatus | None = None
+
+
+# ---- InferenceFleetRole: one role's scale target ----
+
+def _immutable(message: str) -> dict:
+    return {"x-kubernetes-validations": [{"rule": "self == oldSelf", "message": message}]}
+
+
+class FleetRoleSpec(KubeModel):
+    """The desired server count of one role of a fleet, behind the `scale` subresource."""
+    fleet: str = Field(min_length=1, max_length=names.MAX_FLEET_NAME, json_schema_extra=_immutable(
+        "fleet is immutable"), description="The InferenceFleet this object scales (set by the operator).")
+    role: Literal["context", "generation"] = Field(json_schema_extra=_immutable("role is immutable"),
+                                                   description="The role it scales (set by the operator).")
+    replicas: int = Field(ge=1, le=256, description="Servers of the role: what `kubectl scale`, an HPA or KEDA "
+                                                    "set through the scale subresource.")
+
+
+class FleetRoleStatus(KubeModel):
+    """The role as the operator last saw it."""
+    replicas: int = Field(0, ge=0, description="Server pods that exist and are not being removed.")
+    ready_replicas: int = Field(0, ge=0, description="Of those, the Ready ones.")
+    desired_replicas: int = Field(0, ge=0, description="What the operator runs: spec.replicas, within "
+                                                       "autoscaling's minServers..maxServers when it is on.")
+    selector: str = Field("", max_length=512, description="Label selector of the role's server pods "
+                                                          "(the scale subresource's, for an HPA's pod metrics).")
+    last_scale: ScaleRecord | None = Field(None, description="The last change of the desired count.")
+
+
+class InferenceFleetRole(KubeModel):
+    """An InferenceFleetRole: the whole object."""
+    api_version: Literal["adpfleet.io/v1alpha1"] = Field(names.API_VERSION, alias="apiVersion")
+    kind: Literal["InferenceFleetRole"] = names.ROLE_KIND
+    metadata: dict = Field(default_factory=dict)
+    spec: FleetRoleSpec
+    status: FleetRoleStatus | None = None
 
 
 def fleet_name_problem(name: str) -> str | None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from adpfleet.model_uri import CACHE_MOUNT_PATH
+
 GROUP = "adpfleet.io"
 VERSION = "v1alpha1"
 KIND = "InferenceFleet"
@@ -15,6 +17,14 @@ SINGULAR = "inferencefleet"
 SHORT_NAMES = ["ifleet"]
 API_VERSION = f"{GROUP}/{VERSION}"
 CRD_NAME = f"{PLURAL}.{GROUP}"
+
+# One role's scale target (`kubectl scale ifrole <fleet>-<role>`, an HPA's or KEDA's scaleTargetRef):
+# the CRD allows one scale subresource per kind, and a fleet has two roles.
+ROLE_KIND = "InferenceFleetRole"
+ROLE_PLURAL = "inferencefleetroles"
+ROLE_SINGULAR = "inferencefleetrole"
+ROLE_SHORT_NAMES = ["ifrole"]
+ROLE_CRD_NAME = f"{ROLE_PLURAL}.{GROUP}"
 
 ROLES = ("context", "generation")  # the server roles a fleet runs; each is a spec field of that name
 
@@ -32,8 +42,13 @@ LABEL_INDEX = f"{GROUP}/index"  # the server's slot in its role: <fleet>-<role>-
 
 ANNOTATION_TEMPLATE_HASH = f"{GROUP}/template-hash"  # what the object was built from; a change means replace
 ANNOTATION_DRAIN = f"{GROUP}/drain"                  # "true": the router sends this server no new requests
-RESERVED_ANNOTATIONS = (ANNOTATION_TEMPLATE_HASH, ANNOTATION_DRAIN)
+ANNOTATION_SCALE_DOWN = f"{GROUP}/scale-down"        # RFC 3339 time: drained since then, deleted once idle
+ANNOTATION_SPEC_SERVERS = f"{GROUP}/spec-servers"    # on an InferenceFleetRole: the fleet's servers it last took
+ANNOTATION_SCALE_DECISION = f"{GROUP}/scale-decision"  # on an InferenceFleetRole: the operator's last change (JSON)
+RESERVED_ANNOTATIONS = (ANNOTATION_TEMPLATE_HASH, ANNOTATION_DRAIN, ANNOTATION_SCALE_DOWN)
 RESERVED_LABEL_PREFIXES = (f"{GROUP}/", "app.kubernetes.io/")
+
+FETCH_CONTAINER = "fetch-model"  # its init container fetching (or checking) the model; the operator reads its log
 
 SERVER_HTTP_PORT = 8000  # OpenAI API, /health, /metrics
 SERVER_KV_PORT = 8001    # KV-cache transfers (context servers; the runtime's default: HTTP port + 1)
@@ -48,7 +63,7 @@ SHM_VOLUME, SHM_DIR = "shm", "/dev/shm"              # tensors shared by rank pr
 DOWNWARD_ENV = {"POD_IP": "status.podIP", "POD_NAME": "metadata.name", "POD_NAMESPACE": "metadata.namespace"}
 SCRATCH_ENV = ("HOME", "TMPDIR")
 THREADS_ENV = "OMP_NUM_THREADS"  # engine.threadsPerRank
-TOKEN_ENV = "HF_TOKEN"           # model.tokenSecretRef
+TOKEN_ENV = "HF_TOKEN"           # model.tokenSecretRef (the fetch-model init container's)
 
 
 @dataclass(frozen=True)
@@ -64,8 +79,12 @@ class OwnedPodParts:
 # The credentials the operator sets from Secrets, and fault injection, which only spec.faultInjection
 # turns on: neither a fleet's `env` nor a pod template may name them (docs/security.md).
 RESERVED_ENV = ("ADPFLEET_API_KEY", "ADPFLEET_INTERNAL_TOKEN", "ADPFLEET_FAULT_INJECTION")
-SERVER_OWNS = OwnedPodParts(SERVER_CONTAINER, (*DOWNWARD_ENV, *SCRATCH_ENV, THREADS_ENV, TOKEN_ENV, *RESERVED_ENV),
-                            (SCRATCH_VOLUME, SHM_VOLUME), (SCRATCH_DIR, SHM_DIR))
+# The model's volumes (decisions/desired.py): the download cache (hf://, s3://) and a pvc:// claim.
+# The server never carries TOKEN_ENV: credentials reach the fetch-model init container only.
+MODEL_CACHE_VOLUME, MODEL_SOURCE_VOLUME = "model-cache", "model-source"
+SERVER_OWNS = OwnedPodParts(SERVER_CONTAINER, (*DOWNWARD_ENV, *SCRATCH_ENV, THREADS_ENV, *RESERVED_ENV),
+                            (SCRATCH_VOLUME, SHM_VOLUME, MODEL_CACHE_VOLUME, MODEL_SOURCE_VOLUME),
+                            (SCRATCH_DIR, SHM_DIR, CACHE_MOUNT_PATH))
 ROUTER_OWNS = OwnedPodParts(ROUTER_CONTAINER, (*DOWNWARD_ENV, *SCRATCH_ENV, *RESERVED_ENV), (SCRATCH_VOLUME,),
                             (SCRATCH_DIR,))
 DEFAULT_CONTAINER_ANNOTATION = "kubectl.kubernetes.io/default-container"  # `kubectl logs` without -c
@@ -87,6 +106,16 @@ class FleetRef:
 
 def server_name(fleet: str, role: str, index: int) -> str:
     return f"{fleet}-{role}-{index}"
+
+
+def role_object_name(fleet: str, role: str) -> str:
+    """The InferenceFleetRole of one role of a fleet."""
+    return f"{fleet}-{role}"
+
+
+def role_selector(fleet: str, role: str) -> str:
+    """The label selector of one role's server pods."""
+    return f"{LABEL_FLEET}={fleet},{LABEL_ROLE}={role}"
 
 
 def router_name(fleet: str) -> str:

@@ -20,7 +20,9 @@ def _constraints(node: dict) -> str:
     parts = []
     if "enum" in node:
         parts.append(" \\| ".join(f"`{v}`" for v in node["enum"]))
-    if "minimum" in node and "maximum" in node:
+    if node.get("exclusiveMinimum") is True:
+        parts.append(f"> {node['minimum']}" + (f", ≤ {node['maximum']}" if "maximum" in node else ""))
+    elif "minimum" in node and "maximum" in node:
         parts.append(f"{node['minimum']}–{node['maximum']}")
     elif "minimum" in node:
         parts.append(f"≥ {node['minimum']}")
@@ -34,6 +36,8 @@ def _constraints(node: dict) -> str:
         parts.append(f"≤ {node['maxProperties']} entries")
     if node.get("pattern") and "enum" not in node:
         parts.append("quantity" if "KMGTPE" in node["pattern"] else "pattern")
+    if node.get("x-kubernetes-validations") and node.get("type") != "object":
+        parts.append("rules below")
     return ", ".join(parts)
 
 
@@ -80,9 +84,25 @@ def reference_markdown() -> str:
         "Fleet names: " + "; ".join(r["message"] for r in schema["x-kubernetes-validations"]) + ".",
         "",
     ]
+    lines += _objects(schema, "")
+    role = crd.role_openapi_schema()
+    lines += [
+        f"# {names.ROLE_KIND} reference",
+        "",
+        f"`apiVersion: {names.API_VERSION}`, `kind: {names.ROLE_KIND}` (namespaced; short name "
+        f"`{names.ROLE_SHORT_NAMES[0]}`; scale subresource over `spec.replicas`). The operator creates one per "
+        f"role of each fleet, named `<fleet>-<role>` and owned by the fleet (docs/autoscaling.md).",
+        "",
+    ]
+    lines += _objects(role, names.ROLE_KIND + " ")
+    return "\n".join(lines)
+
+
+def _objects(schema: dict, prefix: str) -> list[str]:
+    lines: list[str] = []
     for top in ("spec", "status"):
         for path, node in _sections(schema["properties"][top], top):
-            lines += [f"## `{path}`", ""]
+            lines += [f"## {prefix}`{path}`", ""]
             if node.get("description"):
                 lines += [node["description"], ""]
             lines += ["| field | type | default | allowed | description |", "|---|---|---|---|---|"]
@@ -92,9 +112,14 @@ def reference_markdown() -> str:
                 desc = (sub.get("description") or "").replace("|", "\\|").replace("\n", " ")
                 lines.append(f"| `{name}`{' (required)' if is_required else ''} | {_type_of(sub)} | "
                              f"{_default(sub)} | {_constraints(sub)} | {desc} |")
-            rules = node.get("x-kubernetes-validations") or []
+            rules = [f"- {r['message']} (`{r['rule']}`)" for r in node.get("x-kubernetes-validations") or []]
+            field_rules: dict[str, list[str]] = {}  # a rule on a field's own value (CEL's self is the value)
+            for name, sub, _ in rows:
+                if sub.get("type") != "object":
+                    for r in sub.get("x-kubernetes-validations") or []:
+                        field_rules.setdefault(r["message"], []).append(f"`{name}`")
+            rules += [f"- {', '.join(fields)}: {message}" for message, fields in field_rules.items()]
             if rules:
-                lines += ["", "Rules:"]
-                lines += [f"- {r['message']} (`{r['rule']}`)" for r in rules]
+                lines += ["", "Rules:"] + rules
             lines.append("")
-    return "\n".join(lines)
+    return lines

@@ -101,3 +101,26 @@ class RemediationMode(str, enum.Enum):
     AUTO = "Auto"          # drain and restart stalled servers
     DRY_RUN = "DryRun"     # detect and report only
     DISABLED = "Disabled"  # do not watch for stalls
+
+
+class ScaleReason(str, enum.Enum):
+    """Why a role's desired server count changed (`status.<role>.lastScale.reason`, Events, metrics)."""
+    WAITING = "WaitingAboveTarget"            # requests waiting per rank above the target
+    KV_CACHE = "KVCacheAboveTarget"           # KV-cache use per rank above the target
+    TTFT = "TimeToFirstTokenAboveTarget"      # mean time to first token above the target
+    ITL = "InterTokenLatencyAboveTarget"      # mean inter-token latency above the target
+    GENERATION_BACKLOG = "GenerationBacklog"  # context servers hold KV the generation role does not pull fast enough
+    BELOW_TARGETS = "BelowTargets"            # every signal would stay under its target with fewer servers
+    BELOW_MINIMUM = "BelowMinimum"            # raised to autoscaling.minServers
+    ABOVE_MAXIMUM = "AboveMaximum"            # lowered to autoscaling.maxServers
+    SPEC_CHANGED = "SpecChanged"              # the fleet's spec.<role>.servers changed
+    SCALED_EXTERNALLY = "ScaledExternally"    # kubectl scale, an HPA, KEDA: the InferenceFleetRole's replicas
+
+    @property
+    def direction(self) -> str:
+        """`up` for the reasons that add servers; `down` for those that remove them; `set` otherwise."""
+        if self in (ScaleReason.BELOW_TARGETS, ScaleReason.ABOVE_MAXIMUM):
+            return "down"
+        if self in (ScaleReason.SPEC_CHANGED, ScaleReason.SCALED_EXTERNALLY):
+            return "set"
+        return "up"

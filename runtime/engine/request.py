@@ -38,6 +38,7 @@ class Request:
     # generation role: where the prompt's KV is held (context server) and, once pulled, the KV
     remote_kv: tuple[str, str] | None = None  # (endpoint, handle)
     first_token_id: int | None = None
+    last_token_time: float | None = None  # monotonic time of the newest token: time to first token, inter-token latency
     kv_payload: object = None
     error: str | None = None  # set when something failed for this request alone; the engine fails it
     _generator: torch.Generator | None = None

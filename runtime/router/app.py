@@ -18,6 +18,7 @@ from adpfleet.runtime.router.metrics import CONTENT_TYPE, RouterMetrics
 from adpfleet.runtime.router.pipeline import Answer, Relay, Router
 from adpfleet.runtime.router.policy import error_body
 from adpfleet.runtime.router.pool import ROLES, ServerPool
+from adpfleet.runtime.router.queue import RequestQueue
 from adpfleet.runtime.serving.auth import BearerAuth, Credentials
 from adpfleet.runtime.serving.limits import (DEFAULT_MAX_REQUEST_BYTES, DEFAULT_READ_TIMEOUT_S, Refused,
                                              parse_json_object, read_body, uvicorn_config)
@@ -38,6 +39,8 @@ class RouterConfig:
     first_token_timeout: float | None = None
     health_interval: float = 2.0
     cooldown: float = 5.0
+    queue_size: int = 256
+    queue_timeout: float = 60.0
     credentials: Credentials = field(default_factory=Credentials)
     enable_docs: bool = False
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
@@ -51,7 +54,8 @@ class RouterConfig:
                      kube_namespace=args.kube_namespace, kube_selector=args.kube_selector,
                      server_port=args.server_port, request_timeout=args.request_timeout,
                      max_attempts=args.max_attempts, first_token_timeout=args.first_token_timeout,
-                     health_interval=args.health_interval, credentials=Credentials.from_args(args),
+                     health_interval=args.health_interval, queue_size=args.queue_size,
+                     queue_timeout=args.queue_timeout, credentials=Credentials.from_args(args),
                      enable_docs=args.enable_docs, **limits)
         config.validate()
         return config
@@ -75,11 +79,14 @@ class RouterConfig:
             raise ValueError("disaggregated serving needs both --context and --generation servers")
         static_endpoints(self.context, self.generation, self.aggregated)  # URLs parse
         for name, value in (("--request-timeout", self.request_timeout), ("--health-interval", self.health_interval),
+                            ("--queue-timeout", self.queue_timeout),
                             ("--max-request-bytes", self.max_request_bytes), ("--read-timeout", self.read_timeout)):
             if not value > 0:
                 raise ValueError(f"{name} must be positive, got {value}")
         if self.first_token_timeout is not None and not self.first_token_timeout > 0:
             raise ValueError(f"--first-token-timeout must be positive, got {self.first_token_timeout}")
+        if self.queue_size < 0:
+            raise ValueError(f"--queue-size must be 0 (no queue) or more, got {self.queue_size}")
         if self.max_attempts < 1:
             raise ValueError(f"--max-attempts must be at least 1, got {self.max_attempts}")
         if not 0 < self.server_port < 65536:
@@ -141,17 +148,22 @@ def build_app(config: RouterConfig, *, kube_api_client=None) -> FastAPI:
         loop = asyncio.get_running_loop()
         http = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), trust_env=False,
                                  limits=httpx.Limits(max_connections=None, max_keepalive_connections=512))
-        state["router"] = Router(pool, metrics, http, request_timeout=config.request_timeout,
+        queue = RequestQueue(config.queue_size, config.queue_timeout, metrics)
+        state["router"] = Router(pool, metrics, http, queue, request_timeout=config.request_timeout,
                                  max_attempts=config.max_attempts, first_token_timeout=config.first_token_timeout)
+
+        def set_endpoints(endpoints) -> None:
+            pool.set_endpoints(endpoints)
+            queue.notify()
         discovery = None
         if config.uses_kubernetes:
             discovery = KubeDiscovery(config.kube_namespace, config.kube_selector, config.server_port,
-                                      lambda eps: loop.call_soon_threadsafe(pool.set_endpoints, eps),
+                                      lambda eps: loop.call_soon_threadsafe(set_endpoints, eps),
                                       api_client=kube_api_client).start()
         else:
-            pool.set_endpoints(static_endpoints(config.context, config.generation, config.aggregated))
+            set_endpoints(static_endpoints(config.context, config.generation, config.aggregated))
         prober = asyncio.create_task(probe_forever(pool, http, config.health_interval,
-                                                   config.credentials.upstream_headers(None)))
+                                                   config.credentials.upstream_headers(None), queue.notify))
         try:
             yield
         finally:
@@ -226,7 +238,7 @@ def build_app(config: RouterConfig, *, kube_api_client=None) -> FastAPI:
     @app.get("/health")
     async def health():
         now = time.monotonic()
-        mode = pool.healthy_mode(now)
+        mode = pool.mode(now)
         servers = {role: len(pool.usable(role, now)) for role in ROLES}
         if mode is None:
             return JSONResponse({"status": "unhealthy", "servers": servers,
@@ -246,9 +258,10 @@ def build_app(config: RouterConfig, *, kube_api_client=None) -> FastAPI:
     return app
 
 
-async def probe_forever(pool: ServerPool, http: httpx.AsyncClient, interval: float, headers: dict) -> None:
+async def probe_forever(pool: ServerPool, http: httpx.AsyncClient, interval: float, headers: dict,
+                        on_recovery) -> None:
     """GET /health on every known server each interval; a server answering non-200 (or not at
-    all) gets no new work until it answers 200 again."""
+    all) gets no new work until it answers 200 again, and then `on_recovery()` runs."""
     async def probe(ep) -> bool:
         try:
             return (await http.get(ep.url + "/health", timeout=max(interval, 1.0), headers=headers)).status_code == 200
@@ -256,8 +269,9 @@ async def probe_forever(pool: ServerPool, http: httpx.AsyncClient, interval: flo
             return False
     while True:
         servers = pool.endpoints()
-        for ep, ok in zip(servers, await asyncio.gather(*(probe(ep) for ep in servers))):
-            pool.report_probe(ep, ok)
+        recovered = [pool.report_probe(ep, ok) for ep, ok in zip(servers, await asyncio.gather(*map(probe, servers)))]
+        if any(recovered):
+            on_recovery()
         await asyncio.sleep(interval)
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from adpfleet.runtime.router.policy import REASONS
 from adpfleet.runtime.router.pool import Endpoint
@@ -25,8 +25,18 @@ class RouterMetrics:
                                ["server", "role"], registry=self.registry)
         self.servers = Gauge("adpfleet_router_servers", "Servers known to the router, by role and usability.",
                              ["role", "usable"], registry=self.registry)
+        self.queue_waiting = Gauge("adpfleet_router_queue_waiting", "Requests waiting for a usable server now.",
+                                   registry=self.registry)
+        self.queued = Counter("adpfleet_router_queued", "Requests that found no usable server, by how their wait "
+                              "ended: placed, full (refused: the queue was full), timeout, left (client gone).",
+                              ["outcome"], registry=self.registry)
+        self.queue_wait = Histogram("adpfleet_router_queue_wait_seconds", "Time requests waited for a usable server.",
+                                    buckets=(0.01, 0.1, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300),
+                                    registry=self.registry)
         for reason in REASONS:
             self.errors.labels(reason)
+        for outcome in ("placed", "full", "timeout", "left"):  # queue.OUTCOMES (queue.py imports this module)
+            self.queued.labels(outcome)
         self._shown: set[Endpoint] = set()
 
     def set_in_flight(self, counts: dict[Endpoint, int]) -> None:

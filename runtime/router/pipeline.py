@@ -21,9 +21,10 @@ import httpx
 from adpfleet.runtime.executor.kv_endpoint import parse_endpoint
 from adpfleet.runtime.router import sse
 from adpfleet.runtime.router.metrics import RouterMetrics
-from adpfleet.runtime.router.policy import (OVERLOADED, Failure, error_body, failure_from_status, final_error,
-                                             is_client_error, servers_to_avoid, should_retry)
+from adpfleet.runtime.router.policy import (Failure, error_body, failure_from_status, final_error, is_client_error,
+                                             retry_after, servers_to_avoid, should_retry)
 from adpfleet.runtime.router.pool import Endpoint, ServerPool
+from adpfleet.runtime.router.queue import RequestQueue
 from adpfleet.runtime.serving.limits import RETRY_AFTER_S
 
 log = logging.getLogger("adpfleet.router")
@@ -74,9 +75,9 @@ def _transport_failure(server: Endpoint, exc: httpx.HTTPError) -> Failure:
 
 
 class Router:
-    def __init__(self, pool: ServerPool, metrics: RouterMetrics, http: httpx.AsyncClient, *,
+    def __init__(self, pool: ServerPool, metrics: RouterMetrics, http: httpx.AsyncClient, queue: RequestQueue, *,
                  request_timeout: float, max_attempts: int, first_token_timeout: float | None = None):
-        self.pool, self.metrics, self.http = pool, metrics, http
+        self.pool, self.metrics, self.http, self.queue = pool, metrics, http, queue
         self.request_timeout, self.max_attempts = request_timeout, max_attempts
         self.first_token_timeout = first_token_timeout
 
@@ -87,7 +88,13 @@ class Router:
         loop = asyncio.get_running_loop()
         failures: list[Failure] = []
         avoid: set[Endpoint] = set()
+        queue_until: list[float] = []  # set when the request first has to wait: the queue timeout is per request
         for attempt in range(1, self.max_attempts + 1):
+            if (unplaceable := await self._wait_for_server(deadline, queue_until)) is not None:
+                failures.append(unplaceable)
+                self.metrics.errors.labels(unplaceable.reason).inc()
+                log.warning("request not placed: %s", unplaceable.describe())
+                break
             if attempt > 1:
                 self.metrics.retries.inc()
             state = _Attempt(headers or {})
@@ -113,15 +120,35 @@ class Router:
                 break
             avoid |= servers_to_avoid(failure, state.context)
         status, err = final_error(failures, deadline_passed=loop.time() >= deadline)
-        return Answer(status, err, {"Retry-After": str(RETRY_AFTER_S)} if status == OVERLOADED else {})
+        return Answer(status, err, {"Retry-After": str(RETRY_AFTER_S)} if retry_after(status, failures) else {})
+
+    async def _wait_for_server(self, deadline: float, queue_until: list[float]) -> Failure | None:
+        """None when the pool has usable servers for a mode, at once or after waiting in the
+        queue; else why the request cannot be placed."""
+        def placeable() -> bool:
+            return self.pool.mode(time.monotonic()) is not None
+        if placeable():
+            return None
+        if not queue_until:
+            queue_until.append(asyncio.get_running_loop().time() + self.queue.timeout_s)
+        outcome = await self.queue.wait(placeable, min(deadline, queue_until[0]),
+                                        lambda: self.pool.recovery_in(time.monotonic()))
+        if outcome == "placed":
+            return None
+        known = ", ".join(f"{ep.role} {ep.url}" for ep in self.pool.endpoints()) or "none"
+        need = f"the router needs a usable context and generation server, or an aggregated server (known: {known})"
+        if asyncio.get_running_loop().time() >= deadline:
+            return Failure("deadline", f"no usable server within the request deadline of {self.request_timeout:g} s")
+        if outcome == "full":
+            return Failure("queue_full", f"no usable server, and {self.queue.max_size} requests already wait for "
+                                         f"one; retry shortly ({need})")
+        return Failure("no_server", f"no usable server within the queue timeout of {self.queue.timeout_s:g} s; {need}")
 
     async def _attempt(self, state: _Attempt, path: str, body: dict, avoid: set[Endpoint]) -> Answer | Relay:
         stream = bool(body.get("stream"))
         mode = self.pool.mode(time.monotonic())
-        if mode is None:
-            known = ", ".join(f"{ep.role} {ep.url}" for ep in self.pool.endpoints()) or "none"
-            raise AttemptFailed(Failure("no_server", "no usable server: the router needs a context and a generation "
-                                        f"server, or an aggregated server (known: {known})"))
+        if mode is None:  # _wait_for_server just saw usable servers, with no await since
+            raise AttemptFailed(Failure("no_server", "no usable server"))
         if mode == "aggregated":
             return await self._answer_from(state, self._pick("aggregated", avoid), path, body, stream)
 

@@ -12,7 +12,8 @@ from adpfleet.runtime.router.pool import Endpoint
 
 # The `reason` label of adpfleet_router_errors_total: every failure the router saw, retried or not.
 REASONS = (
-    "no_server",           # no server of a needed role is known
+    "no_server",           # no usable server of a needed role within the queue timeout (queue.py)
+    "queue_full",          # no usable server, and the queue of waiting requests was full
     "connect_error",       # could not connect / send to a server
     "server_error",        # a server answered 5xx (or closed the connection before answering)
     "kv_transfer_failed",  # the generation server could not pull the KV from the context server
@@ -65,7 +66,7 @@ def failure_from_status(server: Endpoint, status: int, body: bytes) -> Failure:
 def should_retry(failure: Failure, attempt: int, max_attempts: int, token_sent: bool, time_left: float) -> bool:
     """Retry only while nothing reached the client, attempts remain, and the deadline has not passed."""
     return (not token_sent and attempt < max_attempts and time_left > 0
-            and failure.reason not in ("deadline", "no_server", "stream_broken"))
+            and failure.reason not in ("deadline", "no_server", "queue_full", "stream_broken"))
 
 
 def servers_to_avoid(failure: Failure, context: Endpoint | None) -> set[Endpoint]:
@@ -86,13 +87,21 @@ def final_error(failures: list[Failure], deadline_passed: bool) -> tuple[int, di
     elif failures and all(f.reason == "overloaded" for f in failures):  # the client should come back shortly
         status, code = OVERLOADED, "overloaded"
         message = f"every server tried is at its limit of waiting requests; retry shortly ({detail})"
-    elif failures and failures[-1].reason == "no_server":
-        status, code = 503, "no_server"
-        message = failures[-1].message
+    elif failures and failures[-1].reason in ("no_server", "queue_full"):
+        status, code = 503, failures[-1].reason
+        earlier = "; ".join(f"attempt {i}: {f.describe()}" for i, f in enumerate(failures[:-1], 1))
+        message = failures[-1].message + (f" (before: {earlier})" if earlier else "")
     else:
         status, code = 503, "upstream_unavailable"
         message = f"no server could answer the request after {len(failures)} attempt(s) ({detail})"
     return status, error_body(message, "server_error", code)
+
+
+def retry_after(status: int, failures: list[Failure]) -> bool:
+    """Whether the client should just come back shortly (the answer gets `Retry-After`): every
+    server tried is at its limit, or no server could take the request in time."""
+    return status == OVERLOADED or (status == 503 and bool(failures)
+                                    and failures[-1].reason in ("no_server", "queue_full"))
 
 
 def error_body(message: str, kind: str = "server_error", code: str | None = None,

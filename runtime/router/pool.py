@@ -46,9 +46,9 @@ class _State:
 class ServerPool:
     """Least-loaded selection (fewest in-flight requests; ties round robin) among usable servers.
 
-    Usable = discovered, last health probe passed, not cooling down after a failure. When no
-    server of a role is usable, `pick` still falls back to a discovered one that is merely
-    cooling down or failed its probe: trying it beats refusing the request outright.
+    Usable = discovered, last health probe passed, not cooling down after a failure. A request
+    starts an attempt only when its mode has usable servers (it waits in the router's queue
+    until then); within the role, `pick` prefers usable servers it has not failed on.
     """
 
     def __init__(self, cooldown_s: float = 5.0):
@@ -78,27 +78,28 @@ class ServerPool:
 
     def mode(self, now: float) -> str | None:
         """'disaggregated' when a context and a generation server are usable, else 'aggregated'
-        when an aggregated one is, else None. Falls back to discovered-but-unhealthy servers the
-        same way, so a momentary probe failure does not refuse requests."""
-        for check in (lambda role: self.usable(role, now), self.endpoints):
-            if check("context") and check("generation"):
-                return "disaggregated"
-            if check("aggregated"):
-                return "aggregated"
-        return None
-
-    def healthy_mode(self, now: float) -> str | None:
+        when an aggregated one is, else None (the request waits in the router's queue)."""
         if self.usable("context", now) and self.usable("generation", now):
             return "disaggregated"
         return "aggregated" if self.usable("aggregated", now) else None
+
+    def recovery_in(self, now: float) -> float | None:
+        """Seconds until the next cool-down of a server that passes its probe ends, or None."""
+        ends = [s.down_until for s in self._servers.values() if s.present and s.probe_ok and s.down_until > now]
+        return min(ends) - now if ends else None
 
     def report_failure(self, ep: Endpoint, now: float) -> None:
         if ep in self._servers:
             self._servers[ep].down_until = now + self.cooldown_s
 
-    def report_probe(self, ep: Endpoint, ok: bool) -> None:
-        if ep in self._servers:
-            self._servers[ep].probe_ok = ok
+    def report_probe(self, ep: Endpoint, ok: bool) -> bool:
+        """True when this made the server usable again (waiting requests should look)."""
+        state = self._servers.get(ep)
+        if state is None:
+            return False
+        recovered = ok and not state.probe_ok
+        state.probe_ok = ok
+        return recovered
 
     # -- selection ---------------------------------------------------------------------------
     def pick(self, role: str, now: float, avoid: Iterable[Endpoint] = ()) -> Endpoint | None:

@@ -83,9 +83,10 @@ def test_every_rendered_object_is_valid_for_the_targeted_kubernetes_version(name
     assert checked >= 3  # at least the CRD, the Service and the Deployment
 
 
-def test_the_chart_ships_the_generated_crd_unchanged():
+def test_the_chart_ships_the_generated_crds_unchanged():
     rendered = render(include_crds=True)
-    assert rendered.one("CustomResourceDefinition") == crd.crd()
+    assert rendered.one("CustomResourceDefinition", "inferencefleets.adpfleet.io") == crd.crd()
+    assert rendered.one("CustomResourceDefinition", "inferencefleetroles.adpfleet.io") == crd.role_crd()
 
 
 def test_monitoring_objects_are_rendered_only_when_enabled_and_their_api_exists():
@@ -364,6 +365,8 @@ def test_given_a_certificate_the_webhook_is_served_over_tls_on_its_own_port():
 FLEET_RULES = {
     ("adpfleet.io", "inferencefleets"): {"list", "watch", "patch"},
     ("adpfleet.io", "inferencefleets/status"): {"patch"},
+    ("adpfleet.io", "inferencefleetroles"): {"list", "watch", "create", "patch"},
+    ("adpfleet.io", "inferencefleetroles/status"): {"patch"},
     ("", "pods"): {"get", "list", "watch", "create", "patch", "delete"},
     ("", "services"): {"list", "watch", "create", "patch", "delete"},
     ("", "serviceaccounts"): {"list", "watch", "create", "patch", "delete"},
@@ -374,6 +377,8 @@ FLEET_RULES = {
     ("policy", "poddisruptionbudgets"): {"list", "watch", "create", "patch", "delete"},
     ("", "events"): {"create"},
     ("", "secrets"): {"create"},  # the fleets' internal tokens; never get or list (docs/security.md)
+    ("", "persistentvolumeclaims"): {"get"},
+    ("", "pods/log"): {"get"},
 }
 
 
@@ -398,8 +403,9 @@ def test_every_api_request_in_the_operator_code_is_covered_by_the_rules():
     source = "\n".join(p.read_text() for p in (ROOT / "operator").rglob("*.py"))
     calls = set(re.findall(r'_call\(\s*"(\w+)",\s*(f?"[^"]+")', source))
     assert calls, "no API requests found in operator/: the pattern needs updating"
-    group_of = {"pods": "", "secrets": "", "events": "", f"{names.PLURAL}/status": names.GROUP,
-                "leases": "coordination.k8s.io"}
+    group_of = {"pods": "", "secrets": "", "events": "", "persistentvolumeclaims": "", "pods/log": "",
+                f"{names.PLURAL}/status": names.GROUP, "leases": "coordination.k8s.io",
+                names.ROLE_PLURAL: names.GROUP, f"{names.ROLE_PLURAL}/status": names.GROUP}
     needed = set()
     for verb, resource in calls:
         resource = resource.replace('f"{names.PLURAL}', f'"{names.PLURAL}').strip('"')
@@ -411,6 +417,7 @@ def test_every_api_request_in_the_operator_code_is_covered_by_the_rules():
         needed |= {(group, plural, verb) for verb in ("list", "watch", "create", "patch", "delete")}
     needed |= {(names.GROUP, names.PLURAL, verb) for verb in ("list", "watch", "patch")}  # kopf
     needed |= {("", "pods", verb) for verb in ("list", "watch")}  # kopf index of server pods
+    needed |= {(names.GROUP, names.ROLE_PLURAL, verb) for verb in ("list", "watch")}  # kopf index of role objects
     # the Lease (leader election) is in the release namespace, granted by a Role of its own
     leases = {n for n in needed if n[1] == "leases"}
     assert leases == {(g, r, v) for (g, r), verbs in LEADER_RULES.items() for v in verbs}

@@ -59,7 +59,7 @@ def test_schema_is_structural():
 
 
 def test_crd_has_status_subresource_printer_columns_short_name_and_rules():
-    doc = yaml.safe_load(crd.crd_yaml())
+    doc = next(yaml.safe_load_all(crd.crd_yaml()))
     version = doc["spec"]["versions"][0]
     assert doc["metadata"]["name"] == "inferencefleets.adpfleet.io"
     assert doc["spec"]["scope"] == "Namespaced"
@@ -110,3 +110,18 @@ def test_defaults_are_complete_so_the_api_server_can_check_them_against_the_rule
     assert engine_default["maxBatchSize"] <= engine_default["maxNumActiveRequests"]
     assert spec["context"]["default"]["gpusPerServer"] == 0
     assert "default" not in spec["model"]["properties"]["tokenSecretRef"]  # optional: absent unless given
+
+
+def test_each_role_has_a_scale_target_kind_with_the_scale_subresource():
+    fleet, role = list(yaml.safe_load_all(crd.crd_yaml()))
+    assert fleet["metadata"]["name"] == names.CRD_NAME and role["metadata"]["name"] == names.ROLE_CRD_NAME
+    version = role["spec"]["versions"][0]
+    assert version["subresources"] == {"status": {}, "scale": {
+        "specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",
+        "labelSelectorPath": ".status.selector"}}
+    assert role["spec"]["names"]["shortNames"] == names.ROLE_SHORT_NAMES
+    spec = version["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    assert spec["properties"]["replicas"]["minimum"] == 1 and spec["required"] == ["fleet", "role", "replicas"]
+    assert spec["properties"]["fleet"]["x-kubernetes-validations"] == [{"rule": "self == oldSelf",
+                                                                        "message": "fleet is immutable"}]
+    assert {c["name"] for c in version["additionalPrinterColumns"]} >= {"Desired", "Current", "Ready", "Last Scale"}

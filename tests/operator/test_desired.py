@@ -86,10 +86,12 @@ def test_the_specs_env_reaches_the_server_container():
     assert not any(e["name"] == "NCCL_DEBUG" for e in other)
 
 
-def test_token_secret_becomes_hf_token_env():
-    s = spec(model={"name": "meta/llama", "tokenSecretRef": {"name": "hf", "key": "tok"}})
-    env = server_template(FLEET, s, "context").pod(0)["spec"]["containers"][0]["env"]
-    assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "tok"}}} in env
+def test_token_secret_becomes_hf_token_env_of_the_download_only():
+    s = spec(model={"uri": "hf://meta/llama", "tokenSecretRef": {"name": "hf", "key": "tok"}})
+    pod = server_template(FLEET, s, "context").pod(0)["spec"]
+    token = {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "tok"}}}
+    assert token in pod["initContainers"][0]["env"]
+    assert token not in pod["containers"][0]["env"]  # the server reads files; the cache is complete
 
 
 def test_template_hash_changes_with_server_settings_but_not_with_server_count():
@@ -138,11 +140,20 @@ def test_router_runs_kubernetes_discovery_with_read_only_pod_access_in_its_names
     assert args[:5] == ["router", "--host", "$(POD_IP)", "--port", "8000"]
     assert args[args.index("--kube-selector") + 1] == "adpfleet.io/fleet=demo,adpfleet.io/role"
     assert args[args.index("--kube-namespace") + 1] == "$(POD_NAMESPACE)"
+    assert args[args.index("--queue-size") + 1] == "256" and args[args.index("--queue-timeout") + 1] == "60"
+    # Ready while it listens: with no Ready server it holds requests, so it must keep getting them
+    assert pod["spec"]["containers"][0]["readinessProbe"]["tcpSocket"] == {"port": "http"}
     assert "adpfleet.io/role" not in pod["metadata"]["labels"]  # the router never discovers itself
     assert objects["Service"]["spec"]["selector"] == objects["Deployment"]["spec"]["selector"]["matchLabels"]
     for obj in objects.values():
         assert obj["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
         assert names.ANNOTATION_TEMPLATE_HASH in obj["metadata"]["annotations"]
+
+
+def test_the_router_queue_comes_from_the_fleet():
+    args = router_objects(FLEET, spec(router={"queueSize": 0, "queueTimeoutSeconds": 5}))[3]["spec"]["template"][
+        "spec"]["containers"][0]["args"]
+    assert args[args.index("--queue-size") + 1] == "0" and args[args.index("--queue-timeout") + 1] == "5"
 
 
 def test_router_can_be_left_out():

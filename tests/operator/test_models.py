@@ -74,3 +74,50 @@ def test_quantities_parse_like_kubernetes(text, value):
 def test_malformed_quantities_are_refused(text):
     with pytest.raises(ValueError, match="not a Kubernetes quantity"):
         quantity.parse(text)
+
+
+# ---- model-source URIs: the API server's regular expressions and adpfleet/model_uri.py agree ----
+
+URIS = [
+    "tiny", "tiny-dense", "/models/llama", "rel/dir", "file:///models/llama/", "models@v1",
+    "hf://Qwen/Qwen3-0.6B", "hf://meta-llama/Llama-3.1-8B@v1.0", "hf://org/repo@refs/pr/1", "hf://gpt2",
+    "hf://a.b_c-d/e", "hf://org/repo@0123456789abcdef", "hf://" + "a" * 96 + "/r",
+    "s3://my-models/llama/8b/", "s3://my-models", "s3://a.b-c/x.y/z..w", "pvc://model-store/llama/8b",
+    "pvc://model-store", "pvc://a.b/c", "pvc://" + "a" * 63 + "/x",
+    # refused
+    "hf://a b/c", "a\tb", "x\x01y", "gs://bucket/x", "http://example.com/model", "HF://org/repo", "hf:/org/repo",
+    "hf://", "hf://org/", "hf:///repo", "hf://a/b/c", "hf://org/re--po", "hf://org/..", "hf://-org/repo",
+    "hf://org/repo-", "hf://" + "a" * 97 + "/r", "hf://org/repo@", "hf://org/repo@a..b", "hf://org/repo@main/",
+    "hf://org/repo@-x", "hf://org/repo@a@b", "hf://@main",
+    "s3://", "s3://UPPER/x", "s3://ab/x", "s3://b..x/y", "s3://bucket/../etc", "s3://bucket/a/./b", "s3://-ab/x",
+    "pvc://", "pvc://Not_DNS/x", "pvc://claim/../../etc", "pvc://claim/.", "pvc://-claim/x", "pvc://a..b/x",
+    "pvc://" + "a" * 64 + "/x", "pvc://" + ".".join(["a" * 63] * 4) + "/x",  # each label fits, 255 in all
+    "file://relative", "file://",
+]
+
+
+@pytest.mark.parametrize("text", URIS, ids=repr)
+def test_the_crd_uri_rules_refuse_exactly_what_the_parser_refuses_for_the_same_part(text):
+    from adpfleet.model_uri import ModelURIError, parse_model_uri
+    from adpfleet.operator.resource.models import URI_RULES
+
+    failing = {rule.part for rule in URI_RULES if not rule.holds(text)}  # what the API server says
+    try:
+        parse_model_uri(text)
+    except ModelURIError as e:
+        assert e.part in failing, f"the parser refuses the {e.part}, the CRD's rules {failing or 'nothing'}"
+    else:
+        assert not failing, f"the parser accepts it, the CRD's rules refuse the {failing}"
+
+
+def test_the_uri_rules_cover_every_part_the_parser_names():
+    from adpfleet.operator.resource.models import URI_RULES
+
+    assert {r.part for r in URI_RULES} == {"the URI", "scheme", "repo", "revision", "bucket", "prefix", "claim", "path"}
+
+
+def test_uri_and_name_are_the_same_source_and_exactly_one_is_set():
+    assert FleetSpec.model_validate({"image": "x", "model": {"uri": "hf://org/repo@v1"}}).model.source == "hf://org/repo@v1"
+    assert FleetSpec.model_validate({"image": "x", "model": {"name": "tiny"}}).model.parsed.kind == "builtin"
+    with pytest.raises(ValidationError, match="set exactly one of uri and name"):
+        FleetSpec.model_validate({"image": "x", "model": {}})

@@ -6,7 +6,7 @@ import dataclasses
 import logging
 
 from adpfleet.operator.adapters.kube import ApiResult
-from adpfleet.operator.decisions.observed import FleetObservation, ServerPod
+from adpfleet.operator.decisions.observed import FleetObservation, RoleObject, ServerPod
 from adpfleet.operator.reconciler import FleetMemory, Reconciler
 from adpfleet.operator.telemetry import OperatorMetrics
 
@@ -48,6 +48,33 @@ class FakeApi:
     async def create_secret(self, manifest):
         return self._out("create_secret", manifest["metadata"]["name"])
 
+    async def create_role_object(self, manifest):
+        return self._out("create_role_object", manifest["metadata"]["name"])
+
+    async def patch_role_object(self, namespace, name, body):
+        self.last_role_patch = body
+        return self._out("patch_role_object", name)
+
+    async def patch_role_status(self, namespace, name, status):
+        self.role_statuses = {**getattr(self, "role_statuses", {}), name: status}
+        return self._out("patch_role_status", name)
+
+    async def set_leaving(self, namespace, name, uid, since):
+        return self._out("set_leaving", name, since is not None)
+
+
+def role_object(role, replicas=1, spec_servers=1, status=None, manager="adpfleet-operator", decision=None):
+    """A role's InferenceFleetRole as the index shows it; by default one whose status says what
+    running_pods() has."""
+    if status is None:
+        status = {"replicas": 1, "readyReplicas": 1, "desiredReplicas": 1,
+                  "selector": f"adpfleet.io/fleet=f,adpfleet.io/role={role}"}
+    return RoleObject(name=f"f-{role}", uid=f"r-{role}", owner_uid="fleet-uid", role=role, replicas=replicas,
+                      spec_servers=spec_servers, replicas_manager=manager, decision=decision, status=status)
+
+
+SETTLED_ROLES = (role_object("context"), role_object("generation"))
+
 
 def servers_only() -> dict:
     """A fleet of two servers and nothing else (no router, no disruption budgets)."""
@@ -57,10 +84,11 @@ def servers_only() -> dict:
     return m
 
 
-def observation(manifest=None, pods=(), objects=(), status=None, generation=1, rv="1"):
+def observation(manifest=None, pods=(), objects=(), status=None, generation=1, rv="1", roles=SETTLED_ROLES):
     m = manifest or servers_only()
     return FleetObservation(name="f", namespace="ns", uid="fleet-uid", generation=generation, resource_version=rv,
-                            spec=m["spec"], status=status or {}, pods=tuple(pods), objects=tuple(objects))
+                            spec=m["spec"], status=status or {}, pods=tuple(pods), objects=tuple(objects),
+                            role_objects=tuple(roles))
 
 
 def reconcile(api, obs, memory=None, clock=lambda: 0.0):
@@ -133,9 +161,9 @@ def test_status_written_moments_ago_is_not_written_again_while_the_cache_lags():
 def test_the_internal_token_secret_is_created_before_any_pod_and_never_read():
     api = FakeApi()
     reconcile(api, observation())
-    acting = [c for c in api.calls if c[0] not in ("event", "patch_status")]
+    acting = [c for c in api.calls if c[0] not in ("event", "patch_status", "patch_role_status")]
     assert acting[0] == ("create_secret", "f-internal-token")
-    assert [c[0] for c in acting[1:]] == ["create_pod", "create_pod"]
+    assert [c[0] for c in acting[1:]] == ["create_pod", "create_pod"]  # (no Secret read among them)
     # settled: no request at all, the Secret included
     api2 = FakeApi()
     pods = running_pods()
@@ -305,3 +333,80 @@ def test_a_status_part_is_laid_over_the_pass_and_hears_what_the_api_server_holds
     r.api = FakeApi(fail={"patch_status"})
     asyncio.run(r.reconcile(observation(pods=pods[:1], status=written, rv="3"), memory, log))
     assert len(part.stored_statuses) == 2
+
+
+# ---- each role's scale target, and scale-down's drain -----------------------------------------------
+
+def pods_of(role, n, ready=True, **extra):
+    template = running_pods()[0 if role == "context" else 1]
+    return [dataclasses.replace(template, name=f"f-{role}-{i}", uid=f"u-{role}-{i}", index=i, ready=ready, **extra)
+            for i in range(n)]
+
+
+def test_the_first_pass_creates_a_scale_target_per_role():
+    api = FakeApi()
+    reconcile(api, observation(roles=()))
+    assert sorted(c[1] for c in api.calls if c[0] == "create_role_object") == ["f-context", "f-generation"]
+    assert ("event", "Normal", "CreatedScaleTarget") in api.calls
+
+
+def test_a_role_scaled_through_its_scale_target_gets_its_servers_and_a_recorded_reason():
+    api = FakeApi()
+    scaled = role_object("context", replicas=3, manager="kubectl")
+    reconcile(api, observation(pods=running_pods(), roles=(scaled, role_object("generation"))))
+    assert sorted(c[1] for c in api.calls if c[0] == "create_pod") == ["f-context-1", "f-context-2"]
+    last = api.role_statuses["f-context"]["lastScale"]
+    assert (last["previous"], last["desired"], last["reason"], last["source"]) == (1, 3, "ScaledExternally", "kubectl")
+    assert ("event", "Normal", "ScaledUp") in api.calls
+    status = api.last_status
+    assert status["context"]["desired"] == 3 and status["context"]["servers"] == "1/3"
+    assert status["lastScale"] == last and status["context"]["lastScale"] == last
+
+
+class Drains:
+    def __init__(self, done=()):
+        self.done = frozenset(done)
+        self.asked = []
+
+    def finished(self, key, leaving, role):
+        self.asked.append((role, [p.name for p in leaving]))
+        return self.done & {p.uid for p in leaving}
+
+
+def test_a_scale_down_drains_the_server_and_deletes_it_once_drained():
+    pods = pods_of("context", 2) + pods_of("generation", 1)
+    down = (role_object("context", replicas=1, status={"desiredReplicas": 2}), role_object("generation"))
+    api = FakeApi()
+    Reconciler(api, OperatorMetrics(), clock=lambda: 0.0, drains=Drains())
+    asyncio.run(Reconciler(api, OperatorMetrics(), clock=lambda: 0.0, drains=Drains()).reconcile(
+        observation(pods=pods, roles=down), FleetMemory(), log))
+    assert ("set_leaving", "f-context-1", True) in api.calls and not [c for c in api.calls if c[0] == "delete_pod"]
+    assert ("event", "Normal", "DrainingServer") in api.calls and ("event", "Normal", "ScaledDown") in api.calls
+
+    leaving = [pods[0], dataclasses.replace(pods[1], leaving_since=1e12, draining=True), pods[2]]
+    for drains, deleted in ((Drains(), []), (Drains(done={"u-context-1"}), ["f-context-1"])):
+        api = FakeApi()
+        asyncio.run(Reconciler(api, OperatorMetrics(), clock=lambda: 0.0, drains=drains).reconcile(
+            observation(pods=leaving, roles=down), FleetMemory(), log))
+        assert [c[1] for c in api.calls if c[0] == "delete_pod"] == deleted
+        assert ("context", ["f-context-1"]) in drains.asked
+
+
+def test_a_scale_down_leaves_a_server_under_remediation_alone():
+    pods = pods_of("context", 2) + pods_of("generation", 1)
+    record = {"time": "2099-01-01T00:00:00Z", "role": "context", "server": "f-context-1", "signature": "hung",
+              "action": "RestartServer", "outcome": "Pending", "targets": ["f-context-1"]}
+    down = (role_object("context", replicas=1, status={"desiredReplicas": 2}), role_object("generation"))
+    api = FakeApi()
+    asyncio.run(Reconciler(api, OperatorMetrics(), clock=lambda: 0.0, wall_clock=lambda: 4070908810.0,
+                           drains=Drains()).reconcile(
+        observation(pods=pods, roles=down, status={"recentRemediations": [record]}), FleetMemory(), log))
+    assert [c[1] for c in api.calls if c[0] == "set_leaving"] == ["f-context-0"]
+
+
+def test_a_pass_waiting_for_a_drain_looks_again_when_it_times_out():
+    pods = pods_of("context", 1) + [dataclasses.replace(pods_of("context", 2)[1], leaving_since=1000.0,
+                                                         draining=True)] + pods_of("generation", 1)
+    result = asyncio.run(Reconciler(FakeApi(), OperatorMetrics(), clock=lambda: 0.0, wall_clock=lambda: 1020.0,
+                                    drains=Drains()).reconcile(observation(pods=pods), FleetMemory(), log))
+    assert result.requeue_after == 60.0 - 20.0  # drainTimeoutSeconds (60) from when it began

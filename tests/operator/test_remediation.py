@@ -245,6 +245,18 @@ def test_escalation_can_restart_the_whole_role():
                                                          Choice.ACT, 1)
 
 
+def test_servers_waiting_for_their_model_are_never_restarted_as_peers_or_with_the_role():
+    # f-generation-1 has never been Ready: its model is still downloading (or cannot be had)
+    waiting = ServerView("f-generation-1", "generation", False, created=NOW - 10, waiting_for_model=True)
+    d = only(decide([stalled()], [record(ago=120)], spec(), fleet(f_generation_1=waiting), NOW))
+    assert (d.action, d.targets) == (Action.RESTART_PEERS, ("f-generation-0",))
+    history = [record("f-generation-0", ago=a) for a in (100, 200, 300)]
+    d = only(decide([stalled("f-generation-0")], history, spec(escalation={"afterRemediations": 3,
+                                                                           "action": "RestartRole"}),
+                    fleet(f_generation_1=waiting), NOW))
+    assert (d.action, d.targets) == (Action.RESTART_ROLE, ("f-generation-0",))
+
+
 def test_old_remediations_fall_out_of_the_escalation_window():
     history = [record(ago=a) for a in (4000, 5000, 6000)]
     d = only(decide([stalled()], history, spec(escalation={"windowSeconds": 3600}), fleet(), NOW))

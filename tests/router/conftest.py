@@ -33,11 +33,12 @@ def fresh_fakes(fakes):
 
 @pytest.fixture
 def start_router(log_dir):
-    """start_router(*flags) -> a healthy RouterProcess, stopped after the test."""
+    """start_router(*flags) -> a healthy RouterProcess, stopped after the test. A request that finds
+    no usable server waits 1 s for one (flags given override it; the queue: test_router_queue*.py)."""
     started = []
 
     def start(*args, env=None, healthy=True):
-        r = RouterProcess(log_dir, "--health-interval", "0.5", *args, env=env)
+        r = RouterProcess(log_dir, "--health-interval", "0.5", "--queue-timeout", "1", *args, env=env)
         started.append(r)
         return r.wait_healthy() if healthy else r
     yield start

@@ -1,6 +1,7 @@
 """Kubernetes discovery against the real local control plane: pods become servers when Ready,
 and stop getting new work within a couple of seconds of a drain annotation or deletion."""
 
+import concurrent.futures
 import sys
 import threading
 import time
@@ -128,9 +129,17 @@ def test_the_router_serves_through_discovered_pods_and_stops_using_a_drained_one
         k8s_cluster.core.delete_namespaced_pod("gen-b", k8s_namespace)
         wait_for(lambda: httpx.get(router.url + "/health").status_code == 503, timeout=2,
                  what="the router to be unhealthy without a usable generation server")
-        with pytest.raises(openai.APIStatusError) as e:
-            client.completions.create(model="fake", prompt="k8s", max_tokens=3)
-        assert e.value.status_code == 503
+        # every generation server drained or gone: a request waits in the router's queue...
+        waiting = concurrent.futures.ThreadPoolExecutor(1).submit(
+            client.completions.create, model="fake", prompt="k8s", max_tokens=3)
+        wait_for(lambda: router.metric("adpfleet_router_queue_waiting") == 1, timeout=10, what="the request waiting")
+        assert not waiting.done()
+        # ...and completes as soon as discovery reports a server it may use
+        k8s_cluster.core.patch_namespaced_pod("gen-a", k8s_namespace,
+                                              {"metadata": {"annotations": {"adpfleet.io/drain": "false"}}})
+        assert waiting.result(timeout=10).usage.completion_tokens == 3
+        assert received("gen-a") == 3
+        assert router.metric("adpfleet_router_queued_total", outcome="placed") == 1
     finally:
         router.stop()
 

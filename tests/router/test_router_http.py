@@ -1,6 +1,7 @@
 """The router over HTTP against fake servers that follow the disaggregation contract: the
 official openai client, the contract bodies, bad input, retries, deadlines, disconnects, metrics."""
 
+import concurrent.futures
 import threading
 import time
 
@@ -288,11 +289,30 @@ def test_no_usable_server_at_all_is_a_503_naming_the_problem(fresh_fakes, start_
     gone = FakeServer("generation", log_dir).wait_healthy()
     router = start_router("--context", fresh_fakes["ctx"].url, "--generation", gone.url)
     gone.kill()
-    with pytest.raises(openai.InternalServerError) as e:
-        client(router).completions.create(model="fake", prompt="x", max_tokens=3)
-    assert e.value.status_code == 503 and "connect" in e.value.message and gone.url in e.value.message
+    r = httpx.post(router.url + "/v1/completions", json={"prompt": "x", "max_tokens": 3}, timeout=30)
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"  # after --queue-timeout 1: come back later
+    assert r.json()["error"]["code"] == "no_server" and gone.url in r.json()["error"]["message"]
     wait_until(lambda: httpx.get(router.url + "/health").status_code == 503, timeout=5,
                what="router /health to turn 503")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_waits_while_no_generation_server_is_usable_and_goes_on_when_one_is(fresh_fakes, start_router,
+                                                                                      stream):
+    f = fresh_fakes
+    router = start_router("--context", f["ctx"].url, "--generation", f["gen1"].url, "--queue-timeout", "30")
+    f["gen1"].configure(healthy=False)
+    wait_until(lambda: httpx.get(router.url + "/health").status_code == 503, timeout=5, what="gen1 unusable")
+    waiting = concurrent.futures.ThreadPoolExecutor(1).submit(
+        lambda: "".join(ch.choices[0].text for ch in client(router).completions.create(
+            model="fake", prompt="wait", max_tokens=3, stream=True)) if stream else
+        client(router).completions.create(model="fake", prompt="wait", max_tokens=3).choices[0].text)
+    wait_until(lambda: router.metric("adpfleet_router_queue_waiting") == 1, timeout=5, what="the request waiting")
+    assert not waiting.done() and f["ctx"].received() == []  # nothing started while no pair was usable
+    f["gen1"].configure(healthy=True)  # the next probe (0.5 s) makes it usable again
+    assert len(waiting.result(timeout=10).split()) == 3
+    assert router.metric("adpfleet_router_queued_total", outcome="placed") == 1
+    assert router.metric("adpfleet_router_requests_total", status="200") == 1
 
 
 # -- failures after tokens: explicit error -----------------------------------------------------

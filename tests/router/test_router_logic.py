@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from adpfleet.runtime.router import sse
 from adpfleet.runtime.router.discovery import KubeDiscovery, PodSet, endpoint_from_pod, static_endpoints
-from adpfleet.runtime.router.policy import (Failure, failure_from_status, final_error, is_client_error,
+from adpfleet.runtime.router.policy import (Failure, failure_from_status, final_error, is_client_error, retry_after,
                                              servers_to_avoid, should_retry)
 from adpfleet.runtime.router.pool import Endpoint, ServerPool, normalize_url
 
@@ -73,20 +73,22 @@ def test_a_failed_server_cools_down_then_is_used_again():
 def test_a_server_failing_its_probe_is_unusable_until_it_passes():
     pool = ServerPool()
     pool.set_endpoints([C1, G1, A1])
-    pool.report_probe(G1, False)
-    assert pool.healthy_mode(now=0) == "aggregated"
+    assert pool.report_probe(G1, False) is False
     assert pool.mode(now=0) == "aggregated"
-    pool.report_probe(G1, True)
-    assert pool.healthy_mode(now=0) == "disaggregated"
+    assert pool.report_probe(G1, True) is True  # usable again: waiting requests look
+    assert pool.report_probe(G1, True) is False
+    assert pool.mode(now=0) == "disaggregated"
 
 
-def test_mode_falls_back_to_unhealthy_servers_rather_than_refusing():
-    pool = ServerPool()
+def test_no_usable_server_means_no_mode_and_the_request_waits():
+    pool = ServerPool(cooldown_s=5)
     pool.set_endpoints([C1, G1])
     pool.report_probe(G1, False)
-    assert pool.healthy_mode(now=0) is None
-    assert pool.mode(now=0) == "disaggregated"
-    assert pool.pick("generation", now=0) == G1
+    assert pool.mode(now=0) is None and pool.recovery_in(now=0) is None  # only a probe can bring it back
+    pool.report_probe(G1, True)
+    pool.report_failure(G1, now=10)
+    assert pool.mode(now=11) is None and pool.recovery_in(now=11) == 4   # its cool-down ends in 4 s
+    assert pool.mode(now=15) == "disaggregated" and pool.recovery_in(now=15) is None
 
 
 def test_a_removed_server_is_never_picked_but_keeps_its_in_flight_count_until_released():
@@ -163,6 +165,7 @@ def test_a_failed_kv_pull_avoids_both_sides_next_time():
     ("server_error", 1, False, 0, False),        # deadline passed
     ("deadline", 1, False, 10, False),
     ("no_server", 1, False, 10, False),
+    ("queue_full", 1, False, 10, False),
     ("attempt_timeout", 1, False, 10, True),
     ("kv_transfer_failed", 1, False, 10, True),
     ("overloaded", 1, False, 10, True),
@@ -176,8 +179,18 @@ def test_final_error_names_every_attempt_and_uses_504_for_the_deadline():
     status, body = final_error(failures, deadline_passed=False)
     assert status == 503 and body["error"]["code"] == "upstream_unavailable"
     assert G1.url in body["error"]["message"] and G2.url in body["error"]["message"]
+    assert not retry_after(status, failures)
     status, body = final_error(failures + [Failure("deadline", "late", G1)], deadline_passed=True)
     assert status == 504 and body["error"]["code"] == "deadline_exceeded"
+
+
+@pytest.mark.parametrize("reason", ["no_server", "queue_full"])
+def test_a_request_no_server_could_take_is_a_503_with_retry_after_naming_its_attempts(reason):
+    failures = [Failure("connect_error", "refused", G1), Failure(reason, "no usable server")]
+    status, body = final_error(failures, deadline_passed=False)
+    assert status == 503 and body["error"]["code"] == reason and retry_after(status, failures)
+    assert body["error"]["message"].startswith("no usable server") and G1.url in body["error"]["message"]
+    assert retry_after(429, [Failure("overloaded", "full", G1)])
 
 
 # -- discovery -------------------------------------------------------------------------------

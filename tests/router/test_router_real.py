@@ -2,12 +2,14 @@
 equals the aggregated one, through the official openai client."""
 
 import asyncio
+import threading
+import time
 
 import httpx
 import openai
 import pytest
 
-from router_harness import RouterProcess, serve
+from router_harness import RouterProcess, free_port, serve, wait_until
 from test_kill_burst import burst_and_kill, check
 
 pytestmark = pytest.mark.slow
@@ -121,3 +123,92 @@ def test_killing_a_real_generation_server_during_a_burst(log_dir):
         for p in [router, *servers]:
             if p is not None:
                 p.stop()
+
+
+# -- the queue: a role with no usable server costs clients latency, not errors -----------------------
+def queued_router(log_dir, ctx_url: str, gen_url: str, *flags: str) -> RouterProcess:
+    """A router whose probe has already seen that `gen_url` does not answer: requests wait."""
+    router = RouterProcess(log_dir, "--context", ctx_url, "--generation", gen_url, "--health-interval", "0.5", *flags)
+    wait_until(lambda: httpx.get(router.url + "/health", timeout=2).status_code == 503, timeout=30,
+               what="the router up, seeing no usable generation server")
+    return router
+
+
+def test_the_only_generation_server_restarting_costs_requests_latency_never_errors(fleet, log_dir):
+    """Requests on it when it dies are retried; requests sent while it is down wait in the
+    router's queue; once it is back every one of them completes, equal to the aggregated answer."""
+    _, servers = fleet
+    gen = serve("generation", log_dir).wait_healthy(180)
+    router, restarted = None, []
+    try:
+        router = RouterProcess(log_dir, "--context", servers["ctx"].url, "--generation", gen.url,
+                               "--health-interval", "0.5", "--queue-timeout", "120").wait_healthy()
+        ref = httpx.post(servers["agg"].url + "/v1/completions", timeout=60,
+                         json={"prompt": "restart", "max_tokens": 48, "temperature": 0, "ignore_eos": True}).json()
+
+        async def one(i: int) -> tuple[int, str]:
+            async with httpx.AsyncClient(timeout=180) as c:
+                r = await c.post(router.url + "/v1/completions",
+                                 json={"prompt": "restart", "max_tokens": 48, "temperature": 0, "ignore_eos": True})
+                return r.status_code, r.json()["choices"][0]["text"] if r.status_code == 200 else r.text
+
+        async def scenario():
+            in_flight = [asyncio.create_task(one(i)) for i in range(3)]
+            on_gen = f'adpfleet_router_in_flight{{role="generation",server="{gen.url}"}}'
+            await asyncio.to_thread(wait_until, lambda: router.metrics().get(on_gen, 0) >= 1, timeout=60,
+                                    what="requests on the generation server")
+            gen.kill()
+            await asyncio.to_thread(wait_until, lambda: httpx.get(router.url + "/health").status_code == 503,
+                                    timeout=10, what="the router seeing the generation server down")
+            while_down = [asyncio.create_task(one(i)) for i in range(3, 6)]
+            await asyncio.to_thread(wait_until, lambda: router.metric("adpfleet_router_queue_waiting") >= 3,
+                                    timeout=30, what="the requests sent while it is down waiting")
+            assert not any(t.done() for t in while_down)
+            restarted.append(serve("generation", log_dir, port=gen.port))  # the same URL, as a static fleet has
+            await asyncio.to_thread(restarted[0].wait_healthy, 180)
+            return await asyncio.gather(*in_flight, *while_down)
+
+        results = asyncio.run(scenario())
+        assert results == [(200, ref["choices"][0]["text"])] * 6
+        assert router.metric("adpfleet_router_requests_total", status="200") == 6
+        assert router.metric("adpfleet_router_requests_total") == 6
+        assert router.metric("adpfleet_router_queued_total", outcome="placed") >= 3
+        assert router.metric("adpfleet_router_queue_waiting") == 0
+        assert router.metric("adpfleet_router_queue_wait_seconds_count") >= 3
+    finally:
+        for p in [router, gen, *restarted]:
+            if p is not None:
+                p.stop()
+
+
+def test_a_full_queue_or_its_timeout_is_a_503_with_retry_after(fleet, log_dir):
+    _, servers = fleet
+    router = queued_router(log_dir, servers["ctx"].url, f"http://127.0.0.1:{free_port()}",
+                           "--queue-size", "1", "--queue-timeout", "2")
+    try:
+        first: dict = {}
+
+        def send_first():
+            t0 = time.monotonic()
+            first["r"] = httpx.post(router.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
+            first["s"] = time.monotonic() - t0
+        waiter = threading.Thread(target=send_first)
+        waiter.start()
+        wait_until(lambda: router.metric("adpfleet_router_queue_waiting") == 1, timeout=10, what="one request waiting")
+        t0 = time.monotonic()
+        full = httpx.post(router.url + "/v1/completions", json={"prompt": "y", "max_tokens": 2}, timeout=30)
+        assert time.monotonic() - t0 < 1.5  # refused at once, not after the queue timeout
+        assert full.status_code == 503 and full.headers["retry-after"] == "1"
+        assert full.json()["error"]["code"] == "queue_full"
+        waiter.join(30)
+        r = first["r"]
+        assert r.status_code == 503 and r.headers["retry-after"] == "1" and 1.9 < first["s"] < 6
+        assert r.json()["error"]["code"] == "no_server" and "queue timeout of 2 s" in r.json()["error"]["message"]
+        assert router.metric("adpfleet_router_queued_total", outcome="full") == 1
+        assert router.metric("adpfleet_router_queued_total", outcome="timeout") == 1
+        assert router.metric("adpfleet_router_errors_total", reason="queue_full") == 1
+        assert router.metric("adpfleet_router_errors_total", reason="no_server") == 1
+        assert router.metric("adpfleet_router_requests_total", status="503") == 2
+        assert servers["ctx"].proc.poll() is None
+    finally:
+        router.stop()

@@ -76,10 +76,11 @@ class Process:
 
 
 class Server(Process):
-    """`adpfleet serve --host H --port P *args` on a free port."""
+    """`adpfleet serve --host H --port P *args` on `port`, or a free one."""
 
-    def __init__(self, *args: str, host: str = "127.0.0.1", log_path=None, env=None, headers=None):
-        port = free_port(host)
+    def __init__(self, *args: str, host: str = "127.0.0.1", log_path=None, env=None, headers=None,
+                 port: int | None = None):
+        port = port or free_port(host)
         super().__init__([sys.executable, "-m", "adpfleet", "serve", "--host", host, "--port", str(port), *args],
                          port, log_path, env, host, headers)
 
@@ -115,11 +116,11 @@ class RouterProcess(Process):
         return total
 
 
-def serve(role: str, log_dir: Path, *extra: str, dp: int = 1, env=None, headers=None) -> Server:
+def serve(role: str, log_dir: Path, *extra: str, dp: int = 1, env=None, headers=None, port: int | None = None) -> Server:
     """A real `adpfleet serve --role ROLE` (model tiny, 64 KV blocks); a context server's KV ports
     are any free ones."""
     return Server("--role", role, "--model", "tiny", "--dp", str(dp), "--kv-blocks", "64", "--kv-port", "0", *extra,
-                  log_path=log_dir / f"serve-{role}-{time.monotonic_ns()}.log", env=env, headers=headers)
+                  log_path=log_dir / f"serve-{role}-{time.monotonic_ns()}.log", env=env, headers=headers, port=port)
 
 
 @contextlib.contextmanager

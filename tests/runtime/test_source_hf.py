@@ -233,3 +233,16 @@ def test_a_cache_volume_without_room_is_disk_full_before_the_weights(env, hub, s
         resolve_model(f"hf://{REPO}", cache_dir=str(small_volume))
     assert err.value.reason == "DiskFull" and "GB free" in str(err.value)
     assert not [p for m, p, _ in hub.log if m == "GET" and "/lfs-objects/" in p]
+
+
+def test_a_cache_size_limit_the_file_system_does_not_show_is_disk_full_before_the_weights(env, hub, monkeypatch,
+                                                                                           checkpoints):
+    """An emptyDir's sizeLimit is enforced by eviction, not ENOSPC: the operator hands it to fetch-model."""
+    weights = sum(p.stat().st_size for p in checkpoints[0][1].glob("*.safetensors"))
+    monkeypatch.setenv("ADPFLEET_CACHE_SIZE_LIMIT", str(weights // 2))
+    with pytest.raises(ModelSourceError) as err:
+        resolve_model(f"hf://{REPO}")
+    assert err.value.reason == "DiskFull" and "GB free" in str(err.value)
+    assert not [p for m, p, _ in hub.log if m == "GET" and "/lfs-objects/" in p]
+    monkeypatch.setenv("ADPFLEET_CACHE_SIZE_LIMIT", str(weights + 1_000_000))
+    assert resolve_model(f"hf://{REPO}").revision == hub.latest

@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import shutil
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from adpfleet.model_uri import (DIRECTORY_NOT_FOUND, DISK_FULL, INVALID_MODEL, OBJECT_NOT_FOUND,
-                                SOURCE_UNREACHABLE, VOLUME_NOT_MOUNTED, ModelSourceError, ModelURI,
-                                default_cache_root, parse_model_uri)
+from adpfleet.model_uri import (CACHE_LIMIT_ENV, DIRECTORY_NOT_FOUND, DISK_FULL, INVALID_MODEL,
+                                OBJECT_NOT_FOUND, SOURCE_UNREACHABLE, VOLUME_NOT_MOUNTED, ModelSourceError,
+                                ModelURI, default_cache_root, parse_model_uri)
 from adpfleet.runtime.model.sources.cache import fill_once
 from adpfleet.runtime.model.sources.files import metadata_files, weight_files
 from adpfleet.runtime.model.sources.progress import Progress, bytes_under
@@ -95,7 +96,12 @@ def _size(path: Path) -> int:
 
 
 def _check_room(directory: Path, needed: int) -> None:
+    """Refuses a download that will not fit `directory`'s volume: its free space, or what
+    CACHE_LIMIT_ENV leaves of the cache (`directory`'s parent) beyond what it holds already."""
     free = shutil.disk_usage(directory).free
+    limit = os.environ.get(CACHE_LIMIT_ENV)
+    if limit:
+        free = min(free, max(int(limit) - bytes_under(directory.parent), 0))
     if needed > free:
         raise ModelSourceError(DISK_FULL, f"the model needs {needed / 1e9:.2f} GB more and {directory.parent} "
                                           f"has {free / 1e9:.2f} GB free (raise the cache volume's size)")

@@ -1,5 +1,7 @@
 """Download progress in the log: bytes on disk under the fill directory against the total, every
-few seconds, the same for every source (the operator can read `bytes done / total` from the pod log).
+few seconds, the same for every source. The lines are a contract with the operator, which reads
+`bytes done / total` back from the init container's log: they are written (and parsed) by
+`adpfleet.model_uri`.
 
     fetch-model: hf://org/repo@3f1c...: 52.4 MB of 104.9 MB (50%) at 35.1 MB/s
 """
@@ -11,6 +13,8 @@ import os
 import threading
 import time
 from pathlib import Path
+
+from adpfleet.model_uri import progress_line, progress_start_line
 
 log = logging.getLogger("adpfleet.fetch")
 INTERVAL_ENV = "ADPFLEET_PROGRESS_INTERVAL"
@@ -27,10 +31,6 @@ def bytes_under(directory: Path) -> int:
     return total
 
 
-def _mb(n: int) -> str:
-    return f"{n / 1e6:.1f} MB"
-
-
 class Progress:
     """`with Progress(dir, total, label):` logs progress every interval and a summary at the end."""
 
@@ -45,9 +45,7 @@ class Progress:
     def line(self) -> str:
         done = bytes_under(self.directory)
         elapsed = max(time.monotonic() - self._t0, 1e-9)
-        pct = f" ({100 * done / self.total:.0f}%)" if self.total else ""
-        rate = (done - self._start_bytes) / elapsed
-        return f"{self.label}: {_mb(done)} of {_mb(self.total)}{pct} at {_mb(rate)}/s"
+        return progress_line(self.label, done, self.total, (done - self._start_bytes) / elapsed)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -56,7 +54,7 @@ class Progress:
     def __enter__(self) -> "Progress":
         self._start_bytes = bytes_under(self.directory)
         self._t0 = time.monotonic()
-        log.info("%s: downloading %s (%s already here)", self.label, _mb(self.total), _mb(self._start_bytes))
+        log.info("%s", progress_start_line(self.label, self.total, self._start_bytes))
         self._thread.start()
         return self
 
