@@ -79,9 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="disable post-schedule padding (only to reproduce the ADP stall)")
     serve.add_argument("--no-padding-reserve", dest="padding_reserve", action="store_false",
                        help="let admission use the padding dummy's KV blocks (only to measure what the reserve rescues)")
-    serve.add_argument("--collective-timeout", type=float, default=60.0,
+    serve.add_argument("--collective-timeout", type=float, default=120.0,
                        help="seconds a rank may block in a collective (or stay silent) before the server "
                             "declares it hung, turns unhealthy and exits non-zero")
+    serve.add_argument("--drain-timeout", type=float, default=25.0, metavar="SECONDS",
+                       help="on SIGTERM: how long in-flight requests may run before they are handed back "
+                            "(the operator passes the pod's terminationGracePeriodSeconds less a margin)")
     serve.add_argument("--fault-injection", action="store_true",
                        help="accept POST /faults to freeze a rank, stop KV reaping or starve a rank "
                             "(tests and the demo only)")

@@ -1,4 +1,4 @@
-"""The local Kubernetes cluster for development, tests and the demo (DESIGN §4).
+"""The local Kubernetes cluster for development, tests and the demo (docs/cluster.md).
 
 `controlplane.py` runs etcd, kube-apiserver, kube-controller-manager and the node agent
 (`agent/`, which runs pods as processes) from binaries that `binaries.py` obtains through

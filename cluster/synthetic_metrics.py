@@ -6,7 +6,7 @@ address, so the operator's stall detection and autoscaling can be run at scale w
 Status-only pods (the node agent's `adpfleet.io/node-agent: status-only`) are Ready and have a
 loopback address but run nothing. This watches the namespace's server pods (label
 `adpfleet.io/role`) and, on one asyncio event loop, listens on `<podIP>:8000` for each, answering
-`/metrics` in the runtime's exposition (DESIGN §3.3: the per-rank counters, gauges and the latency
+`/metrics` in the runtime's exposition (docs/adp.md's metrics: the per-rank counters, gauges and the latency
 histograms, the same families and about the same size as a real server's), and `/health`.
 
 Each pod's ranks make progress at a steady rate with the load it was given (a drained pod finishes
@@ -114,7 +114,7 @@ class SyntheticServer:
         family("adpfleet_requests_waiting", "gauge", [(f'rank="{r}"', load.waiting) for r in ranks])
         family("adpfleet_kv_cache_blocks_used", "gauge", [(f'rank="{r}"', round(load.kv * KV_BLOCKS))
                                                           for r in ranks])
-        family("adpfleet_kv_cache_blocks_total", "gauge", [(f'rank="{r}"', KV_BLOCKS) for r in ranks])
+        family("adpfleet_kv_cache_capacity_blocks", "gauge", [(f'rank="{r}"', KV_BLOCKS) for r in ranks])
         family("adpfleet_kv_transfers_in_flight", "gauge", [(f'rank="{r}"', 0.0) for r in ranks])
         family("adpfleet_last_progress_timestamp_seconds", "gauge", [(f'rank="{r}"', progress_until) for r in ranks])
         for name, mean, per_second in (("adpfleet_time_to_first_token_seconds", load.ttft, TOKENS_PER_SECOND / 32),

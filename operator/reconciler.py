@@ -38,7 +38,7 @@ from adpfleet.operator.decisions.model_status import CLAIM_NOT_FOUND, model_repo
 from adpfleet.operator.decisions.observed import FETCHING, FleetObservation, ServerPod
 from adpfleet.operator.decisions.rollout import (Action, ApplyObject, CreateServer, DeleteObject, DeleteServer,
                                                  Drain, DrainServer, RolePlan, UndrainServer, Wording, plan_objects,
-                                                 plan_role)
+                                                 plan_role, vacancies)
 from adpfleet.operator.decisions.scale_target import CreateRoleObject, SetRoleReplicas
 from adpfleet.operator.decisions.security import SecurityConfig
 from adpfleet.operator.resource import names
@@ -93,6 +93,7 @@ class FleetMemory:
     written_status: tuple[str, dict] | None = None
     status_refused: str | None = None  # the last refusal reported (one Event per distinct refusal)
     failures: int = 0
+    vacated: dict[str, tuple[int, ...]] = field(default_factory=dict)  # role -> slots to refill first
 
 
 @dataclass(frozen=True)
@@ -274,11 +275,12 @@ class Reconciler:
         key = (obs.namespace, obs.name)
         plans = []
         for role in names.ROLES:
+            memory.vacated[role] = vacancies(memory.vacated.get(role, ()), desired.replicas[role], role_pods[role])
             leaving = [p for p in role_pods[role] if p.leaving and not p.terminating]
             finished = self.drains.finished(key, leaving, role) if self.drains is not None else frozenset()
             drain = Drain(wall, float(spec.role(role).drain_timeout_seconds), finished, protected)
             plans.append(plan_role(role, desired.replicas[role], desired.servers[role].template_hash,
-                                   role_pods[role], drain))
+                                   role_pods[role], drain, memory.vacated[role]))
         return role_pods, plans
 
     # ---- pieces ----
@@ -402,6 +404,8 @@ class Reconciler:
             await self.api.record_event(fleet, "Warning", cond["reason"], cond["message"])
         elif type_ == "Degraded" and had and had.get("status") == "True":
             await self.api.record_event(fleet, "Normal", "Recovered", f"no longer degraded ({had.get('reason')})")
+        elif type_ == "Ready" and had and had.get("status") == cond["status"]:
+            return  # the same readiness for another reason (all servers Ready, or the minimum)
         elif type_ == "Ready" and cond["status"] == "True":
             await self.api.record_event(fleet, "Normal", "FleetReady", cond["message"])
         elif type_ == "Ready" and had and had.get("status") == "True":

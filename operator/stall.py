@@ -26,7 +26,8 @@ from typing import Awaitable, Callable, Protocol
 from adpfleet.operator.adapters.kube import KubeApi, now_rfc3339
 from adpfleet.operator.adapters.scrape import HttpScraper, Scrape, metrics_url, timeout_for
 from adpfleet.operator.decisions import stall_status
-from adpfleet.operator.decisions.detection import SampleWindows, StallVerdict, evidence_text, judge, keep_seconds
+from adpfleet.operator.decisions.detection import (SampleWindows, StallVerdict, attribute, evidence_text, judge,
+                                                   keep_seconds)
 from adpfleet.operator.decisions.history import (Remediation, budget_used, history_from_status, left_drained,
                                                  pending, resolved, restarts_in_progress, rfc3339, still_to_delete,
                                                  with_records)
@@ -83,7 +84,9 @@ class FleetStall:
     alert_verdicts: dict[str, tuple[StallVerdict, float]] = field(default_factory=dict)  # server -> (v, until)
     local: dict[tuple, Remediation] = field(default_factory=dict)  # records not yet seen in the cached status
     plan: Plan = field(default_factory=Plan)
-    counted: set[tuple[str, str]] = field(default_factory=set)  # (server, pod uid) stalls already counted
+    episodes: dict[str, stall_status.Episode] = field(default_factory=dict)  # server -> its ongoing stall
+    stall_ended: str | None = None  # why the last stall episode ended
+    started: float = field(default_factory=time.time)  # when this operator began judging the fleet
     last_event: dict[tuple[str, str], float] = field(default_factory=dict)
     tasks: set[asyncio.Task] = field(default_factory=set)
     persisted: set[tuple] = field(default_factory=set)  # (record key, outcome) known to be in the API
@@ -146,7 +149,7 @@ class StallController:
 
     async def run(self, key: Key, ref: FleetRef, observe: Callable[[], FleetObservation], stopped,
                   logger: logging.Logger) -> None:
-        fleet = self.fleets[key] = FleetStall(ref, observe, logger)
+        fleet = self.fleets[key] = FleetStall(ref, observe, logger, started=self.clock())
         try:
             while not stopped:
                 fleet.wake.clear()
@@ -209,7 +212,9 @@ class StallController:
         return {pod.name: sample for pod, sample in zip(look.judged, samples)}
 
     async def _judge(self, fleet: FleetStall, look: Look, scrapes: dict[str, Scrape]) -> dict[str, StallVerdict]:
-        """Judge every judged server's window of scrapes, this tick's included."""
+        """Judge every judged server's window of scrapes, this tick's included; a server Blocked by
+        its peers is told which ones (a transfer stall is the stall of the server not completing its
+        pulls)."""
         fleet.windows.retain(p.name for p in look.judged)
         keep = keep_seconds(look.window, look.interval, CONFIRMATIONS)
         verdicts = {}
@@ -219,6 +224,7 @@ class StallController:
             verdicts[pod.name] = judge(pod.name, pod.role, fleet.windows.samples(pod.name),
                                        window_seconds=look.window, interval_seconds=look.interval,
                                        confirmations=CONFIRMATIONS)
+        verdicts = {v.server: v for v in attribute(verdicts.values(), [p.view for p in look.pods])}
         await self._report_unreachable(fleet, verdicts, look.window)
         return verdicts
 
@@ -282,18 +288,12 @@ class StallController:
                 fleet.unreachable_reported.discard(server)
 
     async def _count_stalls(self, key: Key, fleet: FleetStall, look: Look) -> None:
-        """A metric, a log line and an Event once per stalled server incarnation."""
-        uids = {p.name: p.uid for p in look.pods}
-        fleet.counted &= set(uids.items())  # stall episodes of pods that still exist
-        for verdict in fleet.all_verdicts():
-            episode = (verdict.server, uids.get(verdict.server, ""))
-            if not verdict.stalled:
-                if verdict.state in (ServerState.PROGRESSING, ServerState.IDLE):
-                    fleet.counted.discard(episode)
-                continue
-            if episode in fleet.counted:
-                continue
-            fleet.counted.add(episode)
+        """Stall episodes: a metric, a log line and an Event when one begins (once per stalled server
+        incarnation); why the last one ended, for the Stalled condition."""
+        fleet.episodes, began, ended = stall_status.follow_stalls(fleet.episodes, fleet.all_verdicts(), look.pods)
+        if ended:
+            fleet.stall_ended = "; ".join(ended)
+        for verdict in began:
             self.metrics.stalls.labels(*key, verdict.signature.value).inc()
             fleet.logger.warning("stall detected: %s", verdict.summary())
             await self._event(fleet, "Warning", "StallDetected", f"{verdict.summary()}; evidence: "
@@ -560,8 +560,11 @@ class StallController:
         fleet = self.fleets.get(key)
         if fleet is None:
             return status
-        return stall_status.overlay(status, obs.status, fleet.all_verdicts(), fleet.plan,
-                                    self._history(fleet, obs), now_rfc3339(), generation=obs.generation)
+        look = _look(obs)
+        settling = look is None or self.clock() - fleet.started < look.window + look.interval
+        return stall_status.overlay(status, obs.status, [e.verdict for e in fleet.episodes.values()], fleet.plan,
+                                    self._history(fleet, obs), now_rfc3339(), generation=obs.generation,
+                                    ended=fleet.stall_ended, settling=settling)
 
     def stored(self, key: Key, status: dict) -> None:
         """The reconcile pass wrote `status` (or found it already stored)."""

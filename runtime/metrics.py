@@ -1,4 +1,4 @@
-"""Per-rank counters and their Prometheus rendering (names: DESIGN.md §3.3).
+"""Per-rank counters and their Prometheus rendering (the names are listed in docs/adp.md).
 
 Each rank keeps a plain `RankStats`; the server renders the latest snapshot of every live rank at
 scrape time, so a series exists (at 0) from start-up, is never counted twice, and disappears
@@ -51,8 +51,9 @@ class RankStats:
     requests_running: int = 0
     requests_waiting: int = 0
     kv_cache_blocks_used: int = 0
-    kv_cache_blocks_total: int = 0
+    kv_cache_capacity_blocks: int = 0
     kv_transfers_in_flight: int = 0
+    kv_transfers_awaiting_pull: int = 0
     last_progress_timestamp: float = field(default_factory=time.time)
     time_to_first_token: LatencyHistogram = field(default_factory=LatencyHistogram)
     inter_token_latency: LatencyHistogram = field(default_factory=LatencyHistogram)
@@ -81,8 +82,10 @@ _GAUGES = [
     ("requests_running", "adpfleet_requests_running", "Requests admitted (context or generation)."),
     ("requests_waiting", "adpfleet_requests_waiting", "Requests waiting for KV cache or for a rank."),
     ("kv_cache_blocks_used", "adpfleet_kv_cache_blocks_used", "KV cache blocks in use."),
-    ("kv_cache_blocks_total", "adpfleet_kv_cache_blocks_total", "KV cache blocks in the pool."),
+    ("kv_cache_capacity_blocks", "adpfleet_kv_cache_capacity_blocks", "KV cache blocks in the pool."),
     ("kv_transfers_in_flight", "adpfleet_kv_transfers_in_flight", "KV blocks held for or awaiting transfer."),
+    ("kv_transfers_awaiting_pull", "adpfleet_kv_transfers_awaiting_pull",
+     "Of those, blocks no generation server is pulling or has pulled yet."),
     ("last_progress_timestamp", "adpfleet_last_progress_timestamp_seconds",
      "Wall time of the last pass that produced real tokens."),
 ]

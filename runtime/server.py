@@ -41,7 +41,7 @@ from adpfleet.runtime.serving import protocol
 from adpfleet.runtime.serving.auth import INTERNAL, BearerAuth, Credentials, KVPeers
 from adpfleet.runtime.serving.limits import (DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_WAITING_REQUESTS,
                                              DEFAULT_READ_TIMEOUT_S, Refused, WaitingQueue, error_response,
-                                             parse_json_object, read_body, uvicorn_config)
+                                             parse_json_object, read_body)
 
 log = logging.getLogger("adpfleet.server")
 EXIT_GRACE_S = 1.0
@@ -308,8 +308,8 @@ def build_app(engine, model_name: str, role: str = "aggregated", options: Server
                 kind, rank = body.get("kind"), body.get("rank", 0)
                 if kind not in faults.KINDS:
                     raise ValueError(f"'kind' must be one of {', '.join(faults.KINDS)}")
-                if kind == "stop-reaping" and role != "context":
-                    raise ValueError("stop-reaping applies to context servers only")
+                if kind in faults.CONTEXT_ONLY and role != "context":
+                    raise ValueError(f"{kind} applies to context servers only")
                 if not isinstance(rank, int) or isinstance(rank, bool):
                     raise ValueError("'rank' must be an integer")
                 engine.group.inject_fault(kind, rank)
@@ -335,6 +335,7 @@ def main(args) -> int:
     import uvicorn
 
     from adpfleet.runtime.config import EngineConfig
+    from adpfleet.runtime.serving.drain import GracefulServer
     from adpfleet.runtime.model.sources.fetch import resolve_model
     from adpfleet.runtime.serving.engine_client import EngineClient
 
@@ -364,7 +365,8 @@ def main(args) -> int:
                           kv_token=options.credentials.internal_token)
     name = args.served_model_name or model.served_name
     app = build_app(client, name, args.role, options)
-    server = uvicorn.Server(uvicorn_config(app, args.host, args.port, options.read_timeout))
+    server = GracefulServer(app, client, host=args.host, port=args.port,
+                            read_timeout=options.read_timeout, drain_timeout_s=args.drain_timeout)
     if options.fault_injection and not options.credentials.required:
         log.warning("POST /faults is enabled and this server has no API key: anyone who reaches it can stall it")
     log.info("serving %s (%s, %d ADP ranks) on http://%s:%d%s", name, args.role, args.dp, args.host, args.port,

@@ -28,7 +28,7 @@ def timeout_for(interval_seconds: float) -> float:
     return min(max(MIN_TIMEOUT_SECONDS, interval_seconds * TIMEOUT_FRACTION), MAX_TIMEOUT_SECONDS)
 
 
-# metric name -> RankSample field; every server exports all of them for every rank (DESIGN §3.3)
+# metric name -> RankSample field; every server exports all of them for every rank (docs/adp.md lists them)
 _REQUIRED = {
     "adpfleet_iterations_total": "iterations",
     "adpfleet_forward_steps_total": "forward_steps",
@@ -42,7 +42,8 @@ _REQUIRED = {
 }
 _OPTIONAL = {
     "adpfleet_kv_cache_blocks_used": "kv_cache_blocks_used",
-    "adpfleet_kv_cache_blocks_total": "kv_cache_blocks_total",
+    "adpfleet_kv_cache_capacity_blocks": "kv_cache_capacity_blocks",
+    "adpfleet_kv_transfers_awaiting_pull": "kv_transfers_awaiting_pull",
     "adpfleet_last_progress_timestamp_seconds": "last_progress_timestamp",
     # latency histograms: only their sums and counts (means over an interval), never the buckets
     "adpfleet_time_to_first_token_seconds_sum": "ttft_sum",
@@ -72,7 +73,8 @@ class RankSample:
     requests_waiting: float = 0.0
     kv_transfers_in_flight: float = 0.0
     kv_cache_blocks_used: float = 0.0
-    kv_cache_blocks_total: float = 0.0
+    kv_cache_capacity_blocks: float = 0.0
+    kv_transfers_awaiting_pull: float = 0.0  # of the held blocks, those no generation server has begun to pull
     last_progress_timestamp: float | None = None
     ttft_sum: float = 0.0   # adpfleet_time_to_first_token_seconds: sum and count of observations
     ttft_count: float = 0.0
@@ -87,6 +89,11 @@ class RankSample:
     @property
     def work(self) -> float:
         return self.requests_running + self.requests_waiting + self.kv_transfers_in_flight
+
+    @property
+    def kv_pulled_held(self) -> float:
+        """Held blocks whose pull began (under way, or done and not freed): the holder's own part."""
+        return max(0.0, self.kv_transfers_in_flight - self.kv_transfers_awaiting_pull)
 
 
 def parse_metrics(text: str) -> dict[int, RankSample]:

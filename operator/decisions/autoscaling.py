@@ -86,7 +86,7 @@ def role_load(at: float, now: Mapping[str, Scrape], before: Mapping[str, Scrape]
     ranks = [r for s in ok for r in s.ranks.values()]
     n = len(ranks)
     used = sum(r.kv_cache_blocks_used for r in ranks)
-    total = sum(r.kv_cache_blocks_total for r in ranks)
+    total = sum(r.kv_cache_capacity_blocks for r in ranks)
     held = sum(r.kv_transfers_in_flight for r in ranks)
 
     def interval_mean(sum_attr: str, count_attr: str) -> float | None:

@@ -86,16 +86,21 @@ def fleet_status(obs: FleetObservation, counts: dict[str, dict], router: dict | 
     lagging = [f"{role} {c['ready']}/{c['desired']} ready" for role, c in counts.items() if c["ready"] < c["desired"]]
     if router and router["ready"] < router["desired"]:
         lagging.append(f"router {router['ready']}/{router['desired']} ready")
+    # Ready: the fleet serves — every role has a Ready server, and so does the router. A role short
+    # of servers (scaling up, a server restarting) is Progressing, not unready, while one serves.
+    dark = [role for role, c in counts.items() if c["desired"] and not c["ready"]]
+    router_dark = bool(router and router["desired"] and not router["ready"])
+    summary = ", ".join(f"{role} {c['ready']}/{c['desired']}" for role, c in counts.items()) + " ready" + (
+        f", router {router['ready']}/{router['desired']}" if router and router["desired"] else "")
     invalid = next((p for p in problems if p.reason == "InvalidSpec"), None)
     if invalid:
         ready = condition("Ready", False, "InvalidSpec", invalid.message, gen, previous, now)
-    elif lagging:
-        ready = condition("Ready", False, "ServersNotReady" if any(not s.startswith("router") for s in lagging)
-                          else "RouterNotReady", ", ".join(lagging), gen, previous, now)
+    elif dark or router_dark:
+        ready = condition("Ready", False, "ServersNotReady" if dark else "RouterNotReady",
+                          f"no Ready {' or '.join(dark + ['router'] * router_dark)} server: {summary}",
+                          gen, previous, now)
     else:
-        summary = ", ".join(f"{role} {c['ready']}/{c['desired']}" for role, c in counts.items())
-        ready = condition("Ready", True, "AllServersReady", f"{summary} ready" +
-                          (f", router {router['ready']}/{router['desired']}" if router and router["desired"] else ""),
+        ready = condition("Ready", True, "MinimumServersReady" if lagging else "AllServersReady", summary,
                           gen, previous, now)
 
     moving = [p for p in plans if not p.converged]

@@ -167,8 +167,17 @@ def _fetch_container(spec: FleetSpec, role: str) -> dict | None:
 
 # ---- servers ----
 
+STOP_MARGIN_SECONDS = 5  # of the grace period, kept for stopping the ranks and exiting after the drain
+
+
+def drain_seconds(grace_seconds: int) -> int:
+    """How long a server stopped with `grace_seconds` lets in-flight requests run (`--drain-timeout`):
+    the grace period less the time to stop (at most half of it), so it exits 0 before the SIGKILL."""
+    return grace_seconds - min(STOP_MARGIN_SECONDS, grace_seconds // 2)
+
+
 def server_args(spec: FleetSpec, role: str) -> list[str]:
-    """`adpfleet serve` arguments (DESIGN §3.1) for a server of `role`."""
+    """`adpfleet serve` arguments for a server of `role` (docs/operator.md lists them)."""
     r: ServerRole = spec.role(role)
     e = r.engine
     args = ["serve", "--role", role, "--model", *model_args(spec.model), "--dp", str(r.adp_ranks),
@@ -176,7 +185,8 @@ def server_args(spec: FleetSpec, role: str) -> list[str]:
             "--device", e.device, "--dtype", e.dtype, "--kv-blocks", str(e.kv_blocks),
             "--tokens-per-block", str(e.tokens_per_block), "--max-num-tokens", str(e.max_num_tokens),
             "--max-batch-size", str(e.max_batch_size), "--max-num-active-requests", str(e.max_num_active_requests),
-            "--collective-timeout", str(e.collective_timeout_seconds)]
+            "--collective-timeout", str(e.collective_timeout_seconds),
+            "--drain-timeout", str(drain_seconds(r.termination_grace_period_seconds))]
     if spec.model.served_name:
         args += ["--served-model-name", spec.model.served_name]
     if not e.pad_empty_batch:

@@ -11,12 +11,17 @@ transfers in flight), and that held at `confirmations` consecutive scrapes. The 
   whole window is stalled even when its (frozen) counters show no work: an idle loop spins, and
   requests sent to a hung rank never reach its counters;
 - `vetoed`: the loop spins but the `can_queue` vote vetoes the forward — the ranks involved are the
-  ones whose empty-batch count keeps rising (DESIGN §1.1);
+  ones whose empty-batch count keeps rising (docs/adp.md, the ADP stall);
 - `transfer`: KV blocks stay held for transfers that never complete (the ranks involved hold
   them): either the loop runs without vetoes, or the ranks scheduling empty batches are the ones
   whose KV cache is full, mostly of blocks held for those transfers — the transfers are why they
   starve;
 - anything else that spins without producing tokens is reported as `vetoed` with no starving rank.
+
+A transfer stall is the holder's own only when the blocks it keeps are ones a pull has begun on (a
+pull that hangs, or one that completed and was never freed) for the whole stretch. Blocks that no
+generation server has begun to pull are the generation side's symptom: the server is **Blocked**,
+never stalled, and `attribute` names the generation servers it waits on.
 
 Never stalled: an idle server (no work), a server whose work started less than a window ago, a
 server with fewer scrapes than the window needs (starting up, just restarted), and a server whose
@@ -26,15 +31,17 @@ latest scrape failed — that is `Unreachable`, its own state, never acted on as
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable, Mapping, Sequence
 
 from adpfleet.operator.adapters.scrape import Scrape
+from adpfleet.operator.decisions.observed import ServerView
 from adpfleet.operator.resource.vocabulary import ServerState, Signature
 
 SCRAPE_JITTER = 0.25  # of a scrape interval: scrapes are not exactly evenly spaced
 KV_FULL = 0.8  # a rank whose KV cache is this full (mostly held for transfers) starves for want of KV
 MAX_SAMPLES = 512  # scrapes kept per server at most, whatever the window (a bound on memory)
+PULLING_ROLE = "generation"  # the role whose servers pull the KV a context server holds
 
 
 @dataclass(frozen=True)
@@ -101,6 +108,10 @@ def judge(server: str, role: str, samples: Sequence[Scrape], *, window_seconds: 
     state, reason, base_index = assessments[0]
     confirmed = (len(assessments) >= max(1, confirmations) and all(a[0] is ServerState.STALLED for a in assessments)
                  and all(s.ok for s in samples[-len(assessments):]))  # consecutive: no failed scrape between
+    if state is ServerState.STALLED and confirmed:
+        # the evidence spans the whole confirmed stretch: from the oldest confirming test's baseline
+        base_index = assessments[-1][2]
+        reason = _no_progress(scrapes[base_index], latest)
     if state is ServerState.STALLED and not confirmed:
         state, reason = ServerState.SUSPECT, reason + f"; not yet confirmed ({_count_stalled(assessments)}/" \
                                                 f"{confirmations} scrapes)"
@@ -145,8 +156,7 @@ def _assess(scrapes: list[Scrape], end: int, coverage: float) -> tuple[ServerSta
         if base is not None and end > base and all(
                 r in scrapes[base].ranks and s.iterations <= scrapes[base].ranks[r].iterations
                 for r, s in last.ranks.items()) and last.tokens <= scrapes[base].tokens:
-            return ServerState.STALLED, (f"no rank's loop advanced for {last.at - scrapes[base].at:.0f} s (an idle loop "
-                                   f"spins; its queue counters are frozen)"), base
+            return ServerState.STALLED, _no_progress(scrapes[base], last), base
         return ServerState.IDLE, "no requests and no KV transfers", None
     # the stretch the verdict speaks for: from the baseline (or the oldest scrape) to `end`
     first = base if base is not None else 0
@@ -166,7 +176,15 @@ def _assess(scrapes: list[Scrape], end: int, coverage: float) -> tuple[ServerSta
             return ServerState.WARMING_UP, "one scrape so far", None
         return ServerState.SUSPECT, (f"no real tokens with work pending for {last.at - scrapes[0].at:.0f} s "
                                f"of the {coverage:.0f} s needed"), 0
-    return ServerState.STALLED, f"no real tokens for {last.at - scrapes[base].at:.0f} s while having work", base
+    return ServerState.STALLED, _no_progress(scrapes[base], last), base
+
+
+def _no_progress(base: Scrape, last: Scrape) -> str:
+    """Why a stretch from `base` to `last` is a stall, with its length."""
+    if last.work <= 0:
+        return (f"no rank's loop advanced for {last.at - base.at:.0f} s (an idle loop spins; its queue counters "
+                f"are frozen)")
+    return f"no real tokens for {last.at - base.at:.0f} s while having work"
 
 
 def _describe(server: str, role: str, state: ServerState, reason: str, stretch: list[Scrape],
@@ -197,7 +215,7 @@ def _describe(server: str, role: str, state: ServerState, reason: str, stretch: 
         # the starving ranks' KV is (nearly) full, and mostly of blocks held for transfers
         starved_by_transfers = involved and all(
             held[r] > 0 and held[r] >= 0.5 * latest.ranks[r].kv_cache_blocks_used
-            and latest.ranks[r].kv_cache_blocks_used >= KV_FULL * latest.ranks[r].kv_cache_blocks_total > 0
+            and latest.ranks[r].kv_cache_blocks_used >= KV_FULL * latest.ranks[r].kv_cache_capacity_blocks > 0
             for r in involved)
         if starved_by_transfers:  # the empty batches come from KV held for transfers that never complete
             signature = Signature.TRANSFER
@@ -216,6 +234,12 @@ def _describe(server: str, role: str, state: ServerState, reason: str, stretch: 
         signature = Signature.VETOED
         involved = tuple(r for r in ranks if empty.get(r, 0) > 0)
         how = "the loop runs but produces no real tokens"
+    if signature is Signature.TRANSFER and not _holds_pulled_kv(stretch, involved):
+        # Every held block waits for a pull that no generation server has begun: the generation
+        # side is not taking its work. Its stall, not this server's (attribute() names it).
+        state = ServerState.BLOCKED
+        waiting = sum(latest.ranks[r].kv_transfers_awaiting_pull for r in involved)
+        how = f"{waiting:.0f} KV blocks held for pulls no generation server has begun"
     progress_times = [latest.ranks[r].last_progress_timestamp for r in ranks
                       if latest.ranks[r].last_progress_timestamp is not None]
     evidence = {
@@ -232,6 +256,39 @@ def _describe(server: str, role: str, state: ServerState, reason: str, stretch: 
         evidence["seconds_since_last_progress"] = round(latest.at - max(progress_times), 1)
     return StallVerdict(server, role, state, latest.at, f"{reason}; {how}", signature=signature,
                         ranks=involved, since=base.at, evidence=evidence)
+
+
+def _holds_pulled_kv(stretch: list[Scrape], involved: tuple[int, ...]) -> bool:
+    """Whether the ranks kept, at every scrape of the stretch, blocks whose pull had begun (a pull
+    that hangs, or one that completed and was never freed): the holder's own transfer stall."""
+    return all(sum(s.ranks[r].kv_pulled_held for r in involved if r in s.ranks) > 0 for s in stretch)
+
+
+def attribute(verdicts: Iterable[StallVerdict], servers: Iterable[ServerView]) -> list[StallVerdict]:
+    """`verdicts` with each Blocked one naming the peers it waits on: the generation servers that
+    are stalled or suspect (not completing their pulls), or that were replaced or are not Ready
+    since the stretch began (the blocks were held for the pulls of the server they replaced)."""
+    verdicts = list(verdicts)
+    by_name = {v.server: v for v in verdicts}
+    out = []
+    for v in verdicts:
+        if v.state is not ServerState.BLOCKED:
+            out.append(v)
+            continue
+        peers = []
+        for s in servers:
+            if s.role != PULLING_ROLE:
+                continue
+            peer = by_name.get(s.name)
+            if peer is not None and peer.state in (ServerState.STALLED, ServerState.SUSPECT):
+                peers.append(f"{s.name} ({peer.state.value.lower()})")
+            elif s.terminating or not s.ready or (s.created is not None and v.since is not None
+                                                   and s.created >= v.since):
+                peers.append(f"{s.name} (restarted or not Ready)")
+        who = ("waiting on " + ", ".join(sorted(peers))) if peers else \
+            "no generation server is stalled now; the blocks are freed when their lease expires"
+        out.append(replace(v, reason=f"{v.reason}: the generation side's stall, not this server's ({who})"))
+    return out
 
 
 def _basic_evidence(latest: Scrape) -> dict[str, object]:

@@ -110,6 +110,9 @@ def server_pod(body: dict) -> ServerPod:
         waiting = (container.get("state") or {}).get("waiting") or {}
         if waiting.get("reason") in _STUCK_WAITING and not model_failure:  # that one is the fleet's model's
             problem = f"{waiting['reason']}: {waiting.get('message', '')}".rstrip(": ")
+        crashed = _crash(container)
+        if crashed and not model_failure:  # a model that cannot be had is the fleet's model's problem
+            problem = crashed
     if status.get("phase") == "Failed":
         problem = f"Failed: {status.get('reason', '')} {status.get('message', '')}".strip()
     try:
@@ -161,6 +164,24 @@ def _model_failure(container: dict) -> tuple[str, str] | None:
         reason = reason_of_exit_code(ended.get("exitCode"))
         if reason is not None:
             return reason, REASONS[reason][1]
+    return None
+
+
+def _crash(container: dict) -> str | None:
+    """A container that keeps failing: its last run ended in an error and the run since has not got
+    past its startup probe. Said the same way whether the kubelet is backing off or running it
+    again (and without the back-off's growing delay), so the fleet's Degraded condition stays put
+    through a crash loop and reads the container's own error."""
+    if container.get("ready") or container.get("started"):
+        return None
+    for state in (container.get("state") or {}, container.get("lastState") or {}):
+        ended = state.get("terminated") or {}
+        if ended and ended.get("exitCode") not in (0, None):
+            why = (ended.get("message") or ended.get("reason") or "").strip()
+            return f"CrashLoopBackOff: container {container.get('name', '')} exited with code " \
+                   f"{ended['exitCode']}" + (f": {why}" if why else "")
+        if ended:
+            return None
     return None
 
 

@@ -11,7 +11,8 @@ For every **stalled** server, in order (the first rule that applies wins):
 2. `Halted`: an escalation `Halt` was recorded within `escalation.windowSeconds` → skip.
 3. `InProgress`: the server is the target of a restart that has not finished (the record is
    `Pending`, or its pod is not yet replaced and Ready) → skip, quietly.
-4. `Cooldown`: the server was the subject or target of a remediation within `cooldownSeconds`.
+4. `Cooldown`: the server was the subject or target of a remediation within `cooldownSeconds`
+   (a `DryRun` record counts only for the next dry run: it is not a remediation).
 5. The escalation ladder picks the action from how often this server was remediated within
    `escalation.windowSeconds` (n):
    n = 0 → `RestartServer` (drain, then delete the pod; the reconcile recreates it);
@@ -25,7 +26,8 @@ For every **stalled** server, in order (the first rule that applies wins):
    `RestartPeers` and `RestartRole` are rolling: `batch` servers at a time, each batch back Ready
    before the next, so they obey rules 8 and 9 at every step. Neither targets a server that is
    not Ready because it is still fetching its model or cannot have it (`waiting_for_model`).
-6. mode `DryRun` (or `budgetPerHour: 0`) → record what would have been done, do nothing.
+6. mode `DryRun` (or `budgetPerHour: 0`) → record what would have been done, do nothing (once per
+   cooldown; the skips in between are quiet).
 7. `BudgetExhausted`: `budgetPerHour` actions were taken in the last hour → skip; the fleet is
    Degraded (reason RemediationBudgetExhausted) until the hour rolls on.
 8. `ConcurrencyLimit`: restarting the targets would put more than `maxConcurrentPerRole` servers
@@ -61,6 +63,8 @@ class Decision:
     level: int               # remediations of this server within the escalation window before this one
     source: str = "scrape"
     batch: int = 1           # rolling actions: targets restarted at once (each batch Ready before the next)
+    quiet: bool = False      # a skip not worth an Event: it repeats every scrape (a restart underway, a
+                             # dry run already reported)
 
     @property
     def rolling(self) -> bool:
@@ -86,11 +90,6 @@ class Decision:
         if self.choice is Choice.DRY_RUN:
             return "RemediationDryRun"
         return self.action.event_reason
-
-    @property
-    def quiet(self) -> bool:
-        """Not worth an Event each time (it repeats on every scrape while a restart is underway)."""
-        return self.choice is Choice.SKIP and self.reason == SkipReason.IN_PROGRESS
 
 
 @dataclass(frozen=True)
@@ -123,7 +122,9 @@ def decide(verdicts: Sequence[StallVerdict], history: Sequence[Remediation], spe
     by_name = {s.name: s for s in servers}
     in_progress = restarts_in_progress(history, servers, spec, now)
     used = budget_used(history, now)
-    halted = any(r.action is Action.HALT and now - r.time < policy.escalation.window_seconds for r in history)
+    halted = any(r.action is Action.HALT and r.outcome is Outcome.HALTED
+                 and now - r.time < policy.escalation.window_seconds for r in history)
+    dry_run = policy.mode is RemediationMode.DRY_RUN or policy.budget_per_hour == 0
     budget = min(policy.budget_per_hour, HISTORY_LIMIT)  # counted from the history, which holds this many
     stalled = sorted((v for v in verdicts if v.stalled), key=lambda v: (v.role, v.server))
     stalled_names = {v.server for v in stalled}
@@ -140,8 +141,10 @@ def decide(verdicts: Sequence[StallVerdict], history: Sequence[Remediation], spe
     for v in stalled:
         origin = source.get(v.server, "scrape") if isinstance(source, Mapping) else source
 
-        def skip(reason: SkipReason, message: str, action: Action = Action.RESTART_SERVER, targets=(v.server,), level=0):
-            planned.append(Decision(v, action, tuple(targets), Choice.SKIP, reason, message, level, origin))
+        def skip(reason: SkipReason, message: str, action: Action = Action.RESTART_SERVER, targets=(v.server,), level=0,
+                 quiet: bool = False):
+            planned.append(Decision(v, action, tuple(targets), Choice.SKIP, reason, message, level, origin,
+                                    quiet=quiet or reason is SkipReason.IN_PROGRESS))
 
         if halted:
             skip(SkipReason.HALTED, f"{v.summary()}; remediation of this fleet is halted by escalation")
@@ -150,10 +153,14 @@ def decide(verdicts: Sequence[StallVerdict], history: Sequence[Remediation], spe
             skip(SkipReason.IN_PROGRESS, f"{v.server} is being restarted ({in_progress[v.server].action} at "
                                f"{rfc3339(in_progress[v.server].time)})")
             continue
-        last = next((r for r in history if v.server == r.server or v.server in r.targets), None)
+        # A dry run is not a remediation: it cools down only the next dry run (reported once per
+        # cooldown, quietly in between), never an action once the mode is Auto.
+        last = next((r for r in history if (v.server == r.server or v.server in r.targets)
+                     and (dry_run or r.outcome is not Outcome.DRY_RUN)), None)
         if last is not None and now - last.time < policy.cooldown_seconds:
             skip(SkipReason.COOLDOWN, f"{v.summary()}; {v.server} was remediated {now - last.time:.0f} s ago "
-                             f"({last.action.value}, {last.outcome.value}), cooldown {policy.cooldown_seconds} s")
+                             f"({last.action.value}, {last.outcome.value}), cooldown {policy.cooldown_seconds} s",
+                 quiet=last.outcome is Outcome.DRY_RUN)
             continue
         level = sum(1 for r in history if r.server == v.server and r.action.restarts and r.outcome.unresolved
                     and now - r.time < policy.escalation.window_seconds)
@@ -170,7 +177,7 @@ def decide(verdicts: Sequence[StallVerdict], history: Sequence[Remediation], spe
             evidence = f"from {origin}: {evidence}"
         message = f"{what} (remediation {level + 1} of {v.server} within {policy.escalation.window_seconds} s): " \
                   f"{evidence}"
-        if policy.mode is RemediationMode.DRY_RUN or policy.budget_per_hour == 0:
+        if dry_run:
             planned.append(Decision(v, action, targets, Choice.DRY_RUN, Choice.DRY_RUN.value, "would " + message, level, origin))
             continue
         if action is Action.HALT:

@@ -4,9 +4,10 @@ Per role the rules, in order (the first that applies decides this pass):
 
 1. A finished pod (Failed/Succeeded, e.g. evicted) is deleted; its slot is refilled next pass.
 2. Scale up: first take back servers that a scale-down is still draining (they are serving, so
-   un-draining them is immediate), then fill the lowest free slots, all at once. A slot whose old
-   pod is still terminating is waited for, so a server keeps its name (`<fleet>-<role>-<index>`),
-   as in a StatefulSet.
+   un-draining them is immediate), then fill the free slots, all at once: first the slots of
+   servers deleted while the role was short of them (a server deleted by hand or by remediation;
+   still terminating: waited for), then the lowest free ones. So a server keeps its name
+   (`<fleet>-<role>-<index>`), as in a StatefulSet, also when a roll has left it in a higher slot.
 3. Servers a scale-down drained are deleted once drained: their in-flight requests finished (the
    stall loop's scrapes say so), their pod is not Ready, or the role's `drainTimeoutSeconds` passed.
 4. Scale down: the excess goes, not-ready pods first, then outdated ones, then the highest slots.
@@ -152,7 +153,24 @@ def _removal_order(pod: ServerPod, template_hash: str) -> tuple:
     return (pod.ready, pod.template_hash == template_hash, -pod.index)
 
 
-def plan_role(role: str, desired: int, template_hash: str, pods: list[ServerPod], drain: Drain = Drain()) -> RolePlan:
+def vacancies(previous: tuple[int, ...], desired: int, pods: list[ServerPod]) -> tuple[int, ...]:
+    """The slots of servers deleted while the role had no more than it wanted (deleted by hand or by
+    remediation, not by a scale-down or a roll, which leave the role whole): the names to give back
+    first, oldest vacancy first. Forgotten once the role is whole again."""
+    live = [p for p in pods if not p.terminating]
+    if len(live) >= desired:
+        return ()
+    taken = {p.index for p in live}
+    out = [i for i in previous if i not in taken]
+    for p in sorted(pods, key=lambda p: p.index):
+        if p.terminating and p.index not in taken and p.index not in out:
+            out.append(p.index)
+    return tuple(out)
+
+
+def plan_role(role: str, desired: int, template_hash: str, pods: list[ServerPod], drain: Drain = Drain(),
+              vacated: tuple[int, ...] = ()) -> RolePlan:
+    """The next actions for one role; `vacated`: slots to refill first (see `vacancies`)."""
     finished = [p for p in pods if p.finished and not p.terminating]
     if finished:
         return RolePlan(role, tuple(DeleteServer(role, p.name, p.uid, f"pod {p.phase.lower()}: {p.problem or ''}".strip())
@@ -171,10 +189,12 @@ def plan_role(role: str, desired: int, template_hash: str, pods: list[ServerPod]
     if missing > 0:
         kept = sorted(leaving, key=lambda p: (p.template_hash != template_hash, not p.ready, p.index))[:missing]
         actions: tuple[Action, ...] = tuple(UndrainServer(role, p.name, p.uid, "scale up: wanted again") for p in kept)
-        slots = _free_slots(taken, missing - len(kept))
+        wanted = missing - len(kept)
+        refill = [i for i in vacated if i not in taken]
+        slots = (refill + [i for i in _free_slots(taken, wanted) if i not in refill])[:wanted]
         creatable = [i for i in slots if i not in held]
         waiting = [held[i].name for i in slots if i in held]
-        actions += tuple(CreateServer(role, i, "scale up" if not waiting else "replace a deleted server")
+        actions += tuple(CreateServer(role, i, "replace a deleted server" if i in refill or waiting else "scale up")
                          for i in creatable)
         return RolePlan(role, actions, f"{', '.join(waiting)} to terminate" if waiting else None, "Scaling")
 

@@ -11,6 +11,7 @@ patterns, CEL rules) passes through unchanged.
 from __future__ import annotations
 
 import copy
+import json
 import typing
 from typing import Any
 
@@ -22,22 +23,38 @@ from adpfleet.operator.resource import models, names
 # Keys of pydantic's JSON Schema that have no meaning (or no place) in a Kubernetes schema.
 _DROPPED = {"title", "additionalProperties"}
 
+
+def _condition(type_: str) -> str:
+    return f'.status.conditions[?(@.type=="{type_}")].status'
+
+
+# What `kubectl get ifleet` shows (the runbooks read the same columns). Observed is empty for a fleet
+# no operator has reconciled; Deleting is set while a fleet waits for its operator to let it go.
 PRINTER_COLUMNS = [
+    {"name": "Ready", "type": "string", "jsonPath": _condition("Ready"),
+     "description": "The fleet serves: every role and the router have a Ready server"},
     {"name": "Roles Ready", "type": "string", "jsonPath": ".status.readyRoles",
      "description": "Roles (context, generation, router) with every server ready"},
-    {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
-    {"name": "Stalled", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Stalled")].status'},
+    {"name": "Stalled", "type": "string", "jsonPath": _condition("Stalled")},
+    {"name": "Remediating", "type": "string", "jsonPath": _condition("Remediating")},
+    {"name": "Degraded", "type": "string", "jsonPath": _condition("Degraded")},
+    {"name": "Model", "type": "string", "jsonPath": ".status.model.phase",
+     "description": "Pending, Downloading, Available or Unavailable (status.model)"},
+    {"name": "Observed", "type": "integer", "jsonPath": ".status.observedGeneration",
+     "description": "The generation the operator last reconciled; empty: no operator watches the fleet"},
+    {"name": "Deleting", "type": "date", "jsonPath": ".metadata.deletionTimestamp",
+     "description": "Being deleted since (it waits for its operator to release it)"},
+    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    {"name": "Generation", "type": "integer", "priority": 1, "jsonPath": ".metadata.generation",
+     "description": "The spec's generation (compare with Observed)"},
     {"name": "Context", "type": "string", "priority": 1, "jsonPath": ".status.context.servers",
      "description": "Ready / desired context servers"},
-    {"name": "Generation", "type": "string", "priority": 1, "jsonPath": ".status.generation.servers",
+    {"name": "Generation Servers", "type": "string", "priority": 1, "jsonPath": ".status.generation.servers",
      "description": "Ready / desired generation servers"},
     {"name": "Last Scale", "type": "string", "priority": 1, "jsonPath": ".status.lastScale.message",
      "description": "The last change of a role's desired server count, and why"},
-    {"name": "Model", "type": "string", "jsonPath": ".status.model.phase",
-     "description": "Pending, Downloading, Available or Unavailable (status.model)"},
     {"name": "Downloaded", "type": "string", "priority": 1, "jsonPath": ".status.model.progress",
      "description": "Bytes downloaded of the total, while servers download their model"},
-    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 
 
@@ -120,6 +137,58 @@ def _model_of(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
+def allowed_values(node: dict) -> str:
+    """A schema node's enum, bounds and limits, in words (the reference's "allowed" column)."""
+    parts = []
+    if "enum" in node:
+        parts.append(" \\| ".join(f"`{v}`" for v in node["enum"]))
+    if node.get("exclusiveMinimum") is True:
+        parts.append(f"> {node['minimum']}" + (f", ≤ {node['maximum']}" if "maximum" in node else ""))
+    elif "minimum" in node and "maximum" in node:
+        parts.append(f"{node['minimum']}–{node['maximum']}")
+    elif "minimum" in node:
+        parts.append(f"≥ {node['minimum']}")
+    elif "maximum" in node:
+        parts.append(f"≤ {node['maximum']}")
+    if "minLength" in node:
+        parts.append("non-empty" if node["minLength"] == 1 else f"≥ {node['minLength']} chars")
+    if "maxItems" in node:
+        parts.append(f"≤ {node['maxItems']} items")
+    if "maxProperties" in node:
+        parts.append(f"≤ {node['maxProperties']} entries")
+    if node.get("pattern") and "enum" not in node:
+        parts.append("quantity" if "KMGTPE" in node["pattern"] else "pattern")
+    if node.get("x-kubernetes-validations") and node.get("type") != "object":
+        parts.append("rules below")
+    return ", ".join(parts)
+
+
+def default_text(node: dict) -> str:
+    """A schema node's default as JSON in backquotes; "" when it has none (or is a whole object)."""
+    if "default" not in node or isinstance(node["default"], dict) and node["default"]:
+        return ""
+    return f"`{json.dumps(node['default'])}`"
+
+
+def explained(node: dict) -> dict:
+    """The schema with each field's default and allowed values written into its description, which
+    is all `kubectl explain` shows of a field."""
+    node = dict(node)
+    if "properties" in node:
+        node["properties"] = {name: explained(sub) for name, sub in node["properties"].items()}
+    if isinstance(node.get("items"), dict):
+        node["items"] = explained(node["items"])
+    extra = []
+    if default_text(node):
+        extra.append(f"Default: {default_text(node).strip('`')}.")
+    if allowed_values(node):
+        words = allowed_values(node).replace("\\", "").replace("–", " to ").replace("≥ ", "at least ")
+        extra.append(f"Allowed: {words.replace('≤ ', 'at most ')}.")
+    if extra and "description" in node:
+        node["description"] = f"{node['description'].rstrip()} {' '.join(extra)}"
+    return node
+
+
 def openapi_schema() -> dict:
     """The schema of the whole object, as it goes into the CRD's `openAPIV3Schema`."""
     spec = _schema_of(models.FleetSpec, with_factory_defaults=True)
@@ -132,9 +201,9 @@ def openapi_schema() -> dict:
                        "servers, generation servers and a router, kept running and remediated by adpfleet.",
         "required": ["spec"],
         "properties": {
-            "apiVersion": {"type": "string"},
-            "kind": {"type": "string"},
-            "metadata": {"type": "object"},
+            "apiVersion": {"type": "string", "description": f"{names.API_VERSION}."},
+            "kind": {"type": "string", "description": f"{names.KIND}."},
+            "metadata": {"type": "object"},  # the API server allows nothing more (ObjectMeta is described)
             "spec": spec,
             "status": status,
         },
@@ -186,7 +255,7 @@ def _crd(plural: str, singular: str, kind: str, short_names: list[str], subresou
             "names": {"kind": kind, "plural": plural, "singular": singular, "shortNames": list(short_names),
                       "listKind": f"{kind}List", "categories": ["adpfleet"]},
             "versions": [{"name": names.VERSION, "served": True, "storage": True, "subresources": subresources,
-                          "additionalPrinterColumns": columns, "schema": {"openAPIV3Schema": schema}}],
+                          "additionalPrinterColumns": columns, "schema": {"openAPIV3Schema": explained(schema)}}],
         },
     }
 

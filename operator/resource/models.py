@@ -1,4 +1,4 @@
-"""The InferenceFleet resource as pydantic models: the single source of truth (DESIGN.md §3.4).
+"""The InferenceFleet resource as pydantic models: the single source of truth.
 
 The CRD's OpenAPI schema is generated from these classes (`crd.py`): field descriptions, defaults,
 bounds and enums come from the `Field`s, and every cross-field rule is written once as a `CelRule`
@@ -120,7 +120,7 @@ class SecretKeyRef(KubeModel):
 
 class LocalObjectReference(KubeModel):
     """A named object in the fleet's namespace."""
-    name: str = Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN)
+    name: str = Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN, description="The object's name.")
 
 
 # ---- the model source: a URI (adpfleet/model_uri.py) and what fetching it needs ----
@@ -262,11 +262,16 @@ class EngineSettings(KubeModel):
     max_batch_size: int = Field(64, ge=1, le=100_000, description="Requests in one batch.")
     max_num_active_requests: int = Field(256, ge=1, le=100_000,
                                          description="Requests a rank holds at once (running + waiting for KV).")
-    collective_timeout_seconds: int = Field(60, ge=1, le=3600,
+    collective_timeout_seconds: int = Field(120, ge=1, le=3600,
                                             description="Seconds a rank may block in a collective before the "
-                                                        "server declares it hung, turns unhealthy and exits.")
-    pad_empty_batch: bool = Field(True, description="Post-schedule padding of empty ADP batches (DESIGN §1.1). "
-                                                    "false only to reproduce the stall.")
+                                                        "server declares it hung, turns unhealthy and exits; "
+                                                        "longer than remediation.stallWindowSeconds plus two "
+                                                        "scrape intervals, so a hang is detected as a stall "
+                                                        "first.")
+    pad_empty_batch: bool = Field(True, description="Post-schedule padding: a rank whose batch is empty "
+                                                    "joins the forward with a one-token dummy, so one starved "
+                                                    "rank cannot veto every rank's forward (docs/adp.md). "
+                                                    "false only to reproduce that stall.")
     threads_per_rank: int = Field(1, ge=1, le=512, description="CPU threads of each rank process "
                                                                "(OMP_NUM_THREADS).")
     draft_tokens: int = Field(0, ge=0, le=64, description="Speculative decoding: draft tokens per decode step, "
@@ -301,11 +306,16 @@ class Probes(KubeModel):
 
 class Toleration(KubeModel):
     """A Kubernetes toleration (see the Pod API)."""
-    key: str | None = Field(None, max_length=317, pattern=LABEL_KEY)
-    operator: Literal["Exists", "Equal"] = "Equal"
-    value: str | None = Field(None, max_length=63)
-    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
-    toleration_seconds: int | None = Field(None, ge=0)
+    key: str | None = Field(None, max_length=317, pattern=LABEL_KEY,
+                            description="The taint key tolerated; empty with operator Exists: every taint.")
+    operator: Literal["Exists", "Equal"] = Field("Equal", description="Equal: the taint's value must be `value`; "
+                                                                      "Exists: any value.")
+    value: str | None = Field(None, max_length=63, description="The taint value tolerated (operator Equal).")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        None, description="The taint effect tolerated; empty: every effect.")
+    toleration_seconds: int | None = Field(None, ge=0, description="NoExecute only: how long the server stays "
+                                                                   "on a node after the taint appears; empty: "
+                                                                   "forever.")
     cel_rules: ClassVar = (
         CelRule("self.operator != 'Exists' || !has(self.value)", "a toleration with operator Exists has no value",
                 ".value", lambda t: t.operator != "Exists" or t.value is None),
@@ -314,8 +324,9 @@ class Toleration(KubeModel):
 
 class EnvVar(KubeModel):
     """An extra environment variable of the server containers."""
-    name: str = Field(min_length=1, max_length=256, pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
-    value: str = Field("", max_length=32_768)
+    name: str = Field(min_length=1, max_length=256, pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$",
+                      description="The variable's name (unique in the list).")
+    value: str = Field("", max_length=32_768, description="Its value.")
 
 
 RESERVED_ENV = names.RESERVED_ENV  # the credentials and fault injection: not from a fleet's env
@@ -687,8 +698,11 @@ class FleetSpec(KubeModel):
     """A disaggregated ADP inference fleet: context servers, generation servers and a router."""
     image: str = Field(min_length=1, max_length=1024, pattern=r"^\S+$",
                        description="Container image with adpfleet installed (servers and router).")
-    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
-    image_pull_secrets: list[LocalObjectReference] = Field(default_factory=list, max_length=16)
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        "IfNotPresent", description="When the kubelet pulls `image` (the pods' imagePullPolicy).")
+    image_pull_secrets: list[LocalObjectReference] = Field(
+        default_factory=list, max_length=16, description="Secrets in the fleet's namespace with the registry "
+                                                         "credentials for `image` (the pods' imagePullSecrets).")
     model: ModelSource = Field(description="The model every server loads.")
     gpu_resource_name: str = Field("nvidia.com/gpu", max_length=253, pattern=LABEL_KEY,
                                    description="Extended resource that gpusPerServer requests.")
@@ -711,6 +725,16 @@ class FleetSpec(KubeModel):
                 "(a stall is judged from at least two scrapes)",
                 ".remediation.stallWindowSeconds",
                 lambda s: s.remediation.stall_window_seconds >= 2 * s.monitoring.scrape_interval_seconds),
+        CelRule("self.remediation.mode == 'Disabled' || self.remediation.stallWindowSeconds + "
+                "2 * self.monitoring.scrapeIntervalSeconds <= self.context.engine.collectiveTimeoutSeconds && "
+                "self.remediation.stallWindowSeconds + 2 * self.monitoring.scrapeIntervalSeconds <= "
+                "self.generation.engine.collectiveTimeoutSeconds",
+                "remediation.stallWindowSeconds plus two monitoring.scrapeIntervalSeconds must not exceed "
+                "engine.collectiveTimeoutSeconds of either role: a hung server exits after its collective "
+                "timeout, before its stall could be detected and recorded",
+                ".remediation.stallWindowSeconds", lambda s: s.remediation.mode is RemediationMode.DISABLED or all(
+                    s.remediation.stall_window_seconds + 2 * s.monitoring.scrape_interval_seconds
+                    <= s.role(r).engine.collective_timeout_seconds for r in names.ROLES)),
     )
 
     def role(self, name: str) -> ServerRole:
@@ -727,7 +751,7 @@ class Condition(KubeModel):
     """A Kubernetes-style condition."""
     type: ConditionType = Field(description="Ready, Progressing, Degraded; Stalled and Remediating come from "
                                             "stall remediation.")
-    status: Literal["True", "False", "Unknown"]
+    status: Literal["True", "False", "Unknown"] = Field(description="Whether the condition holds.")
     reason: str = Field(min_length=1, max_length=1024, pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$",
                         description="CamelCase, machine-readable.")
     message: str = Field("", max_length=32_768, description="For people.")
@@ -737,8 +761,8 @@ class Condition(KubeModel):
 
 class ScaleRecord(KubeModel):
     """A change of a role's desired server count: who made it and why."""
-    time: Timestamp
-    role: Literal["context", "generation"]
+    time: Timestamp = Field(description="When the desired count changed.")
+    role: Literal["context", "generation"] = Field(description="The role scaled.")
     previous: int = Field(ge=0, le=256, description="Desired servers before.")
     desired: int = Field(ge=0, le=256, description="Desired servers after.")
     reason: ScaleReason = Field(description="Why (docs/autoscaling.md lists the reasons).")
@@ -761,8 +785,8 @@ class RoleStatus(KubeModel):
 
 class RouterStatus(KubeModel):
     """Router pod counts."""
-    desired: int = Field(0, ge=0)
-    ready: int = Field(0, ge=0)
+    desired: int = Field(0, ge=0, description="spec router replicas (0 when the router is disabled).")
+    ready: int = Field(0, ge=0, description="Router pods that are Ready.")
 
 
 RECORD_MESSAGE_LIMIT = 1024  # characters of a remediation record's message (the verdict and its evidence)
@@ -771,8 +795,8 @@ HISTORY_LIMIT = 20           # records in status.recentRemediations (newest firs
 
 class RemediationRecord(KubeModel):
     """One remediation, newest first in recentRemediations."""
-    time: Timestamp
-    role: Literal["context", "generation"]
+    time: Timestamp = Field(description="When the remediation was decided.")
+    role: Literal["context", "generation"] = Field(description="The stalled server's role.")
     server: str = Field(max_length=253, description="Pod name.")
     signature: Signature = Field(description="How the server made no progress (docs/remediation.md).")
     action: Action = Field(description="What was done.")
@@ -807,7 +831,10 @@ class FleetStatus(KubeModel):
     observed_generation: int | None = Field(None, ge=0, description="The generation the status describes.")
     conditions: list[Condition] = Field(default_factory=list, max_length=16,
                                         json_schema_extra={"x-kubernetes-list-type": "map",
-                                                           "x-kubernetes-list-map-keys": ["type"]})
+                                                           "x-kubernetes-list-map-keys": ["type"]},
+                                        description="Ready (the fleet serves: every role has a Ready server, "
+                                                    "and the router), Progressing, Degraded, Stalled, "
+                                                    "Remediating (docs/operator.md, docs/remediation.md).")
     context: RoleStatus | None = Field(None, description="Context server counts.")
     generation: RoleStatus | None = Field(None, description="Generation server counts.")
     router: RouterStatus | None = Field(None, description="Router pod counts.")

@@ -1,4 +1,4 @@
-"""Names, labels and annotations the operator, the router and users rely on (DESIGN.md §3).
+"""Names, labels and annotations the operator, the router and users rely on (docs/operator.md, "What a fleet owns").
 
 Changing one of these is a contract change: the router's discovery and `kubectl` selectors read them.
 """

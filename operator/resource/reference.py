@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import json
-
 from adpfleet.operator.resource import crd, names
+from adpfleet.operator.resource.crd import allowed_values, default_text
 
 
 def _type_of(node: dict) -> str:
@@ -14,37 +13,6 @@ def _type_of(node: dict) -> str:
     if t == "object" and "properties" not in node and isinstance(node.get("additionalProperties"), dict):
         return f"map of {_type_of(node['additionalProperties'])}"
     return t
-
-
-def _constraints(node: dict) -> str:
-    parts = []
-    if "enum" in node:
-        parts.append(" \\| ".join(f"`{v}`" for v in node["enum"]))
-    if node.get("exclusiveMinimum") is True:
-        parts.append(f"> {node['minimum']}" + (f", ≤ {node['maximum']}" if "maximum" in node else ""))
-    elif "minimum" in node and "maximum" in node:
-        parts.append(f"{node['minimum']}–{node['maximum']}")
-    elif "minimum" in node:
-        parts.append(f"≥ {node['minimum']}")
-    elif "maximum" in node:
-        parts.append(f"≤ {node['maximum']}")
-    if "minLength" in node:
-        parts.append("non-empty" if node["minLength"] == 1 else f"≥ {node['minLength']} chars")
-    if "maxItems" in node:
-        parts.append(f"≤ {node['maxItems']} items")
-    if "maxProperties" in node:
-        parts.append(f"≤ {node['maxProperties']} entries")
-    if node.get("pattern") and "enum" not in node:
-        parts.append("quantity" if "KMGTPE" in node["pattern"] else "pattern")
-    if node.get("x-kubernetes-validations") and node.get("type") != "object":
-        parts.append("rules below")
-    return ", ".join(parts)
-
-
-def _default(node: dict) -> str:
-    if "default" not in node or isinstance(node["default"], dict) and node["default"]:
-        return ""
-    return f"`{json.dumps(node['default'])}`"
 
 
 def _rows(node: dict, path: str, required: set[str], out: list[tuple[str, dict, bool]]) -> None:
@@ -111,7 +79,7 @@ def _objects(schema: dict, prefix: str) -> list[str]:
             for name, sub, is_required in rows:
                 desc = (sub.get("description") or "").replace("|", "\\|").replace("\n", " ")
                 lines.append(f"| `{name}`{' (required)' if is_required else ''} | {_type_of(sub)} | "
-                             f"{_default(sub)} | {_constraints(sub)} | {desc} |")
+                             f"{default_text(sub)} | {allowed_values(sub)} | {desc} |")
             rules = [f"- {r['message']} (`{r['rule']}`)" for r in node.get("x-kubernetes-validations") or []]
             field_rules: dict[str, list[str]] = {}  # a rule on a field's own value (CEL's self is the value)
             for name, sub, _ in rows:

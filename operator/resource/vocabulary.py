@@ -1,4 +1,4 @@
-"""The words of stall detection and remediation, each defined once (DESIGN.md §3.5).
+"""The words of stall detection and remediation, each defined once (docs/remediation.md).
 
 The CRD's enums (`spec.remediation`, `status.recentRemediations`), the decisions
 (`decisions/detection.py`, `decisions/remediation.py`), the Events and the operator's metric
@@ -26,6 +26,7 @@ class ServerState(str, enum.Enum):
     WARMING_UP = "WarmingUp"     # too few scrapes to cover the window (started, restarted, just seen)
     SUSPECT = "Suspect"          # no tokens while having work, not (yet) for a confirmed whole window
     STALLED = "Stalled"          # confirmed: act on it
+    BLOCKED = "Blocked"          # no progress only because a peer does not take its work: the peer's stall
     UNREACHABLE = "Unreachable"  # the latest scrape failed: reported, never acted on as a stall
 
 

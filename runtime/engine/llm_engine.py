@@ -61,7 +61,7 @@ class LLMEngine:
         self.pending: collections.deque[Request] = collections.deque()
         self.active: list[Request] = []  # fetched: waiting for KV, in context, or generating
         self._ids = itertools.count()
-        self.stats = RankStats(kv_cache_blocks_total=config.kv_blocks)
+        self.stats = RankStats(kv_cache_capacity_blocks=config.kv_blocks)
 
     # -- requests in and out ------------------------------------------------------------------
     def make_request(self, prompt: str | list[int], params: SamplingParams,
@@ -162,6 +162,7 @@ class LLMEngine:
             1 for r in self.active if r.state is RequestState.WAITING and not r.is_dummy)
         s.kv_cache_blocks_used = self.kv.num_used_blocks
         s.kv_transfers_in_flight = self.kv_hold.blocks_in_flight if self.kv_hold else 0
+        s.kv_transfers_awaiting_pull = self.kv_hold.blocks_awaiting_pull if self.kv_hold else 0
 
     def update(self, batch: ScheduledBatch, sampled: dict[Request, list[int]]) -> list[RequestOutput]:
         """Advance every request of a pass that ran; emit outputs; free what finished."""

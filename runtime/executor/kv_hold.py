@@ -80,8 +80,9 @@ class KVHold:
 
     def lookup(self, request_id: str):
         """For the transfer server: (block table, token count) of a held prompt, and what to call
-        once the generation server confirmed it has every byte. None when not held, or when its
-        lease has run out."""
+        when its transfer ends, however it ended (a handle is pulled once: the blocks are freed at
+        the next reap; runtime/executor/kv_transfer.py). None when not held, or when its lease has
+        run out."""
         now = self.clock()
         with self._lock:
             h = self.held.get(request_id)
@@ -95,6 +96,17 @@ class KVHold:
     @property
     def blocks_in_flight(self) -> int:
         return sum(len(h.request.block_table) for h in self.held.values())
+
+    @property
+    def blocks_awaiting_pull(self) -> int:
+        """Held blocks no generation server is pulling or has pulled: the generation side's part of
+        the held KV. The rest (a pull under way, or done and not yet freed) is this server's part;
+        stall detection tells the two apart (docs/remediation.md, the transfer signature)."""
+        completed = getattr(self.puller, "completed", ())
+        now = self.clock()
+        with self._lock:
+            return sum(len(h.request.block_table) for rid, h in self.held.items()
+                       if (h.transfer_deadline is None or now >= h.transfer_deadline) and rid not in completed)
 
     def reap(self) -> list[str]:
         """Free the KV of every pulled or expired request; returns their ids."""

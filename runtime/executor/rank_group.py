@@ -39,7 +39,7 @@ class RankGroup:
         self.collective_timeout_s = collective_timeout_s
         self.on_output = on_output or (lambda out: None)
         self.on_dead = on_dead or (lambda reason: None)
-        self.stats: dict[int, RankStats] = {r: RankStats(kv_cache_blocks_total=config.kv_blocks) for r in range(dp)}
+        self.stats: dict[int, RankStats] = {r: RankStats(kv_cache_capacity_blocks=config.kv_blocks) for r in range(dp)}
         self.loads = [[0, 0] for _ in range(dp)]
         self.owner: dict[str, tuple[int, int]] = {}  # request id -> (rank, tokens)
         self.ready: set[int] = set()

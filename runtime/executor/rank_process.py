@@ -18,6 +18,7 @@ import logging
 import multiprocessing.connection
 import os
 import queue
+import signal
 import socket
 import sys
 import threading
@@ -145,6 +146,10 @@ def _pull(request, puller: KVPuller, arrived: _Arrivals) -> None:
 
 
 def run_rank(spec: RankSpec, conn) -> None:
+    # The kubelet's SIGTERM (a terminal's SIGINT) reaches the whole process group: a rank leaves when
+    # its server stops it (the stop is agreed by every rank), or when its server is gone.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{spec.rank} %(levelname)s %(name)s: %(message)s")
     try:
         engine, executor, puller = _build(spec)
@@ -175,7 +180,7 @@ def run_rank(spec: RankSpec, conn) -> None:
                     stop = True
                 elif msg[0] == "fault":
                     try:
-                        faults.apply(msg[1], engine)
+                        faults.apply(msg[1], engine, kv_server)
                         frozen |= msg[1] == "freeze"
                     except ValueError as e:  # a fault that does not apply here is refused, not fatal
                         logging.getLogger(__name__).warning("fault refused: %s", e)

@@ -60,6 +60,25 @@ class EngineClient:
     def health(self) -> tuple[bool, str]:
         return self.group.health()
 
+    @property
+    def requests_in_flight(self) -> int:
+        with self._lock:
+            return len(self._streams)
+
+    @property
+    def kv_held(self) -> int:
+        """Context role: KV blocks its ranks hold for generation servers to pull."""
+        return sum(s.kv_transfers_in_flight for _, s in self.group.rank_stats())
+
+    def hand_back(self, reason: str) -> None:
+        """End every request in flight with an explicit error (the server is going away): the
+        router retries a request on another server when none of its tokens reached the client."""
+        with self._lock:
+            streams = list(self._streams.items())
+        for rid, (loop, queue) in streams:
+            self.group.abort(rid)
+            loop.call_soon_threadsafe(queue.put_nowait, RequestOutput(rid, [], "", True, "error", 0, 0, error=reason))
+
     async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:

@@ -53,3 +53,22 @@ def test_the_prometheus_scrape_snippet_is_a_valid_configuration_with_the_rule_fi
     out = run("promtool", "check", "config", str(config))
     assert out.returncode == 0, out.stdout + out.stderr
     assert "SUCCESS" in out.stdout and "rules found" in out.stdout, out.stdout
+
+
+def quickstart_commands(page) -> str:
+    """The bash blocks of a page's Quickstart section (up to the next `## ` heading)."""
+    text = page.read_text()
+    section = re.search(r"^## Quickstart[^\n]*\n(.*?)(?=^## )", text, re.S | re.M)
+    assert section, f"{page.name} has no Quickstart section"
+    return "\n".join(re.findall(r"```bash\n(.*?)```", section.group(1), re.S))
+
+
+def test_the_quickstarts_tell_one_namespace_story():
+    """README.md and docs/install.md: the operator and the fleet in one namespace, created before
+    anything goes in it; nothing is applied to a namespace no command created."""
+    for page in (ROOT / "README.md", DOC):
+        commands = quickstart_commands(page)
+        used = set(re.findall(r"(?:-n|--namespace)[ =]([a-z0-9-]+)", commands))
+        assert used == {"adpfleet-system"}, (page.name, used)
+        assert "--create-namespace" in commands or "kubectl create namespace adpfleet-system" in commands, page.name
+        assert "--set 'watch.namespaces" not in commands, page.name  # a watched namespace it never creates

@@ -152,13 +152,14 @@ class Fleets:
         return next((c for c in self.get(name).get("status", {}).get("conditions", []) if c["type"] == type_), {})
 
     def wait_ready(self, name: str, timeout: float = 60) -> dict:
-        """Until Ready=True for the fleet's current generation; the fleet."""
+        """Until Ready=True with every server Ready (AllServersReady) for the fleet's current
+        generation; the fleet."""
         def ready():
             fleet = self.get(name)
             status = fleet.get("status", {})
             cond = next((c for c in status.get("conditions", []) if c["type"] == "Ready"), {})
-            return fleet if (cond.get("status") == "True" and status.get("observedGeneration")
-                             == fleet["metadata"]["generation"]) else None
+            return fleet if (cond.get("status") == "True" and cond.get("reason") == "AllServersReady"
+                             and status.get("observedGeneration") == fleet["metadata"]["generation"]) else None
         return wait_for(ready, timeout=timeout, what=f"fleet {self.ns}/{name} to be Ready",
                         interval=0.25)
 
@@ -234,6 +235,9 @@ class PodTimeline:
     fleet: str
     samples: dict[str, list[RoleSample]] = field(default_factory=dict)
     created: list[tuple[str, str]] = field(default_factory=list)  # (name, uid) in order of appearance
+    phases: dict[str, str] = field(default_factory=dict)  # uid -> the last phase seen (a deleted pod's final one)
+    deleting: dict[str, float] = field(default_factory=dict)  # uid -> when its deletion was first seen
+    ready_at: dict[str, float] = field(default_factory=dict)  # uid -> when it was first seen Ready
     _stop: threading.Event = field(default_factory=threading.Event)
 
     def __enter__(self) -> "PodTimeline":
@@ -264,6 +268,11 @@ class PodTimeline:
                                   resource_version=version, timeout_seconds=1):
                 pod = event["object"]
                 version = pod.metadata.resource_version
+                self.phases[pod.metadata.uid] = pod.status.phase
+                if pod.metadata.deletion_timestamp is not None:
+                    self.deleting.setdefault(pod.metadata.uid, time.monotonic())
+                if pod_ready(pod):
+                    self.ready_at.setdefault(pod.metadata.uid, time.monotonic())
                 if event["type"] == "DELETED":
                     pods.pop(pod.metadata.uid, None)
                 else:

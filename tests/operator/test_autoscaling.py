@@ -308,7 +308,7 @@ def scrape(at, **per_rank) -> Scrape:
 def test_role_load_is_the_mean_per_rank_over_its_servers_and_latency_means_over_the_interval():
     before = {"a": scrape(0, ttft_sum=[1.0, 1.0], ttft_count=[2, 2], itl_sum=[0, 0], itl_count=[0, 0])}
     now = {"a": scrape(5, requests_waiting=[4, 0], requests_running=[2, 2], kv_cache_blocks_used=[30, 10],
-                       kv_cache_blocks_total=[40, 40], kv_transfers_in_flight=[15, 5],
+                       kv_cache_capacity_blocks=[40, 40], kv_transfers_in_flight=[15, 5],
                        ttft_sum=[2.0, 1.6], ttft_count=[4, 3], itl_sum=[0.5, 0.3], itl_count=[10, 6]),
            "b": Scrape(at=5, error="refused")}
     got = role_load(5.0, now, before)

@@ -55,6 +55,18 @@ def test_a_valid_fleet_is_accepted_and_defaulted(k8s_cluster, bad_specs_namespac
     k8s_cluster.kubectl("delete", "inferencefleet", "good", f"--namespace={bad_specs_namespace}")
 
 
+def test_kubectl_explain_shows_each_fields_description_default_and_range(k8s_cluster, fleet_crd):
+    from adpfleet.cluster.testing import wait_for
+
+    def explain(field: str) -> str:
+        return k8s_cluster.kubectl("explain", f"inferencefleet.{field}").stdout
+    text = wait_for(lambda: explain("spec.context.engine.kvBlocks"), timeout=30, what="the CRD in OpenAPI v3")
+    assert "Paged KV-cache blocks per ADP rank. Default: 512. Allowed: 1 to 10000000." in " ".join(text.split())
+    for field, words in (("spec.imagePullPolicy", "When the kubelet pulls"), ("spec.imagePullSecrets", "registry"),
+                         ("status.conditions", "Progressing, Degraded")):
+        assert words in " ".join(explain(field).split()), field
+
+
 def test_a_full_pod_template_is_accepted_as_written(k8s_cluster, bad_specs_namespace):
     """The CRD takes a template with every kind of field (and the API server prices its rules)."""
     manifest = fleet_manifest("templated", context=gpu_role(), router={"podTemplate": {"spec": {

@@ -41,6 +41,34 @@ def _walk(node, path="$"):
             yield from _walk(v, f"{path}[{i}]")
 
 
+def test_every_field_has_a_description_that_states_its_default_and_allowed_values():
+    """`kubectl explain` shows a field's description and nothing else of its schema."""
+    schema = crd.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    missing, unstated = [], []
+
+    def visit(node, path):
+        for name, sub in node.get("properties", {}).items():
+            where = f"{path}.{name}"
+            text = sub.get("description", "")
+            if where == ".metadata":
+                continue  # ObjectMeta: the API server describes it and refuses anything more in a CRD
+            if ".podTemplate.spec." in where:
+                continue  # Kubernetes' PodSpec: documented upstream (`kubectl explain pod.spec`)
+            if not text:
+                missing.append(where)
+            if crd.default_text(sub) and f"Default: {crd.default_text(sub).strip('`')}." not in text:
+                unstated.append(where)
+            if ("minimum" in sub or "enum" in sub) and "Allowed: " not in text:
+                unstated.append(where)
+            target = sub.get("items", sub)
+            visit(target, where + ("[]" if "items" in sub else ""))
+    visit(schema, "")
+    assert not missing, f"fields without a description: {missing}"
+    assert not unstated, f"descriptions that do not state the default or bounds: {unstated}"
+    engine = schema["properties"]["spec"]["properties"]["context"]["properties"]["engine"]["properties"]
+    assert engine["kvBlocks"]["description"].endswith("Default: 512. Allowed: 1 to 10000000.")
+
+
 def test_schema_is_structural():
     schema = crd.openapi_schema()
     for path, node in _walk(schema):

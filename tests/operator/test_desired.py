@@ -35,6 +35,15 @@ def test_server_pod_has_stable_name_labels_owner_and_the_runtime_command():
     assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"http": 8000, "kv": 8001}
 
 
+def test_a_server_drains_within_its_grace_period_and_keeps_time_to_stop():
+    def drain(grace):
+        pod = server_template(FLEET, spec(context={"terminationGracePeriodSeconds": grace}), "context").pod(0)
+        args = pod["spec"]["containers"][0]["args"]
+        assert pod["spec"]["terminationGracePeriodSeconds"] == grace
+        return int(args[args.index("--drain-timeout") + 1])
+    assert (drain(30), drain(120), drain(5), drain(1), drain(0)) == (25, 115, 3, 1, 0)
+
+
 def test_generation_servers_expose_no_kv_port():
     container = server_template(FLEET, spec(), "generation").pod(1)["spec"]["containers"][0]
     assert [p["name"] for p in container["ports"]] == ["http"]

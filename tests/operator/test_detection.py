@@ -1,4 +1,4 @@
-"""Stall verdicts (DESIGN §3.5) as pure functions of scrapes: what is stalled, what is not, which
+"""Stall verdicts (docs/remediation.md) as pure functions of scrapes: what is stalled, what is not, which
 signature and which ranks, and how fast."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from adpfleet.operator.adapters.scrape import RankSample, Scrape, ScrapeError, parse_metrics
-from adpfleet.operator.decisions.detection import SampleWindows, judge, keep_seconds
+from adpfleet.operator.decisions.detection import SampleWindows, StallVerdict, attribute, judge, keep_seconds
+from adpfleet.operator.decisions.observed import ServerView
 from adpfleet.operator.resource.vocabulary import ServerState, Signature
 from adpfleet.runtime.metrics import RankStats, render
 
@@ -177,7 +178,7 @@ def test_a_rank_starved_by_kv_held_for_transfers_is_a_transfer_stall():
     # empty batches and every forward is vetoed — the transfers are the cause
     def held(k):
         return {0: rank(iterations=50 * k, forward_vetoed=50 * k, empty_batch_iterations=50 * k, prompt_tokens=900,
-                        kv_transfers_in_flight=96, kv_cache_blocks_used=96, kv_cache_blocks_total=96,
+                        kv_transfers_in_flight=96, kv_cache_blocks_used=96, kv_cache_capacity_blocks=96,
                         requests_waiting=2),
                 1: rank(iterations=50 * k, forward_vetoed=50 * k, prompt_tokens=700, requests_running=1)}
     v = verdict(series(held, 20))
@@ -188,9 +189,9 @@ def test_a_starved_rank_with_room_in_its_kv_is_vetoed_even_if_it_holds_some_tran
     # the rank admits nothing though its KV has room: the held blocks are not why it starves
     def starved(k):
         return {0: rank(iterations=50 * k, forward_vetoed=50 * k, prompt_tokens=900, requests_running=2,
-                        kv_cache_blocks_used=16, kv_cache_blocks_total=96),
+                        kv_cache_blocks_used=16, kv_cache_capacity_blocks=96),
                 1: rank(iterations=50 * k, forward_vetoed=50 * k, empty_batch_iterations=50 * k, prompt_tokens=700,
-                        kv_transfers_in_flight=8, kv_cache_blocks_used=8, kv_cache_blocks_total=96,
+                        kv_transfers_in_flight=8, kv_cache_blocks_used=8, kv_cache_capacity_blocks=96,
                         requests_waiting=1)}
     v = verdict(series(starved, 20))
     assert v.stalled and v.signature is Signature.VETOED and v.ranks == (1,)
@@ -215,6 +216,73 @@ def test_a_few_vetoes_among_running_forwards_do_not_hide_a_transfer_stall():
     assert v.stalled and v.signature is Signature.TRANSFER and v.ranks == (0,)
 
 
+# ---- a transfer stall is the server's that does not complete the pulls ----------------------------
+
+def held_kv(own: int, awaiting: int):
+    """A context server's ranks: idle loops, no tokens, KV held; `own` blocks whose pull began (hung
+    or done and never freed), `awaiting` blocks no generation server has begun to pull."""
+    def step(k):
+        return {0: rank(iterations=50 * k, prompt_tokens=900, kv_transfers_in_flight=own + awaiting,
+                        kv_transfers_awaiting_pull=awaiting),
+                1: rank(iterations=50 * k, prompt_tokens=700)}
+    return step
+
+
+def test_kv_that_no_generation_server_pulls_is_the_generation_sides_stall_not_the_holders():
+    # a generation rank froze: the KV held for its pulls piles up on a healthy context server
+    v = verdict(series(held_kv(own=0, awaiting=42), 20))
+    assert v.state is ServerState.BLOCKED and not v.stalled
+    assert v.signature is Signature.TRANSFER and v.ranks == (0,) and "42 KV blocks held for pulls" in v.reason
+
+
+def test_kv_whose_pull_began_and_never_ended_is_the_holders_own_transfer_stall():
+    # the context server stopped serving KV (pulls hang) or never frees what was pulled
+    for own, awaiting in ((3, 0), (3, 40)):
+        v = verdict(series(held_kv(own=own, awaiting=awaiting), 20))
+        assert v.stalled and v.signature is Signature.TRANSFER and v.ranks == (0,), (own, awaiting)
+
+
+def test_a_pull_seen_under_way_at_some_scrapes_does_not_make_the_holder_stalled():
+    # another generation server pulls now and then; the blocks that stay are awaiting the frozen one
+    def step(k):
+        busy = 1 if k % 4 == 0 else 0
+        return {0: rank(iterations=50 * k, prompt_tokens=900, kv_transfers_in_flight=20 + busy,
+                        kv_transfers_awaiting_pull=20)}
+    assert verdict(series(step, 20)).state is ServerState.BLOCKED
+
+
+def test_an_exposition_without_the_awaiting_gauge_keeps_the_transfer_stall_the_holders():
+    v = verdict(series(lambda k: {0: rank(iterations=50 * k, kv_transfers_in_flight=8)}, 20))
+    assert v.stalled and v.signature is Signature.TRANSFER
+
+
+def blocked_context(since=5.0) -> StallVerdict:
+    return StallVerdict("f-context-0", "context", ServerState.BLOCKED, 20.0, "no real tokens; 42 KV blocks held "
+                        "for pulls no generation server has begun", signature=Signature.TRANSFER, ranks=(0,),
+                        since=since)
+
+
+def test_a_blocked_context_server_names_the_generation_server_that_does_not_pull():
+    hung = StallVerdict("f-generation-1", "generation", ServerState.STALLED, 20.0, "hung",
+                        signature=Signature.HUNG, ranks=(0,))
+    fine = StallVerdict("f-generation-0", "generation", ServerState.PROGRESSING, 20.0, "tokens")
+    servers = [ServerView("f-context-0", "context", True, created=0.0),
+               ServerView("f-generation-0", "generation", True, created=0.0),
+               ServerView("f-generation-1", "generation", True, created=0.0)]
+    out = {v.server: v for v in attribute([blocked_context(), hung, fine], servers)}
+    assert "waiting on f-generation-1 (stalled)" in out["f-context-0"].reason
+    assert "f-generation-0" not in out["f-context-0"].reason and not out["f-context-0"].stalled
+    assert out["f-generation-1"] == hung and out["f-generation-0"] == fine  # the others unchanged
+
+
+def test_a_blocked_context_server_names_a_generation_server_replaced_since_the_kv_was_held():
+    servers = [ServerView("f-generation-0", "generation", True, created=12.0)]  # restarted after `since`
+    (v,) = attribute([blocked_context(since=5.0)], servers)
+    assert "waiting on f-generation-0 (restarted or not Ready)" in v.reason
+    (v,) = attribute([blocked_context(since=5.0)], [ServerView("f-generation-0", "generation", True, created=1.0)])
+    assert "no generation server is stalled now" in v.reason
+
+
 def test_kv_transfers_alone_count_as_work():
     samples = series(lambda k: {0: rank(iterations=50 * k, forward_steps=0, kv_transfers_in_flight=8)}, 20)
     v = verdict(samples)
@@ -230,6 +298,13 @@ def test_stall_needs_confirmation_on_consecutive_scrapes():
     assert verdict(samples[:first + 1]).stalled
     assert verdict(samples, confirmations=3).stalled
     assert not verdict(samples[:first], confirmations=3).stalled
+
+
+def test_a_confirmed_stall_reports_the_whole_window_without_tokens():
+    # a 20 s window scraped every 5 s: each test's baseline is 15 s old, the stall spans 20 s
+    v = verdict(series(vetoed_stall, 12, interval=5.0), window=20.0, interval=5.0)
+    assert v.stalled and v.reason.startswith("no real tokens for 20 s while having work")
+    assert v.evidence["window_seconds"] == 20.0
 
 
 def test_progress_resuming_clears_the_stall():

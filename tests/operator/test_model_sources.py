@@ -196,10 +196,11 @@ def test_a_crash_that_is_not_about_the_model_is_a_crash_loop_as_before():
     crash = {"terminated": {"exitCode": 1, "message": "Traceback (most recent call last): ..."}}
     pod = server_pod(pod_body({"terminated": {"exitCode": 0}}, server_state={
         "waiting": {"reason": "CrashLoopBackOff", "message": "back-off 20s"}}, server_last=crash))
-    assert pod.model_failure is None and pod.problem == "CrashLoopBackOff: back-off 20s"
+    assert pod.model_failure is None
+    assert pod.problem == "CrashLoopBackOff: container server exited with code 1: Traceback (most recent call last): ..."
     init_crash = server_pod(pod_body({"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 10s"}},
                                      init_last=crash))
-    assert init_crash.problem == "CrashLoopBackOff: back-off 10s"  # init containers count too
+    assert init_crash.problem.startswith("CrashLoopBackOff: container fetch-model exited with code 1")  # init too
 
 
 # ---- the fleet's status ------------------------------------------------------------------------------

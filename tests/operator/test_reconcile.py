@@ -5,6 +5,7 @@ Every operator here is a real `adpfleet operator` process whose requests all pas
 counting proxy: write counts are measured from the outside, not taken from the operator's word.
 """
 
+import re
 import time
 
 import pytest
@@ -49,7 +50,7 @@ def test_fleet_gets_its_servers_router_rbac_status_and_events(start_operator, fl
 
     status = fleet["status"]
     assert status["observedGeneration"] == 1 and status["readyRoles"] == "3/3"
-    assert status["context"] == {"desired": 2, "current": 2, "updated": 2, "ready": 2}
+    assert status["context"] == {"desired": 2, "current": 2, "updated": 2, "ready": 2, "servers": "2/2"}
     assert status["router"] == {"desired": 1, "ready": 1}
     conditions = {c["type"]: c for c in status["conditions"]}
     assert conditions["Ready"]["reason"] == "AllServersReady"
@@ -59,9 +60,34 @@ def test_fleet_gets_its_servers_router_rbac_status_and_events(start_operator, fl
     assert len(created) == 1 and fleets.events("FleetReady")  # one Event per kind of change, naming each server
     assert all(name in created[0].message for name in ("demo-context-0", "demo-context-1", "demo-generation-0"))
 
-    table = fleets.cluster.kubectl("get", names.SHORT_NAMES[0], "demo", f"--namespace={fleets.ns}").stdout
-    assert table.split("\n")[0].split()[:5] == ["NAME", "ROLES", "READY", "READY", "STALLED"]
-    assert "3/3" in table and "True" in table
+    row = printed_row(fleets, "demo")
+    assert list(row) == ["NAME", "READY", "ROLES READY", "STALLED", "REMEDIATING", "DEGRADED", "MODEL", "OBSERVED",
+                         "DELETING", "AGE"], row
+    assert list(row.values())[:9] == ["demo", "True", "3/3", "False", "False", "False", "Available", "1", ""], row
+
+
+def printed_row(fleets, name: str) -> dict[str, str]:
+    """`kubectl get ifleet NAME` as {column: cell}; an empty cell is "" (columns are cut where the
+    header's are: a column name may have a space, a cell may be empty)."""
+    header, line = fleets.cluster.kubectl("get", names.SHORT_NAMES[0], name, f"--namespace={fleets.ns}").stdout \
+        .rstrip("\n").split("\n")
+    columns = list(re.finditer(r"\S+(?: \S+)*", header))
+    ends = [c.start() for c in columns[1:]] + [None]
+    return {c.group(): line[c.start():end].strip() for c, end in zip(columns, ends)}
+
+
+def test_kubectl_get_shows_a_fleet_no_operator_watches_and_one_being_deleted(start_operator, fleets):
+    def row(name):
+        return printed_row(fleets, name)
+
+    fleets.apply(fleet_manifest("unwatched", status_only=True))
+    assert row("unwatched")["OBSERVED"] == "" and row("unwatched")["READY"] == ""
+    op = start_operator()
+    fleets.wait_ready("unwatched")
+    assert row("unwatched")["OBSERVED"] == "1"
+    op.stop()  # the fleet keeps the operator's finalizer: deleting it waits for an operator
+    fleets.cluster.kubectl("delete", names.SHORT_NAMES[0], "unwatched", f"--namespace={fleets.ns}", "--wait=false")
+    wait_for(lambda: row("unwatched")["DELETING"] != "", timeout=10, what="the DELETING column")
 
 
 def test_the_router_role_reads_pods_in_its_namespace_and_nothing_else(start_operator, fleets, k8s_cluster):
@@ -82,9 +108,13 @@ def test_each_role_scales_up_and_down(start_operator, fleets):
     start_operator()
     fleets.apply(fleet_manifest("demo", status_only=True, context=role(1), generation=role(1)))
     fleets.wait_ready("demo")
+    ready_since = fleets.condition("demo", "Ready")["lastTransitionTime"]
 
     fleets.patch_spec("demo", {"context": {"servers": 3}, "generation": {"servers": 2}})
     fleets.wait_ready("demo")
+    # the existing servers kept serving: the fleet never stopped being Ready, and said nothing else
+    assert fleets.condition("demo", "Ready")["lastTransitionTime"] == ready_since
+    assert fleets.events("FleetNotReady") == [] and len(fleets.events("FleetReady")) == 1
     assert names_of(fleets.live_pods("demo", "context")) == ["demo-context-0", "demo-context-1", "demo-context-2"]
     assert names_of(fleets.live_pods("demo", "generation")) == ["demo-generation-0", "demo-generation-1"]
 
@@ -93,7 +123,8 @@ def test_each_role_scales_up_and_down(start_operator, fleets):
     wait_for(lambda: names_of(fleets.pods("demo")) == ["demo-context-0", "demo-generation-0"], timeout=30,
              what="the scaled-down pods to be gone")
     wait_for(lambda: fleets.get("demo")["status"]["context"] == {"desired": 1, "current": 1, "updated": 1,
-                                                                 "ready": 1}, timeout=10, what="the counts")
+                                                                 "ready": 1, "servers": "1/1"}, timeout=10,
+             what="the counts")
     deleted = " ".join(e.message for e in fleets.events("DeletedServer"))
     assert all(name in deleted for name in ("demo-context-1", "demo-context-2", "demo-generation-1"))
 
@@ -230,7 +261,7 @@ def test_a_missing_api_key_secret_degrades_the_fleet_naming_it_and_the_operator_
     # the node agent retries the container: it starts, and the problem is gone (no Secret watch needed)
     wait_for(lambda: fleets.condition("demo", "Degraded").get("status") == "False", timeout=60,
              what="Degraded=False once the Secret exists")
-    assert fleets.events("Recovered")
+    wait_for(lambda: fleets.events("Recovered"), timeout=10, what="the Recovered Event (recorded after the status)")
 
 
 def test_the_security_objects_of_every_kind_of_fleet_are_accepted_by_the_api_server(k8s_cluster, k8s_namespace):

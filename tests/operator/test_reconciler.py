@@ -158,6 +158,19 @@ def test_status_written_moments_ago_is_not_written_again_while_the_cache_lags():
     assert api2.calls == []
 
 
+def test_a_deleted_server_comes_back_under_its_name_even_from_a_higher_slot():
+    # a roll left f-generation-1 as the only generation server; then it was deleted (remediation)
+    pods = running_pods()
+    gen = dataclasses.replace(pods[1], name="f-generation-1", index=1, uid="u-gen-1")
+    memory = FleetMemory()
+    api = FakeApi()
+    reconcile(api, observation(pods=[pods[0], dataclasses.replace(gen, terminating=True)], rv="2"), memory)
+    assert not [c for c in api.calls if c[0] == "create_pod"]  # its name is still taken: wait
+    api = FakeApi()
+    reconcile(api, observation(pods=[pods[0]], rv="3"), memory)  # gone
+    assert [c for c in api.calls if c[0] == "create_pod"] == [("create_pod", "f-generation-1")]
+
+
 def test_the_internal_token_secret_is_created_before_any_pod_and_never_read():
     api = FakeApi()
     reconcile(api, observation())
@@ -248,6 +261,55 @@ def test_crash_looping_server_is_reported_as_degraded():
     reconcile(api, observation(pods=pods))
     degraded = {c["type"]: c for c in api.last_status["conditions"]}["Degraded"]
     assert degraded["reason"] == "ServersFailing" and "f-context-0: CrashLoopBackOff" in degraded["message"]
+
+
+def test_a_crash_loop_keeps_degraded_with_the_containers_error_through_every_back_off():
+    """A model that cannot load: the server exits, the kubelet backs off, runs it again, it exits..."""
+    from adpfleet.operator.decisions.observed import server_pod
+    failed = {"terminated": {"exitCode": 3, "reason": "Error", "message": "model 'tinny' not found"}}
+
+    def server(state, last, restarts, started=False):
+        base = running_pods()[0]
+        body = {"metadata": {"name": base.name, "uid": base.uid, "labels": {"adpfleet.io/role": "context",
+                                                                            "adpfleet.io/index": "0"},
+                             "annotations": {"adpfleet.io/template-hash": base.template_hash},
+                             "ownerReferences": [{"controller": True, "uid": "fleet-uid"}]},
+                "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "False"}],
+                           "containerStatuses": [{"name": "server", "ready": False, "started": started,
+                                                  "restartCount": restarts, "state": state, "lastState": last}]}}
+        return server_pod(body)
+    cycle = [server({"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 1s restarting failed"}}, failed, 1),
+             server({"running": {"startedAt": "2024-01-01T00:00:00Z"}}, failed, 1),
+             server({"terminated": failed["terminated"]}, {}, 1),
+             server({"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 2s restarting failed"}}, failed, 2)]
+    status, api, events = {}, None, []
+    for i, pod in enumerate(cycle):
+        api = FakeApi()
+        reconcile(api, observation(pods=[pod, running_pods()[1]], status=status, rv=str(i)))
+        status = getattr(api, "last_status", status)
+        events += [c for c in api.calls if c[0] == "event"]
+    degraded = {c["type"]: c for c in status["conditions"]}["Degraded"]
+    assert degraded["reason"] == "ServersFailing"
+    assert degraded["message"] == "f-context-0: CrashLoopBackOff: container server exited with code 3: model 'tinny' " \
+                                  "not found"
+    assert ("event", "Normal", "Recovered") not in events and events.count(("event", "Warning", "ServersFailing")) == 1
+    # a run that got past its startup probe is no longer failing, whatever ended the one before
+    assert server({"running": {}}, failed, 1, started=True).problem is None
+
+
+def test_scaling_up_keeps_a_serving_fleet_ready():
+    pods = running_pods()
+    manifest = fleet_manifest("f", router={"enabled": False})
+    manifest["spec"]["context"]["servers"] = 2
+    api = FakeApi()
+    reconcile(api, observation(manifest, pods=pods))
+    ready = {c["type"]: c for c in api.last_status["conditions"]}["Ready"]
+    assert (ready["status"], ready["reason"]) == ("True", "MinimumServersReady")
+    assert ready["message"] == "context 1/2, generation 1/1 ready"
+    pods[1] = dataclasses.replace(pods[1], ready=False)  # the only generation server is down: not serving
+    reconcile(api := FakeApi(), observation(pods=pods))
+    ready = {c["type"]: c for c in api.last_status["conditions"]}["Ready"]
+    assert (ready["status"], ready["reason"]) == ("False", "ServersNotReady") and "no Ready generation" in ready["message"]
 
 
 def test_router_objects_are_applied_in_dependency_order():

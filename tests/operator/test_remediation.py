@@ -85,11 +85,22 @@ def test_dry_run_records_what_would_be_done_and_does_nothing():
     assert d.record(NOW).outcome == "DryRun" and d.event_reason == "RemediationDryRun"
 
 
-def test_dry_run_repeats_only_after_the_cooldown():
+def test_dry_run_repeats_only_after_the_cooldown_and_says_nothing_in_between():
     history = [record(outcome=Outcome.DRY_RUN, ago=10)]
-    assert only(decide([stalled()], history, spec(mode="DryRun"), fleet(), NOW)).reason == "Cooldown"
+    d = only(decide([stalled()], history, spec(mode="DryRun"), fleet(), NOW))
+    assert (d.reason, d.quiet) == ("Cooldown", True)  # reported once: no RemediationSkipped after each dry run
     history = [record(outcome=Outcome.DRY_RUN, ago=61)]
     assert only(decide([stalled()], history, spec(mode="DryRun"), fleet(), NOW)).choice is Choice.DRY_RUN
+
+
+def test_a_dry_run_is_not_a_remediation_once_the_mode_is_auto():
+    # DryRun → Auto: what was only reported cools nothing down, counts no budget, climbs no ladder
+    history = [record(outcome=Outcome.DRY_RUN, ago=10), record(outcome=Outcome.DRY_RUN, ago=130)]
+    d = only(decide([stalled()], history, spec(mode="Auto", cooldownSeconds=300), fleet(), NOW))
+    assert (d.choice, d.action, d.level) == (Choice.ACT, Action.RESTART_SERVER, 0)
+    # a real remediation still cools down, and says so
+    d = only(decide([stalled()], [record(ago=10)], spec(cooldownSeconds=300), fleet(), NOW))
+    assert (d.reason, d.quiet) == ("Cooldown", False)
 
 
 def test_zero_budget_behaves_like_dry_run():
@@ -447,7 +458,7 @@ def test_policy_invariants(past, stalled_now, ready, created, k, budget, mode, e
         assert len(busy) + sum(role in t for t in first_batches) <= max(k, len(busy))
     for d in acted:
         assert not any((d.verdict.server == r.server or d.verdict.server in r.targets) and NOW - r.time < 300
-                       for r in history)
+                       and r.outcome is not Outcome.DRY_RUN for r in history)  # a dry run cools nothing down
     if mode == "DryRun" or any(r.action == "Halt" and NOW - r.time < 3600 for r in history):
         assert acted == []
 

@@ -8,7 +8,7 @@ import pytest
 
 from adpfleet.operator.decisions.observed import OwnedObject, ServerPod
 from adpfleet.operator.decisions.rollout import (ApplyObject, CreateServer, DeleteObject, DeleteServer, plan_objects,
-                                                 plan_role)
+                                                 plan_role, vacancies)
 
 OLD, NEW = "old-hash", "new-hash"
 
@@ -44,6 +44,25 @@ def test_a_deleted_server_is_recreated_under_its_own_name_once_it_is_gone():
     waiting = plan(2, [pod(0), pod(1, terminating=True)])
     assert waiting.actions == () and "f-context-1 to terminate" in waiting.waiting_for
     assert plan(2, [pod(0)]).actions == (CreateServer("context", 1, "scale up"),)
+
+
+def test_a_server_a_roll_left_in_a_higher_slot_comes_back_under_its_own_name():
+    # after a roll the only server is f-context-1; remediation deletes it; the slot is refilled, not 0
+    vacated = vacancies((), 1, [pod(1, terminating=True)])
+    assert vacated == (1,)
+    waiting = plan_role("context", 1, NEW, [pod(1, terminating=True)], vacated=vacated)
+    assert waiting.actions == () and "f-context-1 to terminate" in waiting.waiting_for
+    vacated = vacancies(vacated, 1, [])  # gone: remembered until refilled
+    assert plan_role("context", 1, NEW, [], vacated=vacated).actions == (CreateServer("context", 1, "replace a deleted server"),)
+    assert vacancies(vacated, 1, [pod(1, ready=False)]) == ()  # whole again: forgotten
+
+
+def test_scale_downs_and_rolls_leave_no_vacancy():
+    assert vacancies((), 1, [pod(0), pod(1, terminating=True)]) == ()  # scaled 2 -> 1
+    assert vacancies((), 1, [pod(0, OLD, terminating=True), pod(1)]) == ()  # rolled: 1 replaced 0
+    assert vacancies((), 3, [pod(0), pod(2, terminating=True)]) == (2,)  # deleted while short
+    assert plan_role("context", 3, NEW, [pod(0)], vacated=(2,)).actions == (
+        CreateServer("context", 2, "replace a deleted server"), CreateServer("context", 1, "scale up"))
 
 
 def test_scale_down_removes_not_ready_then_highest_slots():

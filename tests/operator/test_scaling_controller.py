@@ -75,7 +75,7 @@ class World:
         self.scraped.append(ip)
         self.tokens += 10
         ranks = {r: RankSample(iterations=self.tokens, generation_tokens=self.tokens, requests_running=4,
-                               requests_waiting=self.waiting[ip], kv_cache_blocks_used=10, kv_cache_blocks_total=64)
+                               requests_waiting=self.waiting[ip], kv_cache_blocks_used=10, kv_cache_capacity_blocks=64)
                  for r in (0, 1)}
         return Scrape(at=self.now, ranks=ranks)
 

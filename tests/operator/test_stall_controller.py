@@ -68,7 +68,7 @@ class World:
         self.controller = StallController(self.api, StallMetrics(CollectorRegistry()), self.inbox, self.reconcile,
                                           clock=lambda: self.now, scraper=self.scrape)
         self.fleet = self.controller.fleets[KEY] = FleetStall(FleetRef("llama", "prod", "fleet-uid"), self.observe,
-                                                              logging.getLogger("test"))
+                                                              logging.getLogger("test"), started=T0)
 
     @staticmethod
     def _pod(name, role, ip, created):
@@ -166,6 +166,77 @@ def test_dry_run_records_and_deletes_nothing():
     assert w.api.deletes() == [] and not [c for c in w.api.calls if c[0] == "drain"]
     assert [r["outcome"] for r in w.records()] == ["DryRun"]  # once per cooldown, not every scrape
     assert len(w.api.events("RemediationDryRun")) == 1
+
+
+def test_dry_run_then_auto_remediates_at_once_and_no_skip_follows_each_dry_run():
+    w = World(mode="DryRun")
+    w.metrics["127.0.9.1"] = w.stalled()
+    run(w.ticks(12))
+    assert len(w.api.events("RemediationDryRun")) == 1 and w.api.events("RemediationSkipped") == []
+    w.spec["remediation"]["mode"] = "Auto"  # the person read the dry run and turns remediation on
+    run(w.ticks(1))
+    assert [c[:2] for c in w.api.calls if c[0] in ("drain", "delete")] == [("drain", "llama-context-0"),
+                                                                          ("delete", "llama-context-0")]
+    assert [r["outcome"] for r in w.records()] == ["Succeeded", "DryRun"] and w.api.events("RemediationSkipped") == []
+
+
+def test_stalled_changes_only_when_the_servers_state_does_and_says_why_it_ended():
+    w = World(mode="DryRun")
+    w.metrics["127.0.9.1"] = w.stalled()
+    run(w.ticks(8))
+    assert w.condition("Stalled")["status"] == "True"
+    transitions = {w.condition("Stalled")["lastTransitionTime"]}
+    stalled = w.metrics["127.0.9.1"]
+    for source in ("GET http://127.0.9.1:8000/metrics: timed out after 1 s", stalled):  # a missed scrape
+        w.metrics["127.0.9.1"] = source
+        run(w.ticks(1))
+        assert w.condition("Stalled")["status"] == "True", w.condition("Stalled")
+    run(w.ticks(3))  # unconfirmed again for a tick, then confirmed: the same stall all along
+    statuses = [c["status"] for st in w.written for c in st["conditions"] if c["type"] == "Stalled"]
+    assert statuses[statuses.index("True"):] == ["True"] * (len(statuses) - statuses.index("True")), statuses
+    assert {w.condition("Stalled")["lastTransitionTime"]} == transitions
+    assert len(w.api.events("StallDetected")) == 1
+    def resumed(last=stalled()):  # the same counters, now with tokens
+        resumed.tokens = getattr(resumed, "tokens", 0) + 10
+        return {r: dataclasses.replace(sample, iterations=sample.iterations + resumed.tokens,
+                                       prompt_tokens=sample.prompt_tokens + resumed.tokens)
+                for r, sample in last.items()}
+    w.metrics["127.0.9.1"] = resumed
+    run(w.ticks(2))
+    assert (w.condition("Stalled")["status"], w.condition("Stalled")["message"]) == (
+        "False", "the stall ended: llama-context-0 made progress")
+    writes = len(w.written)
+    run(w.ticks(3))
+    assert len(w.written) == writes  # the message is kept: nothing to write
+
+
+def test_a_stored_stall_stands_until_a_restarted_operator_has_judged_a_window():
+    stored = {"conditions": [{"type": "Stalled", "status": "True", "reason": "NoProgress", "message": "llama-context-0 "
+                              "(context) has work but produces no tokens (hung) [hung]",
+                              "lastTransitionTime": "2023-11-14T22:00:00.000000Z", "observedGeneration": 1}]}
+    w = World(mode="DryRun", status=stored)
+    w.metrics["127.0.9.1"] = w.stalled()
+    run(w.ticks(3))  # not a window yet: the stored condition stands, unchanged
+    assert w.condition("Stalled") == {**stored["conditions"][0]}
+    run(w.ticks(6))
+    assert w.condition("Stalled")["status"] == "True"
+    assert w.condition("Stalled")["lastTransitionTime"] == "2023-11-14T22:00:00.000000Z"
+
+
+def test_a_repeat_stall_of_the_replacement_climbs_the_ladder_under_the_same_name():
+    w = World()
+    w.metrics["127.0.9.1"] = w.stalled()
+    run(w.ticks(8))
+    assert [c[1] for c in w.api.deletes()] == ["llama-context-0"]
+    # the reconcile recreates the server under its name (a new pod), which stalls again after the cooldown
+    w.now += 30
+    w.pods["llama-context-0"] = dataclasses.replace(w.pods["llama-context-0"], uid="new-uid", created=w.now)
+    w.metrics["127.0.9.1"] = w.stalled()
+    run(w.ticks(8))
+    first, second = w.records()[-1], w.records()[0]
+    assert (first["action"], second["action"]) == ("RestartServer", "RestartPeers"), w.records()
+    assert second["server"] == "llama-context-0" and second["targets"] == ["llama-generation-0"]
+    assert "remediation 2 of llama-context-0" in second["message"]
 
 
 def test_unreachable_servers_are_never_restarted():

@@ -6,7 +6,7 @@ import time
 import httpx
 import pytest
 
-from adpfleet.runtime.executor.kv_transfer import KVLayout, fetch
+from adpfleet.runtime.executor.kv_transfer import KVLayout, KVTransferError, fetch
 from adpfleet.runtime.model.tiny import tiny_config
 
 from servers import Server, metric, wait_until
@@ -40,6 +40,9 @@ def test_a_frozen_rank_stops_every_ranks_iterations_while_health_still_answers(t
     try:
         s.wait_healthy()
         assert httpx.post(s.url + "/faults", json={"kind": "bogus"}).status_code == 400
+        for kind in ("stop-reaping", "stop-serving-kv"):  # no held KV here: refused, the ranks untouched
+            r = httpx.post(s.url + "/faults", json={"kind": kind})
+            assert r.status_code == 400 and "context servers only" in r.text
         background(s)
         assert wait_until(lambda: metric(s, "adpfleet_generation_tokens_total") > 20, 60)
         assert httpx.post(s.url + "/faults", json={"kind": "freeze", "rank": 1}).json()["rank"] == 1
@@ -70,20 +73,35 @@ def test_a_starved_rank_without_padding_vetoes_the_fleet(tmp_path):
         s.stop()
 
 
-def test_stop_reaping_keeps_pulled_kv_held(tmp_path):
+def test_held_kv_is_awaiting_pull_until_a_pull_begins_and_the_kv_faults_keep_it_held(tmp_path):
     cfg = tiny_config("tiny")
+    layout = KVLayout(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, "float32")
     s = Server("--model", "tiny", "--role", "context", "--fault-injection", "--kv-blocks", "64",
                log_path=tmp_path / "s.log")
+
+    def prompt(text: str) -> dict:
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": text * 20, "max_tokens": 8}, timeout=60)
+        return r.json()["disaggregated_params"]
+
+    def held() -> tuple[float, float]:
+        return metric(s, "adpfleet_kv_transfers_in_flight"), metric(s, "adpfleet_kv_transfers_awaiting_pull")
     try:
         s.wait_healthy()
         assert httpx.post(s.url + "/faults", json={"kind": "stop-reaping"}).status_code == 200
-        r = httpx.post(s.url + "/v1/completions", json={"prompt": "held " * 20, "max_tokens": 8}, timeout=60).json()
-        p = r["disaggregated_params"]
-        layout = KVLayout(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, "float32")
+        p = prompt("held ")
+        # nobody has pulled it: the KV is held for the generation side
+        assert wait_until(lambda: held()[0] > 0 and held()[1] == held()[0], 10), held()
         payload = fetch(p["kv_endpoint"], p["kv_handle"], 10, layout, len(p["prompt_token_ids"]))  # pulled, acked...
         assert payload.k.shape[1] == len(p["prompt_token_ids"])
-        time.sleep(1.0)
-        assert metric(s, "adpfleet_kv_transfers_in_flight") > 0  # ...and still held
+        # ...and still held: this server's own part (its pull completed), no longer awaiting one
+        assert wait_until(lambda: held()[0] > 0 and held()[1] == 0, 10), held()
         assert metric(s, "adpfleet_kv_cache_blocks_used") > 0
+
+        assert httpx.post(s.url + "/faults", json={"kind": "stop-serving-kv"}).status_code == 200
+        before = held()[0]
+        q = prompt("wedged ")
+        with pytest.raises(KVTransferError, match="no complete transfer within"):  # it began, and never answers
+            fetch(q["kv_endpoint"], q["kv_handle"], 2, layout, len(q["prompt_token_ids"]))
+        assert wait_until(lambda: held()[0] > before and held()[1] == 0, 10), held()
     finally:
         s.stop()

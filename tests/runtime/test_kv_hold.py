@@ -77,3 +77,17 @@ def test_retried_transfers_cannot_pin_the_kv_past_two_leases():
     assert hold.reap() == []
     clock.now = 119
     assert hold.reap() == ["r"] and kv.num_used_blocks == 0  # within two leases of the hold
+
+
+def test_held_blocks_await_a_pull_until_one_begins():
+    """The split stall detection reads (adpfleet_kv_transfers_awaiting_pull): blocks no generation
+    server has begun to pull are the generation side's; a pull under way or ended is the holder's."""
+    hold, kv, clock = held(lease_s=10)
+    assert hold.blocks_awaiting_pull == hold.blocks_in_flight == 2
+    _, done = hold.lookup("r")
+    assert hold.blocks_awaiting_pull == 0  # being pulled
+    clock.now += 11
+    assert hold.blocks_awaiting_pull == 2  # a pull that outlived its lease no longer counts as under way
+    done()  # ended (acknowledged or not: a handle is pulled once)
+    assert hold.blocks_awaiting_pull == 0 and hold.blocks_in_flight == 2  # not yet reaped
+    assert hold.reap() == ["r"] and hold.blocks_in_flight == 0

@@ -96,9 +96,9 @@ def test_metrics_expose_every_counter_from_startup(server):
     for name in ("adpfleet_iterations_total", "adpfleet_forward_steps_total", "adpfleet_forward_vetoed_total",
                  "adpfleet_empty_batch_iterations_total", "adpfleet_padding_dummies_total",
                  "adpfleet_prompt_tokens_total", "adpfleet_generation_tokens_total",
-                 "adpfleet_requests_finished_total", "adpfleet_kv_cache_blocks_total"):
+                 "adpfleet_requests_finished_total", "adpfleet_kv_cache_capacity_blocks"):
         assert f"\n{name}{{" in text, name
-    assert 'adpfleet_kv_cache_blocks_total{role="aggregated",rank="0"} 64.0' in text
+    assert 'adpfleet_kv_cache_capacity_blocks{role="aggregated",rank="0"} 64.0' in text
 
 
 @pytest.mark.parametrize("stream", [True, False])

@@ -1,0 +1,190 @@
+"""Servers end gracefully, whatever ends them: streams in flight survive their server's scale-down,
+deletion by hand and roll (the operator's DeleteServer or kubectl, the kubelet's SIGTERM, the
+server's drain: runtime/serving/drain.py), and every deleted server pod ends Succeeded. The same
+fleet's server, router and operator expose /metrics that the real `promtool check metrics` accepts.
+
+One fleet of real servers (tiny model, one rank each) for the whole module: servers take a while
+to start on two cores. A stream of the tiny model lasts about ten seconds, less than a new server
+takes to become Ready; so streams run in chains (a new one starts when one ends), and each case
+checks that the server it ends still ran streams after its deletion, and that every stream of the
+client completed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+import time
+
+import httpx
+import pytest
+
+from adpfleet.cluster.testing import wait_for
+from adpfleet.operator.resource import names
+
+from operator_harness import PodTimeline, pod_ready
+from specs import fleet_manifest
+
+pytestmark = [pytest.mark.k8s, pytest.mark.slow, pytest.mark.multiproc]
+
+FLEET = "grace"
+SERVER_START = 300
+STREAM_TOKENS = 3800  # as long as the model allows (4096 positions)
+KV_BLOCKS = 1000  # four such streams on one server (16 tokens a block)
+
+
+def role(servers: int) -> dict:
+    return {"servers": servers, "adpRanks": 1, "engine": {"kvBlocks": KV_BLOCKS}, "terminationGracePeriodSeconds": 60,
+            "probes": {"readinessPeriodSeconds": 1}}
+
+
+class Stream:
+    """A long streamed completion through the router, read on a thread."""
+
+    def __init__(self, url: str):
+        self.events, self.error = [], None
+        self.started_at, self.ended_at = time.monotonic(), None
+        self.ended = threading.Event()
+        body = {"model": "tiny", "prompt": "go", "max_tokens": STREAM_TOKENS, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        threading.Thread(target=self._read, args=(url, body), daemon=True).start()
+
+    def _read(self, url, body):
+        try:
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+                r.raise_for_status()
+                for line in r.iter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        self.events.append(json.loads(line[6:]))
+        except httpx.HTTPError as e:
+            self.error = e
+        finally:
+            self.ended_at = time.monotonic()
+            self.ended.set()
+
+    @property
+    def completed(self) -> bool:
+        usage = next((e["usage"] for e in self.events if e.get("usage")), {})
+        return self.error is None and usage.get("completion_tokens") == STREAM_TOKENS
+
+    def __repr__(self) -> str:
+        return f"Stream(error={self.error!r}, last={self.events[-1:]})"
+
+
+class Chains:
+    """`n` streams in flight through the router at all times, until `stop()`."""
+
+    def __init__(self, url: str, n: int):
+        self.streams: list[Stream] = []
+        self._stop = threading.Event()
+        for _ in range(n):
+            threading.Thread(target=self._chain, args=(url,), daemon=True).start()
+
+    def _chain(self, url: str) -> None:
+        while not self._stop.is_set():
+            stream = Stream(url)
+            self.streams.append(stream)
+            stream.ended.wait(150)
+
+    def stop(self) -> None:
+        """No new streams; those in flight run on."""
+        self._stop.set()
+
+    def finish(self) -> list[Stream]:
+        """Every stream, once all have ended."""
+        self.stop()
+        wait_for(lambda: all(s.ended.is_set() for s in list(self.streams)), timeout=150, what="the streams to end")
+        return list(self.streams)
+
+
+def router_url(fleets) -> str:
+    pods = fleets.core.list_namespaced_pod(fleets.ns, label_selector=",".join(
+        f"{k}={v}" for k, v in names.router_selector(FLEET).items())).items
+    ready = [p for p in pods if pod_ready(p) and p.metadata.deletion_timestamp is None]
+    assert ready, "no Ready router pod"
+    return f"http://{ready[0].status.pod_ip}:{names.ROUTER_HTTP_PORT}"
+
+
+def running(pod) -> float:
+    """Requests the server runs (also while it drains: /metrics stays up)."""
+    try:
+        text = httpx.get(f"http://{pod.status.pod_ip}:{names.SERVER_HTTP_PORT}/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return 0
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("adpfleet_requests_running{"))
+
+
+def promtool_check(text: str, what: str) -> None:
+    proc = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and not (proc.stdout + proc.stderr).strip(), f"{what}: {proc.stdout}{proc.stderr}"
+
+
+def deleted_while_streaming(timeline: PodTimeline, pods: list, chains: Chains, *, timeout: float = 30):
+    """The one of `pods` being deleted, once its deletion is seen: it still runs at least one of
+    the client's streams (it drains), and every stream completes."""
+    uids = {p.metadata.uid: p for p in pods}
+    pod = wait_for(lambda: next((uids[u] for u in timeline.deleting if u in uids), None), timeout=timeout,
+                   what="a server's deletion")
+    draining = running(pod)
+    streams = chains.finish()
+    assert draining >= 1, f"{pod.metadata.name} ran no stream when it was deleted"
+    assert all(s.completed for s in streams), [s for s in streams if not s.completed]
+    assert max(s.ended_at for s in streams) > timeline.deleting[pod.metadata.uid]
+    return pod
+
+
+def test_streams_survive_their_servers_scale_down_deletion_and_roll_and_the_pods_end_succeeded(
+        start_operator, fleets):
+    op = start_operator()
+    fleets.apply(fleet_manifest(FLEET, context=role(1), generation=role(2)))
+    fleets.wait_ready(FLEET, timeout=SERVER_START)
+    url = router_url(fleets)
+
+    # Prometheus' conventions (a gauge does not end in _total, a counter does, ...) on all three.
+    server = fleets.live_pods(FLEET, "generation")[0]
+    promtool_check(httpx.get(f"http://{server.status.pod_ip}:{names.SERVER_HTTP_PORT}/metrics").text, "server")
+    promtool_check(httpx.get(url + "/metrics").text, "router")
+    promtool_check(op._get("/metrics")[1], "operator")
+
+    with PodTimeline(fleets.cluster, fleets.ns, FLEET) as timeline:
+        # Scale-down 2 -> 1: the server removed finishes the streams it runs.
+        generation = fleets.live_pods(FLEET, "generation")
+        chains = Chains(url, 4)
+        wait_for(lambda: all(running(p) >= 1 for p in generation), timeout=60, what="streams on both servers")
+        chains.stop()
+        fleets.patch_spec(FLEET, {"generation": {"servers": 1}})
+        removed = deleted_while_streaming(timeline, generation, chains)
+
+        # Deleted by hand: the server finishes its streams and comes back under its own name.
+        only = fleets.live_pods(FLEET, "generation")
+        assert [p.metadata.uid for p in only] != [removed.metadata.uid] and len(only) == 1
+        chains = Chains(url, 2)
+        wait_for(lambda: running(only[0]) >= 1, timeout=60, what="streams on the server")
+        chains.stop()
+        fleets.cluster.kubectl("delete", "pod", only[0].metadata.name, "-n", fleets.ns, "--wait=false")
+        deleted = deleted_while_streaming(timeline, only, chains)
+        wait_for(lambda: [(p.metadata.name, p.metadata.uid != deleted.metadata.uid and pod_ready(p))
+                          for p in fleets.live_pods(FLEET, "generation")] == [(deleted.metadata.name, True)],
+                 timeout=SERVER_START, what="the server back under its own name", interval=1)
+        fleets.wait_ready(FLEET, timeout=SERVER_START)
+
+        # Rolled: the new server starts beside the old one, which runs streams until the new one is
+        # Ready (the router sends only to Ready servers), and finishes them after its deletion.
+        old = fleets.live_pods(FLEET, "generation")
+        chains = Chains(url, 2)
+        wait_for(lambda: running(old[0]) >= 1, timeout=60, what="streams on the old server")
+        fleets.patch_spec(FLEET, {"generation": {"engine": {"kvBlocks": KV_BLOCKS + 10}}})
+        wait_for(lambda: any(uid not in {p.metadata.uid for p in old} and "generation" in name
+                             and uid in timeline.ready_at for name, uid in timeline.created),
+                 timeout=SERVER_START, what="the new server to be Ready")
+        chains.stop()
+        rolled = deleted_while_streaming(timeline, old, chains)
+        fleets.wait_ready(FLEET, timeout=SERVER_START)
+
+        ended = [removed, deleted, rolled]
+        wait_for(lambda: all(timeline.phases.get(p.metadata.uid) in ("Succeeded", "Failed") for p in ended)
+                 and not {p.metadata.uid for p in ended} & {p.metadata.uid for p in fleets.pods(FLEET)},
+                 timeout=90, what="the deleted servers to be gone")
+    assert {p.metadata.name + " " + p.metadata.uid: timeline.phases[p.metadata.uid] for p in ended} == {
+        p.metadata.name + " " + p.metadata.uid: "Succeeded" for p in ended}
