@@ -9,7 +9,9 @@ restarting the server, and a summary with a plot of progress over time.
 
 from __future__ import annotations
 
+import base64
 import json
+import secrets
 import subprocess
 import sys
 import threading
@@ -54,13 +56,16 @@ class Traffic:
     latencies: list[tuple[float, float]] = field(default_factory=list)  # (sent at, seconds) of completed requests
 
 
+API_KEY_SECRET = f"{FLEET}-api-key"
+
+
 def fleet_manifest(window: int, scrape: int) -> dict:
-    server_env = [{"name": "ADPFLEET_FAULT_INJECTION", "value": "1"}]  # the demo freezes a rank on purpose
-    role = {"servers": 1, "adpRanks": 2, "engine": {"kvBlocks": 128, "collectiveTimeoutSeconds": 600},
-            "env": server_env}
+    role = {"servers": 1, "adpRanks": 2, "engine": {"kvBlocks": 128, "collectiveTimeoutSeconds": 600}}
     return {"apiVersion": "adpfleet.io/v1alpha1", "kind": "InferenceFleet",
             "metadata": {"name": FLEET, "namespace": NAMESPACE},
             "spec": {"image": "adpfleet-runtime:demo", "model": {"name": "tiny"},
+                     "auth": {"apiKeySecret": {"name": API_KEY_SECRET, "key": "key"}},
+                     "faultInjection": True,  # the demo freezes a rank on purpose
                      "context": role, "generation": role, "router": {"replicas": 1},
                      "monitoring": {"scrapeIntervalSeconds": scrape},
                      "remediation": {"mode": "Auto", "stallWindowSeconds": window, "cooldownSeconds": 60,
@@ -146,6 +151,11 @@ class Demo:
                   "--wait", "--timeout", "180s")
         self.say(f"applying InferenceFleet {FLEET!r}: tiny model, 1 context + 1 generation server x 2 ADP ranks, "
                  f"router; stall window {self.window} s, scrape every {self.scrape} s, remediation Auto")
+        # The chart requires every fleet to have an API key (security.requireApiKey): the demo's own.
+        self.api_key = secrets.token_urlsafe(24)
+        self.kubectl("apply", "-f", "-", input=json.dumps({
+            "apiVersion": "v1", "kind": "Secret", "metadata": {"name": API_KEY_SECRET, "namespace": NAMESPACE},
+            "stringData": {"key": self.api_key}}))
         self.kubectl("apply", "-f", "-", input=json.dumps(fleet_manifest(self.window, self.scrape)))
         self.wait(lambda: self.condition("Ready") == "True", 300, "the fleet to become Ready")
         self.timeline = Timeline()
@@ -188,7 +198,7 @@ class Demo:
         import httpx
 
         i = 0
-        with httpx.Client(timeout=60) as http:
+        with httpx.Client(timeout=60, headers={"Authorization": f"Bearer {self.api_key}"}) as http:
             while not self.stop.is_set():
                 i += 1
                 body = {"model": "tiny", "prompt": f"worker {worker} request {i}: tell me about ADP padding",
@@ -255,7 +265,11 @@ class Demo:
         import httpx
 
         pod = self.pods("generation")[0]
-        r = httpx.post(f"http://{pod.status.pod_ip}:8000/faults", json={"kind": "freeze", "rank": 1}, timeout=10)
+        # /faults needs a credential like /v1/*: the fleet's internal token, from the Secret the operator made
+        token = base64.b64decode(self.core.read_namespaced_secret(f"{FLEET}-internal-token", NAMESPACE)
+                                 .data["token"]).decode()
+        r = httpx.post(f"http://{pod.status.pod_ip}:8000/faults", json={"kind": "freeze", "rank": 1}, timeout=10,
+                       headers={"Authorization": f"Bearer {token}"})
         r.raise_for_status()
         self.fault_pod = pod.metadata.name
         self.timeline.mark(f"Fault: froze rank 1 of {pod.metadata.name} (it stays Running and Ready)")

@@ -22,13 +22,15 @@ from adpfleet.operator.resource import names
 from adpfleet.operator.resource.names import FleetRef
 
 FLEETS = (names.GROUP, names.VERSION, names.PLURAL)
-# The router's objects and the disruption budgets, each with its own watch: (kind, group, version, plural)
+# The router's objects, the disruption budgets and the NetworkPolicies, each with its own watch:
+# (kind, group, version, plural)
 OWNED_KINDS = [
     ("Deployment", "apps", "v1", "deployments"),
     ("Service", "", "v1", "services"),
     ("ServiceAccount", "", "v1", "serviceaccounts"),
     ("Role", "rbac.authorization.k8s.io", "v1", "roles"),
     ("RoleBinding", "rbac.authorization.k8s.io", "v1", "rolebindings"),
+    ("NetworkPolicy", "networking.k8s.io", "v1", "networkpolicies"),
     ("PodDisruptionBudget", "policy", "v1", "poddisruptionbudgets"),
 ]
 SERVER_POD_LABELS = {names.LABEL_MANAGED_BY: names.MANAGER, names.LABEL_ROLE: kopf.PRESENT,

@@ -52,6 +52,14 @@ def add_arguments(p) -> None:
                         "--alerts-port and no longer on the plain HTTP port; re-read when the file changes")
     p.add_argument("--alerts-tls-key", metavar="FILE", default="", help="the certificate's private key (PEM)")
     p.add_argument("--alerts-port", type=int, default=8443, help="port of the TLS webhook listener")
+    p.add_argument("--network-policies", action="store_true",
+                   help="give every fleet NetworkPolicies: server HTTP only from its router, this operator and "
+                        "spec.networkPolicy.monitoringNamespaces; KV only from its generation servers")
+    p.add_argument("--operator-pod-labels", metavar="K=V[,K=V]", default="",
+                   help="labels of this operator's pods, which the NetworkPolicies let reach the servers' /metrics "
+                        "(its namespace is $POD_NAMESPACE)")
+    p.add_argument("--require-api-key", action="store_true",
+                   help="refuse (status InvalidSpec, nothing created) fleets without spec.auth.apiKeySecret")
     election = p.add_argument_group("leader election (one acting replica among several; docs/operator.md)")
     election.add_argument("--leader-elect", action="store_true",
                           help="act only while holding the Lease; otherwise stand by (no watches, no writes)")
@@ -78,6 +86,7 @@ def main(args) -> int:
         raise ValueError("say which namespaces to watch: --namespace NS (repeatable), $WATCH_NAMESPACE, "
                          "or --all-namespaces")
     webhook_tls(args)  # a certificate that cannot be used fails here, before anything starts
+    security_config(args)  # so do NetworkPolicy settings that cannot be used
     election_timing(args)
     kopf.configure(verbose=args.verbose, log_format=kopf.LogFormat.JSON if args.log_format == "json"
                    else kopf.LogFormat.FULL, log_refkey="object", log_prefix=args.log_format == "plain")
@@ -101,6 +110,21 @@ def webhook_tls(args):
     return tls
 
 
+def security_config(args):
+    """The operator's own security settings from its flags (docs/security.md)."""
+    from adpfleet.operator.decisions.security import OperatorIdentity, SecurityConfig
+
+    identity = None
+    if args.network_policies:
+        namespace = os.environ.get("POD_NAMESPACE", "")
+        if not namespace or not args.operator_pod_labels:
+            raise ValueError("--network-policies needs $POD_NAMESPACE and --operator-pod-labels: the policies must "
+                             "let this operator's pods reach the servers' /metrics")
+        labels = dict(pair.split("=", 1) for pair in args.operator_pod_labels.split(",") if "=" in pair)
+        if len(labels) != len([p for p in args.operator_pod_labels.split(",") if p]):
+            raise ValueError(f"--operator-pod-labels must be K=V[,K=V], got {args.operator_pod_labels!r}")
+        identity = OperatorIdentity(namespace, labels)
+    return SecurityConfig(network_policies=identity, require_api_key=args.require_api_key)
 def election_timing(args) -> Timing | None:
     """The leader election's timing (checked), or None without --leader-elect."""
     if not args.leader_elect:
@@ -193,7 +217,8 @@ async def run(args, namespaces: list[str]) -> None:
     stall = StallController(api, StallMetrics(metrics.registry), inbox, lambda key: loops.wake(key),
                             detection=args.stall_detection == "on", scraper=scraper, listener=scaling)
     drains = DrainWatch(scraper, lambda key: loops.wake(key))
-    loops = FleetLoops(Reconciler(api, metrics, status_part=stall, drains=drains), metrics, heartbeats,
+    loops = FleetLoops(Reconciler(api, metrics, status_part=stall, drains=drains,
+                                  security_config=security_config(args)), metrics, heartbeats,
                        resync_seconds=args.resync_seconds)
     receiver = AlertReceiver(token_source(api, args.alerts_token_secret), inbox, stall.fleet_known,
                              count=lambda result, n: stall.metrics.alerts.labels(result).inc(n))

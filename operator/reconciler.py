@@ -1,10 +1,13 @@
 """One reconcile pass of one fleet: observe → desired → plan → act → status → events.
 
 Reads come from the kopf indexes (memory), so a pass that finds nothing to change makes no API
-request at all: it computes the same status as the one stored and leaves it alone. The only
-requests a pass may make without changing anything are reading the Secrets and claims the spec
-names, only when it is about to create server pods, and reading the log of a server's running
-download (its progress), only while one runs.
+request at all: it computes the same status as the one stored and leaves it alone. A pass that acts
+first creates the fleet's internal token Secret (409: it exists). The operator never reads a
+Secret: the kubelet resolves the ones the pods name (API key, internal token, model credentials),
+and a missing one shows in the pod's status (CreateContainerConfigError), which becomes the fleet's
+Degraded condition. The only requests a pass may make without changing anything are checking that
+the claims the model names exist, only when it is about to create server pods, and reading the log
+of a server's running download (its progress), only while one runs.
 
 The pass is the status's one writer. Another controller that owns part of the status (the stall
 controller: Stalled, Remediating, recentRemediations) is composed in as a `StatusPart`: its
@@ -26,10 +29,10 @@ from pydantic import ValidationError
 
 from adpfleet.operator.adapters.kube import ApiResult, KubeApi, now_rfc3339
 from adpfleet.model_uri import parse_progress
-from adpfleet.operator.decisions import conditions
+from adpfleet.operator.decisions import conditions, security
 from adpfleet.operator.decisions import scale_target
 from adpfleet.operator.decisions.conditions import MODEL_UNAVAILABLE, Problem
-from adpfleet.operator.decisions.desired import S3_SECRET_KEYS, DesiredFleet, desired_fleet
+from adpfleet.operator.decisions.desired import DesiredFleet, desired_fleet
 from adpfleet.operator.decisions.history import history_from_status, restarts_in_progress
 from adpfleet.operator.decisions.model_status import CLAIM_NOT_FOUND, model_report
 from adpfleet.operator.decisions.observed import FETCHING, FleetObservation, ServerPod
@@ -37,6 +40,7 @@ from adpfleet.operator.decisions.rollout import (Action, ApplyObject, CreateServ
                                                  Drain, DrainServer, RolePlan, UndrainServer, Wording, plan_objects,
                                                  plan_role, vacancies)
 from adpfleet.operator.decisions.scale_target import CreateRoleObject, SetRoleReplicas
+from adpfleet.operator.decisions.security import SecurityConfig
 from adpfleet.operator.resource import names
 from adpfleet.operator.resource.models import FleetSpec, ModelSource, fleet_name_problem
 from adpfleet.operator.resource.names import FleetRef
@@ -44,7 +48,7 @@ from adpfleet.operator.telemetry import OperatorMetrics
 
 EXPECTATION_SECONDS = 60.0   # how long an action's effect may take to show up in the watch cache
 MIN_RECHECK_SECONDS = 1.0    # a pass that waits for a drain's timeout looks again no sooner than this
-SECRET_RECHECK_SECONDS = 30.0  # a missing Secret or claim (they have no watch) is looked at again this often
+CLAIM_RECHECK_SECONDS = 30.0   # a missing claim (it has no watch) is looked at again this often
 PROGRESS_SECONDS = 5.0         # a running download's progress is read from its log this often (fetch-model logs it every 5 s)
 PROGRESS_LOG_LINES = 20        # ... from this many of its last lines
 MAX_BACKOFF_SECONDS = 300.0
@@ -129,12 +133,14 @@ def with_expectations(pods: list[ServerPod], memory: FleetMemory, now: float, te
 
 class Reconciler:
     def __init__(self, api: KubeApi, metrics: OperatorMetrics, clock=time.monotonic,
-                 status_part: StatusPart | None = None, drains: DrainPart | None = None, wall_clock=time.time):
+                 status_part: StatusPart | None = None, drains: DrainPart | None = None, wall_clock=time.time,
+                 security_config: SecurityConfig = SecurityConfig()):
         self.api = api
         self.metrics = metrics
         self.clock = clock
         self.wall_clock = wall_clock  # annotations and the drain deadlines they carry are wall-clock times
         self.status_part = status_part
+        self.security = security_config
         self.drains = drains
 
     async def reconcile(self, obs: FleetObservation, memory: FleetMemory, logger: logging.Logger) -> PassResult:
@@ -143,12 +149,15 @@ class Reconciler:
             obs = dataclasses.replace(obs, status=memory.written_status[1])  # the cache lags our own write
 
         spec, invalid = _read_spec(obs)
+        if spec is not None and self.security.require_api_key and spec.auth.api_key_secret is None:
+            spec, invalid = None, Problem("InvalidSpec", "spec.auth.apiKeySecret is required: this operator runs "
+                                                         "with --require-api-key (the chart's security.requireApiKey)")
         if spec is None:
             status = conditions.fleet_status(obs, {}, None, [], None, [invalid], now_rfc3339())
             written = await self._store_status(fleet, obs, status, memory, logger)
             return PassResult(None, 0, written is StatusWrite.REFUSED)
 
-        desired = desired_fleet(fleet, spec)
+        desired = desired_fleet(fleet, spec, self.security)
         desired = dataclasses.replace(desired, replicas={
             role: scale_target.replicas_of(spec, role, obs.role_object(role)) for role in names.ROLES})
         role_pods, plans = self._roles(obs, memory, desired, spec)
@@ -160,11 +169,11 @@ class Reconciler:
 
         problems: list[Problem] = []
         requeue: float | None = None
-        missing = await self._check_references(spec, obs.namespace, plans)  # (problem, what creations wait for)
+        missing = await self._check_claims(spec, obs.namespace, plans)  # (problem, what creations wait for)
         if missing:
             problems.append(missing[0])
             plans = _hold_creations(plans, missing[1])
-            requeue = SECRET_RECHECK_SECONDS
+            requeue = CLAIM_RECHECK_SECONDS
 
         # Router objects first (the ServiceAccount and Role before the Deployment that uses them),
         # then deletions (they free names and capacity), then creations.
@@ -173,6 +182,17 @@ class Reconciler:
         actions += [a for p in plans for a in p.actions if isinstance(a, DeleteServer)]
         actions += [a for p in plans for a in p.actions if isinstance(a, CreateServer)]
         failures = []
+        token_name = security.internal_token_secret_name(fleet.name)
+        if any(isinstance(a, (CreateServer, ApplyObject)) for a in actions) or \
+                any(token_name in (p.problem or "") for p in obs.pods):
+            # Before any pod that needs it (or when a pod cannot find it: deleted to rotate it):
+            # created, never read; 409 means it is there.
+            token = await self.api.create_secret(security.internal_token_secret(fleet))
+            if not token.ok:
+                message = f"could not create Secret {token_name}: {token.message}"
+                logger.warning(message)
+                await self.api.record_event(fleet, "Warning", "CreateFailed", message)
+                failures.append(Problem("CreateFailed", message))
         done: dict[tuple[Wording, str], list[str]] = {}  # (how the action is said, why) -> what was done
         for action in actions:
             outcome = await self._act(fleet, desired, action, memory)
@@ -207,7 +227,8 @@ class Reconciler:
         if model.downloading:
             requeue = min(requeue or PROGRESS_SECONDS, PROGRESS_SECONDS)
         problems += model.problems
-        problems += conditions.pod_problems([p for role in names.ROLES for p in own_pods[role]])
+        problems += conditions.pod_problems([p for role in names.ROLES for p in own_pods[role]],
+                                            security.secret_fields(fleet.name, spec))
         counts = {role: conditions.role_counts(desired.replicas[role], desired.servers[role].template_hash,
                                                own_pods[role]) for role in names.ROLES}
         pending = {a.role: a for a in scale_actions if isinstance(a, SetRoleReplicas)}
@@ -264,16 +285,13 @@ class Reconciler:
 
     # ---- pieces ----
 
-    async def _check_references(self, spec: FleetSpec, namespace: str,
-                                plans: list[RolePlan]) -> tuple[Problem, str] | None:
-        """The first Secret or PersistentVolumeClaim the servers need that is missing, and what their
-        creation waits for; looked at only when servers are about to be created."""
+    async def _check_claims(self, spec: FleetSpec, namespace: str,
+                            plans: list[RolePlan]) -> tuple[Problem, str] | None:
+        """The first PersistentVolumeClaim the servers need that is missing, and what their creation
+        waits for; looked at only when servers are about to be created. Secrets are not looked at: the
+        kubelet resolves them, and a missing one shows in the pod's status (docs/security.md)."""
         if not any(isinstance(a, CreateServer) for p in plans for a in p.actions):
             return None
-        for name, keys, field_ in _secrets_needed(spec.model):
-            problem = await self._check_secret(namespace, name, keys, field_)
-            if problem:
-                return problem, f"Secret {name}"
         for claim, field_ in _claims_needed(spec.model):
             outcome = await self.api.claim_exists(namespace, claim)
             if outcome.code == 404:  # (unreadable: the pods are created, and the scheduler says what it sees)
@@ -309,18 +327,6 @@ class Reconciler:
                 await self.api.record_event(fleet, "Normal", "ScaledUp" if up else "ScaledDown",
                                             f"{record['message']} ({record['reason']}, {record['source']})")
         return out
-    async def _check_secret(self, namespace: str, name: str, needed: tuple[str, ...], field_: str) -> Problem | None:
-        outcome, keys = await self.api.secret_keys(namespace, name)
-        if keys is None and outcome.code == 404:
-            return Problem("SecretNotFound", f"Secret {name!r} ({field_}) does not exist in namespace {namespace}; "
-                                             f"create it or remove {field_.rsplit('.', 1)[-1]}")
-        if keys is None:
-            return Problem("SecretUnreadable", f"reading Secret {name!r}: {outcome.message}")
-        absent = [k for k in needed if k not in keys]
-        if absent:
-            return Problem("SecretKeyNotFound", f"Secret {name!r} has no key {absent[0]!r} ({field_}); it has "
-                                                f"{sorted(keys)}")
-        return None
 
     async def _download_progress(self, fleet: FleetRef, model: ModelSource,
                                  pods: list[ServerPod]) -> dict[str, tuple[int, int]]:
@@ -413,17 +419,6 @@ def merge_patch(before: dict, after: dict) -> dict:
              for k, v in after.items()}
     patch.update({k: None for k in before if k not in after})
     return patch
-
-
-def _secrets_needed(model: ModelSource) -> list[tuple[str, tuple[str, ...], str]]:
-    """(Secret, the keys the servers need from it, the field naming it)."""
-    out = []
-    if model.token_secret_ref:
-        out.append((model.token_secret_ref.name, (model.token_secret_ref.key,), "spec.model.tokenSecretRef"))
-    if model.credentials_secret_ref:
-        out.append((model.credentials_secret_ref.name, tuple(k for k, optional in S3_SECRET_KEYS.items()
-                                                             if not optional), "spec.model.credentialsSecretRef"))
-    return out
 
 
 def _claims_needed(model: ModelSource) -> list[tuple[str, str]]:

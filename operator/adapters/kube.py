@@ -1,6 +1,7 @@
 """Every request the operator makes to the Kubernetes API (kopf's own watches aside), in one
 place, counted and timed: the reconciler's, remediation's (drain, delete with a grace period) and
-the webhook's (its token Secret).
+the webhook's (its token Secret). The only Secrets written are the fleets' internal tokens (created
+once, never read back); the only one read is the webhook's own token.
 
 The official client is synchronous; each call runs in a worker thread so the event loop (kopf's
 watches, the other fleets, the probes) never waits on the network. Results the callers can treat
@@ -84,6 +85,7 @@ class KubeApi:
         self.core = client.CoreV1Api(api_client)
         self.apps = client.AppsV1Api(api_client)
         self.rbac = client.RbacAuthorizationV1Api(api_client)
+        self.networking = client.NetworkingV1Api(api_client)
         self.policy = client.PolicyV1Api(api_client)
         self.coordination = client.CoordinationV1Api(api_client)
         self.custom = client.CustomObjectsApi(api_client)
@@ -165,6 +167,8 @@ class KubeApi:
         "Deployment": ("deployments", "apps", "patch_namespaced_deployment", "delete_namespaced_deployment"),
         "Role": ("roles", "rbac", "patch_namespaced_role", "delete_namespaced_role"),
         "RoleBinding": ("rolebindings", "rbac", "patch_namespaced_role_binding", "delete_namespaced_role_binding"),
+        "NetworkPolicy": ("networkpolicies", "networking", "patch_namespaced_network_policy",
+                          "delete_namespaced_network_policy"),
         "PodDisruptionBudget": ("poddisruptionbudgets", "policy", "patch_namespaced_pod_disruption_budget",
                                 "delete_namespaced_pod_disruption_budget"),
     }
@@ -234,6 +238,12 @@ class KubeApi:
         }
         return await self._call("create", "events", self.core.create_namespaced_event, fleet.namespace, event)
 
+    async def create_secret(self, manifest: dict) -> ApiResult:
+        """Create a Secret; one that already exists is left as it is (and is not read)."""
+        return await self._call("create", "secrets", self.core.create_namespaced_secret,
+                                manifest["metadata"]["namespace"], manifest, field_manager=names.MANAGER,
+                                ok_codes=(409,))
+
     async def container_log(self, namespace: str, pod: str, container: str, tail_lines: int) -> str | None:
         """The last lines of a running container's log (a download's progress); None when unreadable."""
         out = await self._call("get", "pods/log", self.core.read_namespaced_pod_log, pod, namespace,
@@ -244,13 +254,6 @@ class KubeApi:
         """Whether a PersistentVolumeClaim exists: ok, or code 404 (a claim being deleted still exists)."""
         return await self._call("get", "persistentvolumeclaims", self.core.read_namespaced_persistent_volume_claim,
                                 name, namespace, ok_codes=(404,))
-
-    async def secret_keys(self, namespace: str, name: str) -> tuple[ApiResult, set[str] | None]:
-        """The keys of a Secret (None when it does not exist). Only keys: values are not kept."""
-        out = await self._call("get", "secrets", self.core.read_namespaced_secret, name, namespace, ok_codes=(404,))
-        if out.code == 404 or not out.ok:
-            return out, None
-        return out, set((out.body.data or {}).keys()) | set((out.body.string_data or {}).keys())
 
     async def secret_value(self, namespace: str, name: str, key: str) -> str | None:
         """One value of a Secret, stripped; None when the Secret or the key is missing or unreadable."""

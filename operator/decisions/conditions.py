@@ -9,6 +9,7 @@ remediation controller, which owns them.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from adpfleet.operator.decisions.observed import FleetObservation, OwnedObject, ServerPod
@@ -40,12 +41,24 @@ def router_counts(enabled: bool, replicas: int, objects: list[OwnedObject]) -> d
             "ready": (deployment.ready_replicas or 0) if (enabled and deployment) else 0}
 
 
-def pod_problems(pods: list[ServerPod]) -> list[Problem]:
-    """Servers stuck in a way waiting will not fix (crash loops, missing Secrets, no room)."""
+# The kubelet's words for a Secret a container's environment needs and cannot get:
+# `secret "NAME" not found`, `couldn't find key KEY in Secret NAMESPACE/NAME`.
+_MISSING_SECRET = re.compile(r'secret "(?P<name>[^"]+)" not found|in Secret [^/\s]+/(?P<name2>\S+)', re.IGNORECASE)
+
+
+def pod_problems(pods: list[ServerPod], secret_fields: dict[str, str] | None = None) -> list[Problem]:
+    """Servers stuck in a way waiting will not fix (crash loops, missing Secrets, no room).
+    `secret_fields`: Secret name -> the spec field that names it, to say where a missing one comes from."""
     out = []
     for p in pods:
         if p.problem and not p.terminating:
             reason = p.problem.split(":", 1)[0]
+            missing = _MISSING_SECRET.search(p.problem) if reason == "CreateContainerConfigError" else None
+            if missing:
+                secret = missing.group("name") or missing.group("name2")
+                where = (secret_fields or {}).get(secret)
+                out.append(Problem("SecretNotFound", f"{p.name}: {p.problem}" + (f" ({where})" if where else "")))
+                continue
             out.append(Problem("ServersFailing" if reason != "Unschedulable" else "ServersUnschedulable",
                                f"{p.name}: {p.problem}"))
     return out

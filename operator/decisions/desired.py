@@ -18,6 +18,8 @@ import json
 import math
 from dataclasses import dataclass
 
+from adpfleet.operator.decisions import security
+from adpfleet.operator.decisions.security import SecurityConfig
 from adpfleet.model_uri import CACHE_LIMIT_ENV, CACHE_MOUNT_PATH, PVC_MOUNT_ROOT, TERMINATION_LOG
 from adpfleet.operator.decisions import pod_template
 from adpfleet.operator.resource import names, quantity
@@ -189,6 +191,13 @@ def server_args(spec: FleetSpec, role: str) -> list[str]:
         args += ["--served-model-name", spec.model.served_name]
     if not e.pad_empty_batch:
         args.append("--no-pad-empty-batch")
+    if e.draft_tokens:
+        args += ["--draft-tokens", str(e.draft_tokens), "--prompt-lookup-max", str(e.prompt_lookup_max),
+                 "--prompt-lookup-min", str(e.prompt_lookup_min)]
+    if not e.padding_reserve:
+        args.append("--no-padding-reserve")
+    if spec.fault_injection:
+        args.append("--fault-injection")
     return args
 
 
@@ -215,8 +224,8 @@ def _server_container(spec: FleetSpec, role: str) -> dict:
                            "failureThreshold": 2},
         # Liveness asks only whether the HTTP front end answers: a dead or hung rank already makes the
         # server exit, and a stalled engine is the remediation's call (drain first, cooldowns, DryRun),
-        # which a liveness kill on /health would pre-empt.
-        "livenessProbe": {"httpGet": {"path": "/v1/models", "port": "http"}, "periodSeconds": 10,
+        # which a liveness kill on /health would pre-empt. /metrics, because it needs no credential.
+        "livenessProbe": {"httpGet": {"path": "/metrics", "port": "http"}, "periodSeconds": 10,
                           "timeoutSeconds": 5, "failureThreshold": 3},
         "resources": _resource_requirements(r.resources, r.gpus_per_server, spec.gpu_resource_name),
         "securityContext": CONTAINER_SECURITY,
@@ -225,7 +234,7 @@ def _server_container(spec: FleetSpec, role: str) -> dict:
     }
 
 
-def _server_pod_spec(spec: FleetSpec, role: str) -> dict:
+def _server_pod_spec(fleet: FleetRef, spec: FleetSpec, role: str) -> dict:
     r = spec.role(role)
     pod_spec = {
         "containers": [_server_container(spec, role)],
@@ -245,6 +254,7 @@ def _server_pod_spec(spec: FleetSpec, role: str) -> dict:
         pod_spec["tolerations"] = [t.to_kube() for t in r.tolerations]
     if spec.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [s.to_kube() for s in spec.image_pull_secrets]
+    pod_spec = security.with_credentials(pod_spec, fleet, spec, names.SERVER_CONTAINER)
     return pod_template.pod_spec(pod_spec, r.pod_template)
 
 
@@ -271,7 +281,7 @@ class ServerTemplate:
 
 
 def server_template(fleet: FleetRef, spec: FleetSpec, role: str) -> ServerTemplate:
-    pod_spec = _server_pod_spec(spec, role)
+    pod_spec = _server_pod_spec(fleet, spec, role)
     labels, annotations = _pod_metadata_extras(spec, spec.role(role).pod_template)
     template_hash = digest({"spec": pod_spec, "labels": labels, "annotations": annotations})
     return ServerTemplate(fleet, role, pod_spec, labels, annotations, template_hash)
@@ -324,6 +334,7 @@ def router_objects(fleet: FleetRef, spec: FleetSpec) -> list[dict]:
     pod_spec = {"serviceAccountName": name, "containers": [container], "enableServiceLinks": False,
                 "securityContext": POD_SECURITY, "volumes": [SCRATCH_VOLUMES[0]],
                 "terminationGracePeriodSeconds": 30}
+    pod_spec = security.with_credentials(pod_spec, fleet, spec, names.ROUTER_CONTAINER)
     if spec.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [s.to_kube() for s in spec.image_pull_secrets]
     pod_spec = pod_template.pod_spec(pod_spec, spec.router.pod_template)
@@ -382,8 +393,11 @@ class DesiredFleet:
     objects: list[dict]                  # router objects and disruption budgets, in apply order
 
 
-def desired_fleet(fleet: FleetRef, spec: FleetSpec) -> DesiredFleet:
+def desired_fleet(fleet: FleetRef, spec: FleetSpec, config: SecurityConfig = SecurityConfig()) -> DesiredFleet:
+    objects = router_objects(fleet, spec) + disruption_budgets(fleet, spec)
+    if config.network_policies is not None:
+        objects += [_with_hash(p) for p in security.network_policies(fleet, spec, config.network_policies)]
     return DesiredFleet(
         servers={role: server_template(fleet, spec, role) for role in names.ROLES},
         replicas={role: spec.role(role).servers for role in names.ROLES},
-        objects=router_objects(fleet, spec) + disruption_budgets(fleet, spec))
+        objects=objects)

@@ -274,10 +274,25 @@ class EngineSettings(KubeModel):
                                                     "false only to reproduce that stall.")
     threads_per_rank: int = Field(1, ge=1, le=512, description="CPU threads of each rank process "
                                                                "(OMP_NUM_THREADS).")
+    draft_tokens: int = Field(0, ge=0, le=64, description="Speculative decoding: draft tokens per decode step, "
+                                                          "proposed by prompt lookup (`--draft-tokens`; 0: off).")
+    prompt_lookup_max: int = Field(3, ge=1, le=64, description="Longest n-gram prompt lookup matches "
+                                                               "(`--prompt-lookup-max`).")
+    prompt_lookup_min: int = Field(1, ge=1, le=64, description="Shortest n-gram prompt lookup matches "
+                                                               "(`--prompt-lookup-min`).")
+    padding_reserve: bool = Field(True, description="Admission keeps the padding dummy's KV blocks free; false "
+                                                    "(`--no-padding-reserve`) only to measure what the reserve "
+                                                    "rescues.")
     cel_rules: ClassVar = (
         CelRule("self.maxBatchSize <= self.maxNumActiveRequests",
                 "maxBatchSize must not exceed maxNumActiveRequests (a batch is drawn from the active requests)",
                 ".maxBatchSize", lambda e: e.max_batch_size <= e.max_num_active_requests),
+        CelRule("self.promptLookupMin <= self.promptLookupMax",
+                "promptLookupMin must not exceed promptLookupMax",
+                ".promptLookupMin", lambda e: e.prompt_lookup_min <= e.prompt_lookup_max),
+        CelRule("self.maxNumTokens >= 1 + self.draftTokens",
+                "maxNumTokens must fit one decode query of 1 + draftTokens tokens",
+                ".maxNumTokens", lambda e: e.max_num_tokens >= 1 + e.draft_tokens),
     )
 
 
@@ -314,6 +329,7 @@ class EnvVar(KubeModel):
     value: str = Field("", max_length=32_768, description="Its value.")
 
 
+RESERVED_ENV = names.RESERVED_ENV  # the credentials and fault injection: not from a fleet's env
 class ScalingTargets(KubeModel):
     """The level of each signal the policy holds a role at, per ADP rank (docs/autoscaling.md). A signal
     left out is not used; the role scales on the one furthest above its target."""
@@ -555,6 +571,10 @@ class ServerRole(KubeModel):
         CelRule("(self.engine.device == 'cuda') == (self.gpusPerServer > 0)",
                 "engine.device must be cuda when gpusPerServer > 0 and cpu when it is 0",
                 ".engine.device", lambda r: (r.engine.device == "cuda") == (r.gpus_per_server > 0)),
+        CelRule("self.env.all(e, !(e.name in " + str(list(RESERVED_ENV)).replace("'", '"') + "))",
+                "env must not set " + ", ".join(RESERVED_ENV) + ": the operator sets the credentials from "
+                "spec.auth and its own token Secret, and fault injection only from spec.faultInjection",
+                ".env", lambda r: not {e.name for e in r.env} & set(RESERVED_ENV)),
         CelRule(f"!has(self.podTemplate) || !has(self.podTemplate.spec.containers) || "
                 f"self.podTemplate.spec.containers.all(c, c.name != '{names.SERVER_CONTAINER}' || !has(c.env) || "
                 f"c.env.all(e, !self.env.exists(x, x.name == e.name)))",
@@ -631,6 +651,35 @@ class RemediationSpec(KubeModel):
     escalation: EscalationSpec = Field(default_factory=EscalationSpec, description="When remediation fails.")
 
 
+class AuthSpec(KubeModel):
+    """Who may call the fleet (docs/security.md). The router and every server also get the fleet's
+    internal token, from a Secret the operator creates (`<fleet>-internal-token`)."""
+    api_key_secret: SecretKeyRef | None = Field(
+        None, description="Secret key holding the fleet's API key: clients must send `Authorization: Bearer "
+                          "<key>` on every path but /health and /metrics (ADPFLEET_API_KEY of the router and "
+                          "servers, resolved by the kubelet). Unset: the router's API is open.")
+
+
+NAMESPACE_NAME = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+CIDR = r"^[0-9a-fA-F:.]+/[0-9]{1,3}$"
+
+
+class NetworkPolicySpec(KubeModel):
+    """Who may connect to the fleet's ports, when the operator runs with `--network-policies` (the
+    chart's default). Server HTTP ports take only the fleet's router, the operator and
+    `monitoringNamespaces`; KV ports only the fleet's generation servers."""
+    client_namespaces: list[Annotated[str, Field(max_length=63, pattern=NAMESPACE_NAME)]] = Field(
+        default_factory=list, max_length=32,
+        description="Namespaces whose pods may call the router (the servers when router.enabled is false). "
+                    "With clientCidrs empty too, anyone may (the API key is then the gate).")
+    client_cidrs: list[Annotated[str, Field(max_length=64, pattern=CIDR)]] = Field(
+        default_factory=list, max_length=32,
+        description="IP ranges (CIDR) that may call the router (the servers when router.enabled is false).")
+    monitoring_namespaces: list[Annotated[str, Field(max_length=63, pattern=NAMESPACE_NAME)]] = Field(
+        default_factory=list, max_length=8,
+        description="Namespaces whose pods (Prometheus) may reach the servers' HTTP port for /metrics.")
+
+
 def _gpu_resource_not_in_template(role: str) -> CelRule:
     def check(spec: "FleetSpec") -> bool:
         template = spec.role(role).pod_template
@@ -663,6 +712,12 @@ class FleetSpec(KubeModel):
     monitoring: MonitoringSpec = Field(default_factory=MonitoringSpec, description="Metrics scraping.")
     remediation: RemediationSpec = Field(default_factory=RemediationSpec, description="Stall remediation policy.")
     pod_metadata: PodMetadata = Field(default_factory=PodMetadata, description="Extra pod labels and annotations.")
+    auth: AuthSpec = Field(default_factory=AuthSpec, description="The fleet's API key.")
+    network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec,
+                                              description="Who may connect (with the operator's --network-policies).")
+    fault_injection: bool = Field(False, description="Servers accept POST /faults (`--fault-injection`) to freeze "
+                                                     "a rank, stop KV reaping or starve a rank: tests and demos "
+                                                     "only. It needs the fleet's credentials like /v1/*.")
     cel_rules: ClassVar = (
         *(_gpu_resource_not_in_template(role) for role in names.ROLES),
         CelRule("self.remediation.stallWindowSeconds >= 2 * self.monitoring.scrapeIntervalSeconds",

@@ -76,13 +76,17 @@ class OwnedPodParts:
     mount_paths: tuple[str, ...]
 
 
+# The credentials the operator sets from Secrets, and fault injection, which only spec.faultInjection
+# turns on: neither a fleet's `env` nor a pod template may name them (docs/security.md).
+RESERVED_ENV = ("ADPFLEET_API_KEY", "ADPFLEET_INTERNAL_TOKEN", "ADPFLEET_FAULT_INJECTION")
 # The model's volumes (decisions/desired.py): the download cache (hf://, s3://) and a pvc:// claim.
 # The server never carries TOKEN_ENV: credentials reach the fetch-model init container only.
 MODEL_CACHE_VOLUME, MODEL_SOURCE_VOLUME = "model-cache", "model-source"
-SERVER_OWNS = OwnedPodParts(SERVER_CONTAINER, (*DOWNWARD_ENV, *SCRATCH_ENV, THREADS_ENV),
+SERVER_OWNS = OwnedPodParts(SERVER_CONTAINER, (*DOWNWARD_ENV, *SCRATCH_ENV, THREADS_ENV, *RESERVED_ENV),
                             (SCRATCH_VOLUME, SHM_VOLUME, MODEL_CACHE_VOLUME, MODEL_SOURCE_VOLUME),
                             (SCRATCH_DIR, SHM_DIR, CACHE_MOUNT_PATH))
-ROUTER_OWNS = OwnedPodParts(ROUTER_CONTAINER, (*DOWNWARD_ENV, *SCRATCH_ENV), (SCRATCH_VOLUME,), (SCRATCH_DIR,))
+ROUTER_OWNS = OwnedPodParts(ROUTER_CONTAINER, (*DOWNWARD_ENV, *SCRATCH_ENV, *RESERVED_ENV), (SCRATCH_VOLUME,),
+                            (SCRATCH_DIR,))
 DEFAULT_CONTAINER_ANNOTATION = "kubectl.kubernetes.io/default-container"  # `kubectl logs` without -c
 
 MAX_FLEET_NAME = 40  # "<fleet>-generation-<index>" and "<fleet>-router" must stay valid DNS labels

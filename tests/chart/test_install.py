@@ -158,10 +158,15 @@ def test_install_runs_the_operator_under_its_service_account_and_it_reconciles_a
     # NOTES.txt: what to do next, for this namespace
     assert f"kubectl -n {namespace} rollout status deployment/{FULLNAME}" in release
     assert f"http://{FULLNAME}.{namespace}.svc:8080/alerts" in release and "helm show crds" in release
+    assert "auth: {apiKeySecret: {name: tiny-api-key, key: key}}" in release  # its fleet has the required key
 
     manifest = yaml.safe_load((EXAMPLES / "tiny-cpu.yaml").read_text())
     for role in ("context", "generation"):
         manifest["spec"][role]["probes"] = {"readinessPeriodSeconds": 1}  # seconds count here
+    key_ref = manifest["spec"]["auth"]["apiKeySecret"]  # the chart requires an API key by default
+    api_key = secrets.token_hex(16)
+    k8s_cluster.apply({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": key_ref["name"]},
+                       "stringData": {key_ref["key"]: api_key}}, namespace=namespace)
     start = time.monotonic()
     k8s_cluster.apply(manifest, namespace=namespace)
     for role in ("context", "generation"):
@@ -175,13 +180,20 @@ def test_install_runs_the_operator_under_its_service_account_and_it_reconciles_a
         namespace, label_selector=f"app.kubernetes.io/instance={FLEET},app.kubernetes.io/component=router").items[0]
     assert router.spec.service_account_name == f"{FLEET}-router"  # made and bound by the operator
 
-    def complete():
+    def complete(key=api_key):
         r = httpx.post(f"http://{router.status.pod_ip}:8000/v1/completions", timeout=60,
-                       json={"model": "tiny", "prompt": "Hello", "max_tokens": 8, "temperature": 0})
-        return r.json() if r.status_code == 200 else None
-    body = wait_for(complete, timeout=60, what="a completion through the fleet's router", interval=1)
+                       json={"model": "tiny", "prompt": "Hello", "max_tokens": 8, "temperature": 0},
+                       headers={"Authorization": f"Bearer {key}"})
+        return r.json() if r.status_code == 200 else r.status_code
+    body = wait_for(lambda: (lambda out: out if isinstance(out, dict) else None)(complete()), timeout=60,
+                    what="a completion through the fleet's router", interval=1)
     assert body["usage"]["completion_tokens"] == 8 and body["choices"][0]["finish_reason"] == "length"
     TIMINGS["fleet applied -> first completion"] = time.monotonic() - start
+    assert complete("not-the-key") == 401
+    # the chart's default: the fleet's NetworkPolicies, accepted by the API server
+    policies = {p.metadata.name for p in client.NetworkingV1Api(k8s_cluster.api_client)
+                .list_namespaced_network_policy(namespace).items}
+    assert policies == {f"{FLEET}-servers", f"{FLEET}-kv", f"{FLEET}-router"}
 
     # Every request the operator made was allowed: none answered 403.
     counts = re.findall(r'^adpfleet_operator_api_requests_total\{code="(\d+)",resource="([^"]+)",verb="([^"]+)"\}',
@@ -189,7 +201,9 @@ def test_install_runs_the_operator_under_its_service_account_and_it_reconciles_a
     assert counts, "the operator's /metrics has no API request counts"
     assert not [c for c in counts if c[0] == "403"], counts
     assert {(r, v) for _, r, v in counts} >= {("pods", "create"), ("deployments", "patch"), ("roles", "patch"),
-                                              ("rolebindings", "patch"), ("inferencefleets/status", "patch")}
+                                              ("rolebindings", "patch"), ("inferencefleets/status", "patch"),
+                                              ("secrets", "create"), ("networkpolicies", "patch")}
+    assert not [c for c in counts if c[1] == "secrets" and c[2] != "create"], counts  # never reads one
     print("\n".join(f"{k:50s} {v:6.1f} s" for k, v in TIMINGS.items()))
 
 
@@ -213,7 +227,9 @@ def test_the_webhook_receiver_reads_its_token_from_the_chart_secret(k8s_cluster,
 
 DENIED = [  # (verb, resource, namespace or "" for cluster scope, what it would allow)
     ("get", "secrets", "other", "reading Secrets in a namespace it does not watch"),
-    ("list", "secrets", "own", "listing Secrets (it only reads a named one)"),
+    ("get", "secrets", "own", "reading the fleets' Secrets (the kubelet resolves them)"),
+    ("list", "secrets", "own", "listing Secrets (it only reads the webhook's token)"),
+    ("update", "secrets", "own", "changing a Secret (it only creates the fleets' internal tokens)"),
     ("list", "pods", "", "watching pods cluster-wide"),
     ("create", "pods", "other", "running pods in a namespace it does not watch"),
     ("create", "inferencefleets.adpfleet.io", "own", "creating fleets"),
@@ -229,7 +245,8 @@ DENIED = [  # (verb, resource, namespace or "" for cluster scope, what it would 
     ("create", "customresourcedefinitions.apiextensions.k8s.io", "", "CRDs"),
 ]
 ALLOWED = [("create", "pods", "own"), ("patch", "inferencefleets.adpfleet.io/status", "own"),
-           ("create", "roles.rbac.authorization.k8s.io", "own"), ("get", "secrets", "own")]
+           ("create", "roles.rbac.authorization.k8s.io", "own"), ("create", "secrets", "own"),
+           ("get", f"secrets/{FULLNAME}-webhook", "own"), ("patch", "networkpolicies.networking.k8s.io", "own")]
 
 
 def test_the_operator_service_account_is_denied_what_the_chart_does_not_grant(
@@ -277,8 +294,9 @@ def test_cluster_wide_rbac_grants_the_same_rules_in_every_namespace_and_nothing_
             return proc.stdout.strip() == "yes"
         for where in (["-n", other_namespace], ["-n", "default"]):
             assert can_i("create", "pods", *where) and can_i("patch", "inferencefleets.adpfleet.io/status", *where)
-            assert can_i("watch", "inferencefleets.adpfleet.io", *where) and can_i("get", "secrets", *where)
-            assert not can_i("list", "secrets", *where) and not can_i("create", "configmaps", *where)
+            assert can_i("watch", "inferencefleets.adpfleet.io", *where) and can_i("create", "secrets", *where)
+            assert not can_i("get", "secrets", *where) and not can_i("list", "secrets", *where)
+            assert not can_i("create", "configmaps", *where)
         assert can_i("list", "pods", "--all-namespaces")  # the cluster-wide watch
         for verb, resource in (("get", "nodes"), ("create", "clusterroles.rbac.authorization.k8s.io"),
                                ("delete", "namespaces"), ("create", "customresourcedefinitions.apiextensions.k8s.io"),

@@ -373,9 +373,10 @@ FLEET_RULES = {
     ("apps", "deployments"): {"list", "watch", "create", "patch", "delete"},
     ("rbac.authorization.k8s.io", "roles"): {"list", "watch", "create", "patch", "delete"},
     ("rbac.authorization.k8s.io", "rolebindings"): {"list", "watch", "create", "patch", "delete"},
+    ("networking.k8s.io", "networkpolicies"): {"list", "watch", "create", "patch", "delete"},
     ("policy", "poddisruptionbudgets"): {"list", "watch", "create", "patch", "delete"},
     ("", "events"): {"create"},
-    ("", "secrets"): {"get"},
+    ("", "secrets"): {"create"},  # the fleets' internal tokens; never get or list (docs/security.md)
     ("", "persistentvolumeclaims"): {"get"},
     ("", "pods/log"): {"get"},
 }
@@ -409,6 +410,8 @@ def test_every_api_request_in_the_operator_code_is_covered_by_the_rules():
     for verb, resource in calls:
         resource = resource.replace('f"{names.PLURAL}', f'"{names.PLURAL}').strip('"')
         assert resource in group_of, f"operator/ requests {verb} {resource}: add it to the chart's RBAC and here"
+        if (verb, resource) == ("get", "secrets"):  # the webhook's own token: its own Role, one resourceName
+            continue
         needed.add((group_of[resource], resource, verb))
     for _, group, _, plural in OWNED_KINDS:  # watched (kopf indexes) and server-side applied, deleted
         needed |= {(group, plural, verb) for verb in ("list", "watch", "create", "patch", "delete")}
@@ -469,3 +472,29 @@ def test_rendered_object_names_fit_kubernetes_limits_for_a_long_release_name():
     rendered = Rendered(render(release=long_release).objects)
     for obj in rendered.objects:
         assert len(obj["metadata"]["name"]) <= 63, obj["metadata"]["name"]
+
+
+def test_the_api_key_and_network_policies_are_on_by_default_and_each_has_a_switch(monkeypatch):
+    """The chart's security values become the operator's flags, which parse into its security config."""
+    import argparse
+
+    from adpfleet.operator.decisions.security import OperatorIdentity, SecurityConfig
+    from adpfleet.operator.main import security_config
+
+    def config(values=None):
+        rendered = render(values or {})
+        parser = argparse.ArgumentParser(exit_on_error=False)
+        add_arguments(parser)
+        monkeypatch.setenv("POD_NAMESPACE", "adpfleet-system")
+        return rendered, security_config(parser.parse_args(operator_container(rendered)["args"]))
+
+    rendered, on = config()
+    pod_labels = rendered.one("Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert on.require_api_key and on.network_policies.namespace == "adpfleet-system"
+    # the policies let exactly the operator's own pods reach the servers' /metrics
+    assert on.network_policies.pod_labels.items() <= pod_labels.items()
+    assert on.network_policies.pod_labels == rendered.one("Deployment")["spec"]["selector"]["matchLabels"]
+    assert config({"security.requireApiKey": "false", "security.networkPolicies": "false"})[1] == SecurityConfig()
+    assert config({"security.networkPolicies": "false"})[1] == SecurityConfig(require_api_key=True)
+    assert config({"security.requireApiKey": "false"})[1].network_policies == OperatorIdentity(
+        "adpfleet-system", on.network_policies.pod_labels)

@@ -37,13 +37,15 @@ class OperatorProcess:
     files (and the Lease identities) of several operators in one directory apart."""
 
     def __init__(self, proxy: CountingProxy, workdir: Path, scope: list[str], *, resync_seconds: float = 300,
-                 extra_args: tuple[str, ...] = (), name: str = "operator"):
+                 extra_args: tuple[str, ...] = (), name: str = "operator",
+                 extra_env: dict[str, str] | None = None):
         self.proxy = proxy
         self.name = name
         self.kubeconfig = proxy.write_kubeconfig(workdir / f"{name}.kubeconfig")
         self.scope = scope
         self.resync_seconds = resync_seconds
         self.extra_args = extra_args
+        self.extra_env = dict(extra_env or {})
         self.workdir = workdir
         self.port = 0
         self.proc: subprocess.Popen | None = None
@@ -59,7 +61,7 @@ class OperatorProcess:
         argv = [str(ADPFLEET), "operator", *self.scope, "--http-host", "127.0.0.1", "--http-port", str(self.port),
                 "--resync-seconds", str(self.resync_seconds), *self.extra_args]
         env = {"KUBECONFIG": str(self.kubeconfig), "PATH": "/usr/bin:/bin", "HOME": str(self.workdir),
-               "POD_NAME": self.name}
+               "POD_NAME": self.name, **self.extra_env}
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)

@@ -4,6 +4,7 @@ request, and real Prometheus and Alertmanager processes wired to the operator's 
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shutil
@@ -35,14 +36,13 @@ def stall_fleet(name: str, *, mode: str = "Auto", window: int = 6, interval: int
                 cooldown: int = 5, budget: int = 20, context_ranks: int = 2, pad: bool = False) -> dict:
     """One context server (2 ranks, padding off so a starved rank vetoes every forward), one
     generation server, the router; faults accepted; short windows so a test sees a stall in seconds."""
-    env = [{"name": "ADPFLEET_FAULT_INJECTION", "value": "1"}]
     probes = {"readinessPeriodSeconds": 1, "startupTimeoutSeconds": 120}
 
     def role(ranks: int, **engine) -> dict:
-        return {"servers": 1, "adpRanks": ranks, "env": env, "probes": probes, "terminationGracePeriodSeconds": 5,
+        return {"servers": 1, "adpRanks": ranks, "probes": probes, "terminationGracePeriodSeconds": 5,
                 "engine": {"kvBlocks": 96, "maxNumTokens": 256, "collectiveTimeoutSeconds": 300, **engine}}
     return {"apiVersion": names.API_VERSION, "kind": names.KIND, "metadata": {"name": name},
-            "spec": {"image": "adpfleet:dev", "model": {"name": "tiny"},
+            "spec": {"image": "adpfleet:dev", "model": {"name": "tiny"}, "faultInjection": True,
                      "context": role(context_ranks, padEmptyBatch=pad), "generation": role(1),
                      "monitoring": {"scrapeIntervalSeconds": interval},
                      "remediation": {"mode": mode, "stallWindowSeconds": window, "cooldownSeconds": cooldown,
@@ -240,8 +240,13 @@ class Monitoring:
         return sum(1 for s in self.query('up{job="adpfleet-servers"}') if s["value"][1] == "1")
 
 
-def inject(pod_ip: str, kind: str, rank: int) -> dict:
-    r = httpx.post(f"http://{pod_ip}:{names.SERVER_HTTP_PORT}/faults", json={"kind": kind, "rank": rank}, timeout=10)
+def inject(fleets, pod, kind: str, rank: int) -> dict:
+    """POST /faults to a server of `fleets`, with the fleet's internal token (from the Secret the
+    operator created): /faults needs a credential like /v1/*."""
+    secret = fleets.core.read_namespaced_secret(f"{pod.metadata.labels[names.LABEL_FLEET]}-internal-token", fleets.ns)
+    token = base64.b64decode(secret.data["token"]).decode()
+    r = httpx.post(f"http://{pod.status.pod_ip}:{names.SERVER_HTTP_PORT}/faults", json={"kind": kind, "rank": rank},
+                   headers={"Authorization": f"Bearer {token}"}, timeout=10)
     assert r.status_code == 200, r.text
     return r.json()
 

@@ -54,7 +54,7 @@ def test_probes_use_the_runtime_endpoints():
     assert container["startupProbe"]["httpGet"]["path"] == "/health"
     assert container["readinessProbe"]["httpGet"]["path"] == "/health"
     assert container["readinessProbe"]["periodSeconds"] == 1  # from probes.readinessPeriodSeconds
-    assert container["livenessProbe"]["httpGet"]["path"] == "/v1/models"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/metrics"  # open: needs no credential
     assert container["startupProbe"]["failureThreshold"] * container["startupProbe"]["periodSeconds"] >= 600
 
 
@@ -89,7 +89,8 @@ def test_gpus_resources_and_scheduling_are_passed_through():
 def test_the_specs_env_reaches_the_server_container():
     s = spec(generation={"servers": 1, "env": [{"name": "NCCL_DEBUG", "value": "INFO"}, {"name": "EMPTY"}]})
     env = server_template(FLEET, s, "generation").pod(0)["spec"]["containers"][0]["env"]
-    assert env[-2:] == [{"name": "NCCL_DEBUG", "value": "INFO"}, {"name": "EMPTY", "value": ""}]
+    assert [e for e in env if e["name"] in ("NCCL_DEBUG", "EMPTY")] == [{"name": "NCCL_DEBUG", "value": "INFO"},
+                                                                         {"name": "EMPTY", "value": ""}]
     other = server_template(FLEET, s, "context").pod(0)["spec"]["containers"][0]["env"]
     assert not any(e["name"] == "NCCL_DEBUG" for e in other)
 

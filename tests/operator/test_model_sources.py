@@ -255,9 +255,9 @@ def test_progress_lines_are_read_back_from_the_log_as_written():
 # ---- one reconcile pass ------------------------------------------------------------------------------
 
 class FakeApi:
-    def __init__(self, logs=None, secrets=None, claims=()):
+    def __init__(self, logs=None, claims=()):
         self.calls, self.events, self.logs = [], [], logs or {}
-        self.secrets, self.claims = secrets or {}, set(claims)
+        self.claims, self.created_secrets = set(claims), []
         self.last_status = None
 
     async def create_pod(self, manifest):
@@ -275,11 +275,9 @@ class FakeApi:
         self.events.append((type_, reason, message))
         return ApiResult(True)
 
-    async def secret_keys(self, namespace, name):
-        self.calls.append(("get_secret", name))
-        if name not in self.secrets:
-            return ApiResult(False, 404, "not found"), None
-        return ApiResult(True), set(self.secrets[name])
+    async def create_secret(self, manifest):  # the fleet's internal token; no Secret is ever read
+        self.created_secrets.append(manifest["metadata"]["name"])
+        return ApiResult(True)
 
     async def claim_exists(self, namespace, name):
         self.calls.append(("get_claim", name))
@@ -370,16 +368,27 @@ def test_no_server_is_created_while_a_claim_the_model_needs_is_missing():
                                                                  ("create_pod", "f-generation-0")]
 
 
-def test_s3_credentials_must_have_both_keys_before_servers_are_created():
-    api = FakeApi(secrets={"s3": ["AWS_ACCESS_KEY_ID"]})
-    reconcile(api, observation({"uri": "s3://models/tiny", "credentialsSecretRef": {"name": "s3"}}))
+def test_model_credentials_are_not_read_and_a_missing_one_is_degraded_naming_its_field():
+    # The operator reads no Secret (docs/security.md): the servers are created, and the kubelet resolves
+    # the credentials for the fetch-model init container; one it cannot find keeps that container waiting.
+    model = {"uri": "s3://models/tiny", "credentialsSecretRef": {"name": "s3"}}
+    api = FakeApi()
+    reconcile(api, observation(model))
+    assert [c for c in api.calls if c[0] == "create_pod"] == [("create_pod", "f-context-0"),
+                                                             ("create_pod", "f-generation-0")]
+    assert not [c for c in api.calls if "secret" in c[0]]
+    stuck = pod_body({"waiting": {"reason": "CreateContainerConfigError",
+                                  "message": "couldn't find key AWS_SECRET_ACCESS_KEY in Secret ns/s3"}})
+    api = FakeApi()
+    reconcile(api, observation(model, [("context", stuck), ("generation", stuck)]))
     degraded = condition(api.last_status, "Degraded")
-    assert degraded["reason"] == "SecretKeyNotFound" and "'AWS_SECRET_ACCESS_KEY'" in degraded["message"]
-    assert "spec.model.credentialsSecretRef" in degraded["message"]
-    assert not [c for c in api.calls if c[0] == "create_pod"]
-    ok = FakeApi(secrets={"s3": ["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"]})
-    reconcile(ok, observation({"uri": "s3://models/tiny", "credentialsSecretRef": {"name": "s3"}}))
-    assert len([c for c in ok.calls if c[0] == "create_pod"]) == 2
+    assert degraded["reason"] == "SecretNotFound" and "AWS_SECRET_ACCESS_KEY" in degraded["message"]
+    assert "(spec.model.credentialsSecretRef)" in degraded["message"]
+    token = pod_body({"waiting": {"reason": "CreateContainerConfigError", "message": 'secret "hf" not found'}})
+    api = FakeApi()
+    reconcile(api, observation({"uri": "hf://acme/gated", "tokenSecretRef": {"name": "hf", "key": "token"}},
+                               [("context", token)]))
+    assert "(spec.model.tokenSecretRef)" in condition(api.last_status, "Degraded")["message"]
 
 
 def test_a_built_in_model_makes_no_extra_request_and_is_available_once_a_server_is_ready():

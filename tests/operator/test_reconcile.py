@@ -9,6 +9,7 @@ import re
 import time
 
 import pytest
+from kubernetes import client
 
 from adpfleet.cluster.apiproxy import CountingProxy
 from adpfleet.cluster.testing import wait_for
@@ -225,25 +226,77 @@ def test_deleting_the_fleet_removes_everything_it_created(start_operator, fleets
         names.GROUP, names.VERSION, fleets.ns, names.PLURAL)["items"], timeout=30, what="the fleet to be gone")
 
 
-def test_a_missing_secret_degrades_the_fleet_with_a_reason_and_an_event_and_the_operator_stays_up(
-        start_operator, fleets, k8s_cluster):
-    op = start_operator()
-    fleets.apply(fleet_manifest("demo", status_only=True, model={"name": "tiny", "tokenSecretRef": {"name": "hf"}}))
-    wait_for(lambda: fleets.condition("demo", "Degraded").get("reason") == "SecretNotFound", timeout=30,
+def test_a_missing_api_key_secret_degrades_the_fleet_naming_it_and_the_operator_never_reads_secrets(
+        start_operator, fleets, k8s_cluster, api_proxy):
+    """The kubelet (here the node agent) resolves secretKeyRef: the pods wait in
+    CreateContainerConfigError, which becomes Degraded/SecretNotFound and an Event. The operator
+    creates the fleet's internal token and its NetworkPolicies and reads no Secret."""
+    op = start_operator(extra_args=("--network-policies", "--operator-pod-labels", "app=adpfleet-operator"),
+                        extra_env={"POD_NAMESPACE": "adpfleet-system"})
+    start = time.monotonic()
+    fleets.apply(fleet_manifest("demo", auth={"apiKeySecret": {"name": "api", "key": "key"}}))  # real pods
+    wait_for(lambda: fleets.condition("demo", "Degraded").get("reason") == "SecretNotFound", timeout=60,
              what="Degraded/SecretNotFound")
     degraded = fleets.condition("demo", "Degraded")
-    assert degraded["status"] == "True" and "Secret 'hf'" in degraded["message"]
+    assert degraded["status"] == "True" and "spec.auth.apiKeySecret" in degraded["message"], degraded
+    assert '"api"' in degraded["message"] or "/api" in degraded["message"], degraded
+    event = wait_for(lambda: fleets.events("SecretNotFound"), timeout=30, what="the Event")[0]
+    assert event.type == "Warning" and "spec.auth.apiKeySecret" in event.message
     assert fleets.condition("demo", "Ready")["status"] == "False"
-    event = fleets.events("SecretNotFound")[0]
-    assert event.type == "Warning" and "tokenSecretRef" in event.message
-    assert fleets.pods("demo") == []
     assert op.running() and op.healthz()[0] == 200
 
-    k8s_cluster.apply({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "hf"},
-                       "stringData": {"token": "x"}}, namespace=fleets.ns)
-    fleets.wait_ready("demo", timeout=60)  # it looks again on its own: the Secret has no watch
-    assert fleets.condition("demo", "Degraded")["status"] == "False"
-    assert fleets.events("Recovered")
+    # what the operator made: the token Secret (owned, random) and the policies, accepted by the API server
+    fleet_uid = fleets.get("demo")["metadata"]["uid"]
+    token = k8s_cluster.core.read_namespaced_secret("demo-internal-token", fleets.ns)
+    assert token.metadata.owner_references[0].uid == fleet_uid and len(token.data["token"]) >= 40
+    policies = {p.metadata.name: p for p in client.NetworkingV1Api(k8s_cluster.api_client)
+                .list_namespaced_network_policy(fleets.ns).items}
+    assert set(policies) == {"demo-servers", "demo-kv", "demo-router"}
+    assert all(p.metadata.owner_references[0].uid == fleet_uid for p in policies.values())
+    assert policies["demo-kv"].spec.ingress[0].ports[0].port == names.SERVER_KV_PORT
+    # the operator's requests (through the counting proxy): one Secret created, none read
+    secret_requests = [r for r in api_proxy.since(start) if "/secrets" in r.path]
+    assert secret_requests and all(r.method == "POST" for r in secret_requests), secret_requests
+
+    k8s_cluster.apply({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "api"},
+                       "stringData": {"key": "x"}}, namespace=fleets.ns)
+    # the node agent retries the container: it starts, and the problem is gone (no Secret watch needed)
+    wait_for(lambda: fleets.condition("demo", "Degraded").get("status") == "False", timeout=60,
+             what="Degraded=False once the Secret exists")
+    wait_for(lambda: fleets.events("Recovered"), timeout=10, what="the Recovered Event (recorded after the status)")
+
+
+def test_the_security_objects_of_every_kind_of_fleet_are_accepted_by_the_api_server(k8s_cluster, k8s_namespace):
+    """NetworkPolicies (ports, port ranges, peers) and the token Secret as rendered, created with
+    server-side dry-run: the API server validates them. (The local cluster does not enforce them.)"""
+    from adpfleet.operator.decisions import security
+    from adpfleet.operator.decisions.desired import desired_fleet
+    from adpfleet.operator.resource.models import FleetSpec
+    from adpfleet.operator.resource.names import FleetRef
+
+    net = client.NetworkingV1Api(k8s_cluster.api_client)
+    fleet = FleetRef("demo", k8s_namespace, "0b7c1f4e-0000-4000-8000-000000000000")
+    config = security.SecurityConfig(security.OperatorIdentity("adpfleet-system", {"app": "op"}))
+    variants = [{}, {"context": {"adpRanks": 8}, "networkPolicy": {
+                    "clientNamespaces": ["apps"], "clientCidrs": ["10.0.0.0/8", "fd00::/8"],
+                    "monitoringNamespaces": ["monitoring"]}},
+                {"router": {"enabled": False}, "networkPolicy": {"clientCidrs": ["192.168.0.0/16"]}},
+                {"router": {"enabled": False}}]
+    checked = 0
+    for variant in variants:
+        spec = FleetSpec.model_validate(fleet_manifest("demo", **variant)["spec"])
+        for policy in (o for o in desired_fleet(fleet, spec, config).objects if o["kind"] == "NetworkPolicy"):
+            net.create_namespaced_network_policy(k8s_namespace, policy, dry_run="All")
+            checked += 1
+    assert checked == 3 + 3 + 2 + 2
+    k8s_cluster.core.create_namespaced_secret(k8s_namespace, security.internal_token_secret(fleet), dry_run="All")
+    # and a policy the API server refuses is refused (the dry run checks something)
+    broken = security.network_policies(fleet, FleetSpec.model_validate(fleet_manifest("demo")["spec"]),
+                                       config.network_policies)[1]
+    broken["spec"]["ingress"][0]["ports"][0]["endPort"] = names.SERVER_KV_PORT - 1
+    with pytest.raises(client.exceptions.ApiException) as refused:
+        net.create_namespaced_network_policy(k8s_namespace, broken, dry_run="All")
+    assert refused.value.status == 422 and "endPort" in refused.value.body
 
 
 def test_a_server_that_cannot_be_scheduled_is_reported(start_operator, fleets):

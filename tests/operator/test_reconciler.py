@@ -18,9 +18,8 @@ log = logging.getLogger("test")
 class FakeApi:
     """Records calls; every call succeeds unless told otherwise."""
 
-    def __init__(self, secrets=None, fail=()):
+    def __init__(self, fail=()):
         self.calls = []
-        self.secrets = secrets or {}
         self.fail = set(fail)
 
     def _out(self, name, *args):
@@ -46,6 +45,9 @@ class FakeApi:
     async def record_event(self, fleet, type_, reason, message):
         return self._out("event", type_, reason)
 
+    async def create_secret(self, manifest):
+        return self._out("create_secret", manifest["metadata"]["name"])
+
     async def create_role_object(self, manifest):
         return self._out("create_role_object", manifest["metadata"]["name"])
 
@@ -59,12 +61,6 @@ class FakeApi:
 
     async def set_leaving(self, namespace, name, uid, since):
         return self._out("set_leaving", name, since is not None)
-
-    async def secret_keys(self, namespace, name):
-        self.calls.append(("get_secret", name))
-        if name not in self.secrets:
-            return ApiResult(False, 404, "not found"), None
-        return ApiResult(True), set(self.secrets[name])
 
 
 def role_object(role, replicas=1, spec_servers=1, status=None, manager="adpfleet-operator", decision=None):
@@ -175,23 +171,67 @@ def test_a_deleted_server_comes_back_under_its_name_even_from_a_higher_slot():
     assert [c for c in api.calls if c[0] == "create_pod"] == [("create_pod", "f-generation-1")]
 
 
-def test_missing_secret_degrades_the_fleet_and_creates_nothing():
-    manifest = fleet_manifest("f", router={"enabled": False}, model={"name": "tiny", "tokenSecretRef": {"name": "hf"}})
+def test_the_internal_token_secret_is_created_before_any_pod_and_never_read():
     api = FakeApi()
-    result = reconcile(api, observation(manifest))
-    assert not [c for c in api.calls if c[0] == "create_pod"]
+    reconcile(api, observation())
+    acting = [c for c in api.calls if c[0] not in ("event", "patch_status", "patch_role_status")]
+    assert acting[0] == ("create_secret", "f-internal-token")
+    assert [c[0] for c in acting[1:]] == ["create_pod", "create_pod"]  # (no Secret read among them)
+    # settled: no request at all, the Secret included
+    api2 = FakeApi()
+    pods = running_pods()
+    reconcile(api2, observation(pods=pods))
+    api3 = FakeApi()
+    reconcile(api3, observation(pods=pods, status=api2.last_status, rv="2"))
+    assert api3.calls == []
+
+
+def test_a_pod_that_cannot_find_the_internal_token_gets_it_created_again():
+    pods = running_pods()
+    pods[0] = dataclasses.replace(pods[0], ready=False, problem='CreateContainerConfigError: secret '
+                                                                 '"f-internal-token" not found')
+    api = FakeApi()
+    reconcile(api, observation(pods=pods))
+    assert ("create_secret", "f-internal-token") in api.calls
+    degraded = {c["type"]: c for c in api.last_status["conditions"]}["Degraded"]
+    assert degraded["reason"] == "SecretNotFound" and "internal token" in degraded["message"]
+
+
+def test_a_missing_api_key_secret_degrades_the_fleet_naming_the_secret_and_the_field():
+    """The kubelet resolves the Secret; its CreateContainerConfigError becomes the condition."""
+    manifest = fleet_manifest("f", router={"enabled": False}, auth={"apiKeySecret": {"name": "api", "key": "k"}})
+    pods = [dataclasses.replace(p, template_hash=_hash(manifest, p.role)) for p in running_pods()]
+    pods[1] = dataclasses.replace(pods[1], ready=False,
+                                  problem="CreateContainerConfigError: couldn't find key k in Secret ns/api")
+    api = FakeApi()
+    reconcile(api, observation(manifest, pods=pods))
     degraded = {c["type"]: c for c in api.last_status["conditions"]}["Degraded"]
     assert degraded["status"] == "True" and degraded["reason"] == "SecretNotFound"
-    assert "Secret 'hf'" in degraded["message"] and "tokenSecretRef" in degraded["message"]
+    assert "Secret ns/api" in degraded["message"] and "spec.auth.apiKeySecret" in degraded["message"]
     assert ("event", "Warning", "SecretNotFound") in api.calls
-    assert result.requeue_after == 30.0
 
 
-def test_secret_present_lets_servers_be_created():
-    manifest = fleet_manifest("f", router={"enabled": False}, model={"name": "tiny", "tokenSecretRef": {"name": "hf"}})
-    api = FakeApi(secrets={"hf": ["token"]})
-    reconcile(api, observation(manifest))
-    assert len([c for c in api.calls if c[0] == "create_pod"]) == 2
+def test_a_fleet_without_an_api_key_is_refused_when_the_operator_requires_one():
+    from adpfleet.operator.decisions.security import SecurityConfig
+    api = FakeApi()
+    r = Reconciler(api, OperatorMetrics(), clock=lambda: 0.0, security_config=SecurityConfig(require_api_key=True))
+    asyncio.run(r.reconcile(observation(), FleetMemory(), log))
+    assert [c[0] for c in api.calls if c[0] != "event"] == ["patch_status"]
+    ready = {c["type"]: c for c in api.last_status["conditions"]}["Ready"]
+    assert ready["reason"] == "InvalidSpec" and "spec.auth.apiKeySecret" in ready["message"]
+    manifest = fleet_manifest("f", router={"enabled": False}, auth={"apiKeySecret": {"name": "api"}})
+    api2 = FakeApi()
+    r.api = api2
+    asyncio.run(r.reconcile(observation(manifest), FleetMemory(), log))
+    assert len([c for c in api2.calls if c[0] == "create_pod"]) == 2
+
+
+def _hash(manifest, role):
+    from adpfleet.operator.decisions.desired import desired_fleet
+    from adpfleet.operator.resource.models import FleetSpec
+    from adpfleet.operator.resource.names import FleetRef
+    return desired_fleet(FleetRef("f", "ns", "fleet-uid"), FleetSpec.model_validate(manifest["spec"])) \
+        .servers[role].template_hash
 
 
 def test_failed_api_calls_degrade_the_fleet_and_back_off():
@@ -278,6 +318,7 @@ def test_router_objects_are_applied_in_dependency_order():
     applied = [c[1] for c in api.calls if c[0] == "apply"]
     assert applied == ["ServiceAccount", "Role", "RoleBinding", "Deployment", "Service",
                        "PodDisruptionBudget", "PodDisruptionBudget", "PodDisruptionBudget"]
+    assert [c[0] for c in api.calls].index("create_secret") < [c[0] for c in api.calls].index("apply")
 
 
 def test_conditions_keep_their_transition_time_while_their_status_holds():

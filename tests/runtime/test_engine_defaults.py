@@ -8,7 +8,7 @@ from adpfleet.operator.resource.models import EngineSettings
 from adpfleet.runtime.config import EngineConfig
 
 SHARED = ("device", "dtype", "kv_blocks", "tokens_per_block", "max_num_tokens", "max_batch_size",
-          "max_num_active_requests")
+          "max_num_active_requests", "draft_tokens", "prompt_lookup_max", "prompt_lookup_min", "padding_reserve")
 
 
 def test_the_crd_engine_defaults_are_the_engine_defaults():
@@ -31,3 +31,19 @@ def test_the_serve_flags_default_as_the_crd_does():
     args, crd = build_parser().parse_args(["serve"]), EngineSettings()
     assert args.collective_timeout == crd.collective_timeout_seconds
     assert (not args.no_pad_empty_batch) == crd.pad_empty_batch
+    assert args.padding_reserve == crd.padding_reserve
+
+
+def test_every_crd_engine_knob_reaches_the_serve_command_line():
+    """Each engine field set away from its default changes what the operator passes to `serve`."""
+    from adpfleet.operator.decisions.desired import server_args
+    from adpfleet.operator.resource.models import FleetSpec
+    changed = {"kvBlocks": 100, "tokensPerBlock": 8, "maxNumTokens": 100, "maxBatchSize": 3,
+               "maxNumActiveRequests": 5, "draftTokens": 2, "promptLookupMax": 4, "promptLookupMin": 2,
+               "paddingReserve": False}
+    spec = FleetSpec.model_validate({"image": "x", "model": {"name": "tiny"}, "context": {"engine": changed}})
+    args = build_parser().parse_args([a.replace("$(POD_IP)", "0.0.0.0") for a in server_args(spec, "context")])
+    config = EngineConfig.from_args(args)
+    for camel, value in changed.items():
+        snake = "".join("_" + c.lower() if c.isupper() else c for c in camel)
+        assert getattr(config, snake) == value, camel
