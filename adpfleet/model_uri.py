@@ -17,7 +17,9 @@ A model that cannot be had is a `ModelSourceError` with a stable `reason` (the R
 Kubernetes' CamelCase) and an exit code per reason. `adpfleet fetch-model` and `adpfleet serve`
 exit with that code and write `termination_message(...)` — one JSON object
 `{"reason", "message", "exitCode", "uri"}` — to TERMINATION_LOG, which Kubernetes shows as the
-container's `state.terminated.message`; `parse_termination_message` reads it back.
+container's `state.terminated.message`; `parse_termination_message` reads it back. A fetch that
+succeeds leaves `fetched_message(...)` there instead — `{"uri", "revision"}`, the commit an hf://
+model was fetched at — which the operator reports as `status.model.revision`.
 
 A download logs its progress every few seconds (`progress_line`, `progress_start_line`); the
 operator reads bytes done / total back from the init container's log with `parse_progress`.
@@ -251,15 +253,30 @@ def parse_termination_message(text: str | None) -> ModelSourceError | None:
         return None
 
 
-def write_termination_message(error: ModelSourceError) -> str | None:
-    """Writes to $ADPFLEET_TERMINATION_LOG, else to /dev/termination-log where Kubernetes provides
-    it; returns the path written, or None outside Kubernetes. Never raises."""
+def fetched_message(uri: str, revision: str) -> str:
+    """The JSON a successful fetch leaves for Kubernetes: the commit the model was fetched at."""
+    return json.dumps({"uri": uri[:1024], "revision": revision[:128]})
+
+
+def parse_fetched_revision(text: str | None) -> str | None:
+    """The revision a successful fetch's termination message reports; None if it is not one."""
+    try:
+        revision = json.loads(text or "").get("revision")
+    except (ValueError, AttributeError):
+        return None
+    return revision if isinstance(revision, str) and revision else None
+
+
+def write_termination_message(message: ModelSourceError | str) -> str | None:
+    """Writes a failure (`termination_message`) or a ready JSON text to $ADPFLEET_TERMINATION_LOG,
+    else to /dev/termination-log where Kubernetes provides it; returns the path written, or None
+    outside Kubernetes. Never raises."""
     path = os.environ.get(TERMINATION_LOG_ENV) or (TERMINATION_LOG if os.path.exists(TERMINATION_LOG) else None)
     if not path:
         return None
     try:
         with open(path, "w") as f:
-            f.write(termination_message(error))
+            f.write(message if isinstance(message, str) else termination_message(message))
     except OSError:
         return None
     return path

@@ -52,6 +52,9 @@ def model_report(uri: ModelURI, pods: list[ServerPod], progress: dict[str, tuple
         downloading = f"downloading {uri.uri}: {', '.join(each)}"
     elif any(p.ready or p.model == FETCHED for p in pods):
         status["phase"] = "Available"
+        revisions = sorted({p.model_revision for p in pods if p.model_revision})
+        if revisions:  # more than one: servers with their own caches fetched while a branch moved
+            status["revision"] = ", ".join(revisions)
     else:
         status["phase"] = "Pending"
     return ModelReport(status, downloading, problems)

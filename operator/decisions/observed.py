@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
-from adpfleet.model_uri import REASONS, parse_termination_message, reason_of_exit_code
+from adpfleet.model_uri import REASONS, parse_fetched_revision, parse_termination_message, reason_of_exit_code
 from adpfleet.operator.resource import names
 
 # Container states a server will not get out of by waiting: surfaced as Degraded with the reason.
@@ -41,6 +41,7 @@ class ServerPod:
     leaving_since: float | None = None  # adpfleet.io/scale-down: drained by a scale-down since then (epoch)
     model: str = ""         # FETCHING (running), FETCHED or UNAVAILABLE; "" before fetch-model runs, or without it
     model_failure: tuple[str, str] | None = None  # UNAVAILABLE: (reason, message) from the termination message
+    model_revision: str = ""  # FETCHED: the commit fetch-model fetched the model at (its termination message)
 
     @property
     def leaving(self) -> bool:
@@ -106,6 +107,7 @@ def server_pod(body: dict) -> ServerPod:
     if unschedulable:
         problem = f"Unschedulable: {scheduled.get('message', '')}".rstrip(": ")
     model, model_failure = _model_state(status)
+    model_revision = _fetched_revision(status) if model == FETCHED else ""
     for container in (status.get("initContainerStatuses") or []) + (status.get("containerStatuses") or []):
         waiting = (container.get("state") or {}).get("waiting") or {}
         if waiting.get("reason") in _STUCK_WAITING and not model_failure:  # that one is the fleet's model's
@@ -128,7 +130,8 @@ def server_pod(body: dict) -> ServerPod:
         restarts=sum(c.get("restartCount", 0) for c in status.get("containerStatuses") or []),
         ip=status.get("podIP") or "", created=_epoch(meta.get("creationTimestamp")),
         draining=annotations.get(names.ANNOTATION_DRAIN) == "true",
-        leaving_since=_epoch(annotations.get(names.ANNOTATION_SCALE_DOWN)), model=model, model_failure=model_failure)
+        leaving_since=_epoch(annotations.get(names.ANNOTATION_SCALE_DOWN)), model=model, model_failure=model_failure,
+        model_revision=model_revision)
 
 
 def _model_state(status: dict) -> tuple[str, tuple[str, str] | None]:
@@ -151,6 +154,13 @@ def _model_state(status: dict) -> tuple[str, tuple[str, str] | None]:
     if fetch is not None and "running" in (fetch.get("state") or {}):
         return FETCHING, None
     return "", None
+
+
+def _fetched_revision(status: dict) -> str:
+    """The revision the fetch-model init container's successful termination message reports, or ""."""
+    fetch = next((c for c in status.get("initContainerStatuses") or [] if c.get("name") == names.FETCH_CONTAINER), {})
+    ended = (fetch.get("state") or {}).get("terminated") or {}
+    return (parse_fetched_revision(ended.get("message")) or "") if ended.get("exitCode") == 0 else ""
 
 
 def _model_failure(container: dict) -> tuple[str, str] | None:

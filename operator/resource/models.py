@@ -820,6 +820,8 @@ class ModelStatus(KubeModel):
                                           "every server that started has it. Pending: no server has got that far.")
     reason: str | None = Field(None, max_length=128, description="Unavailable: why (docs/engine.md's failure "
                                                                  "reasons, or ClaimNotFound).")
+    revision: str | None = Field(None, max_length=512, description="Available, hf://: the commit the servers "
+                                 "fetched the model at (several, comma-separated, if their caches differ).")
     bytes_done: int | None = Field(None, ge=0, description="Downloading: bytes on disk, summed over the servers "
                                                           "downloading (where their log has said).")
     bytes_total: int | None = Field(None, ge=0, description="Downloading: bytes those downloads fetch in all.")

@@ -7,7 +7,8 @@ import asyncio
 import json
 import logging
 
-from adpfleet.model_uri import ModelSourceError, progress_line, progress_start_line, termination_message
+from adpfleet.model_uri import (ModelSourceError, fetched_message, progress_line, progress_start_line,
+                                termination_message)
 from adpfleet.operator.adapters.kube import ApiResult
 from adpfleet.operator.decisions import conditions
 from adpfleet.operator.decisions.desired import desired_fleet, server_template
@@ -157,6 +158,25 @@ def test_a_running_download_is_fetching_and_a_finished_one_fetched():
     done = server_pod(pod_body({"terminated": {"exitCode": 0}}, server_state={"running": {}}))
     assert (done.model, done.model_failure, done.problem) == (FETCHED, None, None)
     assert server_pod(pod_body(server_state={"running": {}}, ready=True)).model == ""  # built-in: no init container
+
+
+def test_the_revision_a_finished_download_reports_is_the_fleets_model_revision():
+    def fetched(revision, name):
+        message = fetched_message("hf://acme/tiny@main", revision)
+        return server_pod({**pod_body({"terminated": {"exitCode": 0, "message": message}},
+                                      server_state={"running": {}}), "metadata": {"name": name, "uid": name}})
+    a, b = fetched("c0ffee", "demo-context-0"), fetched("c0ffee", "demo-generation-0")
+    assert (a.model, a.model_revision) == (FETCHED, "c0ffee")
+    assert model_report(parsed("hf://acme/tiny@main"), [a, b], {}).status == {
+        "source": "hf://acme/tiny@main", "phase": "Available", "revision": "c0ffee"}
+    # servers with their own caches that fetched while the branch moved: both commits, said so
+    moved = model_report(parsed("hf://acme/tiny@main"), [a, fetched("beef", "demo-generation-1")], {})
+    assert moved.status["revision"] == "beef, c0ffee"
+    # a running or failed fetch reports none, nor does a message that is not a fetch's
+    assert server_pod(pod_body({"running": {}})).model_revision == ""
+    assert server_pod(pod_body({"terminated": {"exitCode": 0, "message": "done"}})).model_revision == ""
+    assert "revision" not in model_report(parsed("pvc://store/tiny"), [server_pod(pod_body(
+        {"terminated": {"exitCode": 0}}, server_state={"running": {}}))], {}).status
 
 
 def test_a_failed_download_is_unavailable_with_the_cause_from_its_termination_message():

@@ -75,7 +75,7 @@ def hub(checkpoints):
 
     hub = LocalHub(tokens={"hf_valid", "hf_other"})
     hub.add_commit(REPO, checkpoints["llama"])
-    hub.add_commit(REPO, checkpoints["llama"], ref="v1")
+    hub.v1 = hub.add_commit(REPO, checkpoints["llama"], ref="v1")
     hub.add_commit("acme/gated", checkpoints["llama"], gated=True, granted={"hf_valid"})
     hub.add_commit("acme/no-weights", checkpoints["no-weights"])
     hub.add_commit("acme/gpt2", checkpoints["gpt2"])
@@ -188,7 +188,9 @@ def test_a_fleet_from_hf_then_pvc_then_s3_serves_what_the_directory_serves(
     hub.throttle.clear()
 
     fleets.wait_ready("src", timeout=SERVER_START)
-    assert fleets.get("src")["status"]["model"] == {"source": f"hf://{REPO}@v1", "phase": "Available"}
+    # the commit v1 named when the servers fetched it, from fetch-model's termination message
+    assert fleets.get("src")["status"]["model"] == {"source": f"hf://{REPO}@v1", "phase": "Available",
+                                                    "revision": hub.v1}
     from_hub = complete(fleets, "src", "tiny-llama")  # the served name defaults to the repository's
 
     old = {p.metadata.uid for p in fleets.live_pods("src")}

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from adpfleet.cluster.testing import wait_for
-from adpfleet.model_uri import COMPLETE_MARKER, ModelSourceError, parse_model_uri, parse_termination_message
+from adpfleet.model_uri import (COMPLETE_MARKER, ModelSourceError, parse_fetched_revision, parse_model_uri,
+                                parse_termination_message)
 from adpfleet.runtime.model.loader import load_model
 from adpfleet.runtime.model.sources.fetch import resolve_model
 
@@ -206,6 +207,15 @@ def test_fetch_model_exits_with_the_reason_and_leaves_a_termination_message(env)
     assert proc.returncode == 11 and "RepositoryNotFound" in err
     failure = parse_termination_message(log.read_text())
     assert failure.reason == "RepositoryNotFound" and failure.uri == "hf://acme/missing"
+
+
+def test_fetch_model_leaves_the_commit_it_fetched_as_its_termination_message(env, hub):
+    log = env / "termination-log"
+    proc = fetch_process(env, f"hf://{REPO}@v1", ADPFLEET_TERMINATION_LOG=str(log))
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert parse_fetched_revision(log.read_text()) == hub.first  # the commit v1 names, not the branch
+    assert parse_termination_message(log.read_text()) is None  # not a failure
 
 
 def test_generate_runs_a_model_given_by_its_hf_uri(env, capsys):

@@ -19,7 +19,8 @@ from pathlib import Path
 
 from adpfleet.model_uri import (CACHE_LIMIT_ENV, DIRECTORY_NOT_FOUND, DISK_FULL, INVALID_MODEL,
                                 OBJECT_NOT_FOUND, SOURCE_UNREACHABLE, VOLUME_NOT_MOUNTED, ModelSourceError,
-                                ModelURI, default_cache_root, parse_model_uri)
+                                ModelURI, default_cache_root, fetched_message, parse_model_uri,
+                                write_termination_message)
 from adpfleet.runtime.model.sources.cache import fill_once
 from adpfleet.runtime.model.sources.files import metadata_files, weight_files
 from adpfleet.runtime.model.sources.progress import Progress, bytes_under
@@ -139,5 +140,7 @@ def main(args) -> int:
         except ModelSourceError as e:
             e.uri = args.model
             raise
+    if model.revision:  # the commit it was fetched at, for the operator (status.model.revision)
+        write_termination_message(fetched_message(args.model, model.revision))
     print(model.path, flush=True)
     return 0
