@@ -1,6 +1,6 @@
-"""Two operator replicas with leader election against the real API server: the standby takes over
-within the stated bound when the leader is SIGKILLed or cut off from the API server (which exits
-before that); a SIGTERMed leader hands over at once.
+"""Two operator replicas with leader election against the real API server: one acts, the standby
+reads the Lease and nothing else, and takes over within the stated bound when the leader is
+SIGKILLed or cut off from the API server; a SIGTERMed leader hands over at once.
 
 Each replica reaches the API server through a relay of its own (partition.py: cut it and the
 replica is partitioned) and a counting proxy of its own (its requests, counted from outside).
@@ -86,6 +86,51 @@ def holder(cluster, namespace: str) -> str:
 
 def leads(replica: Replica) -> bool:
     return replica.op.role() == "leader"
+
+
+def rss_kib(pid: int) -> int:
+    status = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status").read().splitlines() if ":" in line)
+    return int(status["VmRSS"].split()[0])
+
+
+def lease_requests(requests) -> list:
+    return [r for r in requests if r.resource == "leases"]
+
+
+def test_one_replica_acts_the_standby_only_reads_the_lease_and_at_rest_nothing_but_the_lease_is_written(
+        replicas, fleets):
+    a = replicas("a")
+    wait_for(lambda: leads(a), timeout=10, what="the first replica to lead")
+    b = replicas("b")
+    fleets.apply(fleet_manifest("demo", status_only=True))
+    fleets.wait_ready("demo")
+    assert b.op.role() == "standby" and holder(fleets.cluster, fleets.ns).startswith("a_")
+    # everything the fleet needed was written by the leader; the standby asked for the API groups once
+    # when it started (is the CRD served?) and then read the Lease, nothing else
+    discovery = [r for r in b.proxy.snapshot() if r.path.rstrip("/") == "/apis"]
+    assert len(discovery) == 1
+    assert {(r.verb, r.resource) for r in b.proxy.snapshot() if r not in discovery} == {("get", "leases")}
+    assert {("create", "pods"), ("patch", "poddisruptionbudgets")} <= {(r.verb, r.resource)
+                                                                       for r in a.proxy.snapshot()}
+
+    start = time.monotonic()
+    # at rest for three resync periods of the leader (2 s), counted by its Lease renewals (1 s apart)
+    wait_for(lambda: len(lease_requests(a.proxy.since(start))) >= 3 * 2 / TIMING.retry_period + 1, timeout=30,
+             what="three resync periods of the leader at rest")
+    seconds = time.monotonic() - start
+    leader, standby = a.proxy.since(start), b.proxy.since(start)
+    assert CountingProxy.writes([r for r in leader if r.resource != "leases"]) == []
+    assert [r for r in leader if r.resource != "leases"] == []  # not even a read: the caches answer
+    renewals = [r for r in lease_requests(leader) if r.verb == "update"]
+    assert {r.verb for r in leader} == {"update"} and seconds / TIMING.retry_period - 2 <= len(renewals) \
+        <= seconds / TIMING.retry_period + 1
+    assert {(r.verb, r.resource) for r in standby} == {("get", "leases")}
+    assert len(standby) <= seconds / TIMING.retry_period + 1
+    rss = {name: rss_kib(r.op.proc.pid) for name, r in (("leader", a), ("standby", b))}
+    assert rss["standby"] <= rss["leader"], rss  # no caches, no fleet loops
+    print(f"at rest over {seconds:.1f} s: leader {len(renewals)} Lease renewals and nothing else; "
+          f"standby {len(standby)} Lease reads and nothing else; RSS leader {rss['leader'] / 1024:.1f} MiB, "
+          f"standby {rss['standby'] / 1024:.1f} MiB ({rss['standby'] / rss['leader']:.2f}x)")
 
 
 def test_a_sigkilled_leader_is_replaced_within_the_bound_and_the_new_leader_acts(replicas, fleets):
