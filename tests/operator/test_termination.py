@@ -1,7 +1,8 @@
 """Servers end gracefully, whatever ends them: streams in flight survive their server's scale-down
-(drained before it is deleted), deletion by hand and roll (the operator's DeleteServer or kubectl,
-the kubelet's SIGTERM, the server's drain: runtime/serving/drain.py), and every deleted server pod
-ends Succeeded. The same fleet's server, router and operator expose /metrics that the real
+(drained before it is deleted), deletion by hand, roll and eviction through the role's
+PodDisruptionBudget (the operator's DeleteServer, kubectl, the Eviction API, the kubelet's
+SIGTERM, the server's drain: runtime/serving/drain.py), and every deleted server pod ends
+Succeeded. The same fleet's server, router and operator expose /metrics that the real
 `promtool check metrics` accepts.
 
 One fleet of real servers (tiny model, one rank each) for the whole module: servers take a while
@@ -19,6 +20,8 @@ import time
 
 import httpx
 import pytest
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
 
 from adpfleet.cluster.testing import wait_for
 from adpfleet.operator.resource import names
@@ -147,7 +150,21 @@ def drained_then_deleted(timeline: PodTimeline, pods: list, chains: Chains):
     return pod
 
 
-def test_streams_survive_their_servers_scale_down_deletion_and_roll_and_the_pods_end_succeeded(
+def evicted(fleets, pod, refused: list) -> int | None:
+    """201 once the Eviction API evicts `pod`; a 429 (the budget says not now) is noted in
+    `refused` and gives None, to try again."""
+    body = client.V1Eviction(metadata=client.V1ObjectMeta(name=pod.metadata.name, namespace=fleets.ns))
+    try:
+        fleets.core.create_namespaced_pod_eviction(pod.metadata.name, fleets.ns, body)
+        return 201
+    except ApiException as exc:
+        if exc.status != 429:
+            raise
+        refused.append(pod.metadata.name)
+        return None
+
+
+def test_streams_survive_their_servers_scale_down_deletion_roll_and_eviction_and_the_pods_end_succeeded(
         start_operator, fleets):
     op = start_operator()
     fleets.apply(fleet_manifest(FLEET, context=role(1), generation=role(2)))
@@ -196,7 +213,28 @@ def test_streams_survive_their_servers_scale_down_deletion_and_roll_and_the_pods
         rolled = deleted_while_streaming(timeline, old, chains)
         fleets.wait_ready(FLEET, timeout=SERVER_START)
 
-        ended = [removed, deleted, rolled]
+        # A node drain as `kubectl drain` does it, through the Eviction API: the role's
+        # PodDisruptionBudget lets one of its two servers go at a time (the second eviction is
+        # refused with 429 until the first one's replacement is Ready), and no stream is lost.
+        fleets.patch_spec(FLEET, {"generation": {"servers": 2}})
+        fleets.wait_ready(FLEET, timeout=SERVER_START)
+        two = fleets.live_pods(FLEET, "generation")
+        chains = Chains(url, 2)
+        wait_for(lambda: sum(running(p) for p in two) >= 1, timeout=60, what="streams on the generation servers")
+        refused = []
+        for pod in two:
+            answer = wait_for(lambda: evicted(fleets, pod, refused), timeout=2 * SERVER_START, interval=1,
+                              what=f"the eviction of {pod.metadata.name} to be allowed")
+            assert answer == 201
+        chains.stop()
+        streams = chains.finish()
+        assert all(s.completed for s in streams), [s for s in streams if not s.completed]
+        assert refused, "the budget never refused an eviction (both servers could have gone at once)"
+        wait_for(lambda: len([p for p in fleets.live_pods(FLEET, "generation") if pod_ready(p)
+                              and p.metadata.uid not in {q.metadata.uid for q in two}]) == 2,
+                 timeout=SERVER_START, what="both evicted servers back", interval=1)
+
+        ended = [removed, deleted, rolled, *two]
         wait_for(lambda: all(timeline.phases.get(p.metadata.uid) in ("Succeeded", "Failed") for p in ended)
                  and not {p.metadata.uid for p in ended} & {p.metadata.uid for p in fleets.pods(FLEET)},
                  timeout=90, what="the deleted servers to be gone")
