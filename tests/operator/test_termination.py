@@ -230,6 +230,7 @@ def test_streams_survive_their_servers_scale_down_deletion_roll_and_eviction_and
         streams = chains.finish()
         assert all(s.completed for s in streams), [s for s in streams if not s.completed]
         assert refused, "the budget never refused an eviction (both servers could have gone at once)"
+        print(f"drain: {len(streams)} streams completed; the second eviction was refused {len(refused)} times")
         wait_for(lambda: len([p for p in fleets.live_pods(FLEET, "generation") if pod_ready(p)
                               and p.metadata.uid not in {q.metadata.uid for q in two}]) == 2,
                  timeout=SERVER_START, what="both evicted servers back", interval=1)
