@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Awaitable, Callable
+from typing import Callable
 
-from adpfleet.operator.adapters.scrape import Scrape, metrics_url
+from adpfleet.operator.adapters.scrape import Scrape, Scraper, metrics_url
 from adpfleet.operator.decisions.observed import ServerPod
 
 log = logging.getLogger("adpfleet.operator.drains")
@@ -35,7 +35,7 @@ def drained(sample: Scrape) -> bool:
 
 
 class DrainWatch:
-    def __init__(self, scraper: Callable[[str, float], Awaitable[Scrape]], wake: Callable[[Key], None]):
+    def __init__(self, scraper: Scraper, wake: Callable[[Key], None]):
         self.scraper = scraper
         self.wake = wake
         self._done: dict[str, str] = {}               # uid whose drain finished -> its (key, role) group

@@ -5,14 +5,18 @@ decides, acts and reports.
       scrape every Ready server's /metrics  ─► detection.judge ─► verdicts      (own detection)
       take the fleet's queued alerts        ─► fresh scrapes  ─► verdicts       (Alertmanager)
       remediation.decide(verdicts, history, spec, pods, now) ─► plan            (one path, two inputs)
-      plan ─► Events, metrics, records in status.recentRemediations, and for each action a task:
-              record Pending ─► drain ─► delete the pod(s) ─► record the result
+      plan ─► Events, metrics, records in status.recentRemediations, and for each action a task of
+              the `Remediator` (remediator.py): record Pending ─► drain ─► delete the pod(s) ─► result
+
+This module is the loop: what it reads (`Look`), what it remembers between ticks (`FleetStall`) and
+how a tick's verdicts become a plan; the verdicts and the policy are pure functions (`decisions/`),
+the requests are the adapters' (`adapters/`), and carrying one action out is the remediator's.
 
 Status has one writer, the fleet's reconcile pass: this controller keeps what it owns (the Stalled
 and Remediating conditions, recentRemediations, a Degraded reason of its own) in memory, wakes the
 reconcile loop, and is the pass's `StatusPart` (`overlay`, `stored`). An action starts only once
 its Pending record is in the API server, so an operator restarted mid-action finds it there and
-finishes it (deleting only pods older than the decision) instead of acting twice.
+hands it to the remediator again (deleting only pods older than the decision) instead of acting twice.
 """
 
 from __future__ import annotations
@@ -21,20 +25,20 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import Awaitable, Callable, Protocol
+from typing import Callable, Protocol
 
 from adpfleet.operator.adapters.kube import KubeApi, now_rfc3339
-from adpfleet.operator.adapters.scrape import HttpScraper, Scrape, metrics_url, timeout_for
+from adpfleet.operator.adapters.scrape import HttpScraper, Scrape, Scraper, metrics_url, timeout_for
 from adpfleet.operator.decisions import stall_status
 from adpfleet.operator.decisions.detection import (SampleWindows, StallVerdict, attribute, evidence_text, judge,
                                                    keep_seconds)
 from adpfleet.operator.decisions.history import (Remediation, budget_used, history_from_status, left_drained,
-                                                 pending, resolved, restarts_in_progress, rfc3339, still_to_delete,
-                                                 with_records)
+                                                 pending, resolved, restarts_in_progress, rfc3339, with_records)
 from adpfleet.operator.decisions.observed import FleetObservation, ServerPod
 from adpfleet.operator.decisions.remediation import Decision, Plan, decide
 from adpfleet.operator.inbox import AlertInbox, StallAlert
 from adpfleet.operator.loops import sleep_until
+from adpfleet.operator.remediator import Key, Remediator
 from adpfleet.operator.resource import names
 from adpfleet.operator.resource.models import FleetSpec
 from adpfleet.operator.resource.names import FleetRef
@@ -43,20 +47,11 @@ from adpfleet.operator.telemetry import StallMetrics
 
 log = logging.getLogger("adpfleet.operator.stall")
 
-Key = tuple[str, str]
 CONFIRMATIONS = 2               # consecutive scrapes that must agree before a stall is acted on
 INVALID_SPEC_RETRY_SECONDS = 5.0  # a spec that cannot be read (the reconciler reports it) is looked at again
-PERSIST_TIMEOUT_SECONDS = 15.0  # how long an action waits for its Pending record to reach the API
-PERSIST_WAKE_SECONDS = 2.0      # ... waking the reconcile loop again this often meanwhile
-STALLED_DRAIN_GRACE_SECONDS = 2.0  # a stalled server finishes nothing: drained this long, then restarted
-STALLED_DELETE_GRACE_SECONDS = 5   # its pod's termination grace (a working peer keeps its own)
 EVENT_REPEAT_SECONDS = 60.0     # the same skip of the same server is reported at most this often
 RECHECK_SCRAPES = 3             # fresh scrapes of a server an alert names ...
 RECHECK_GAP = (0.5, 2.5)        # ... half a scrape interval apart, within these bounds (seconds)
-WATCH_SCRAPE_TIMEOUT = 2.0      # a scrape while draining (progress made? requests finished?)
-WATCH_POLL_SECONDS = 0.5        # how often a drain or a rolling restart looks again
-
-Scraper = Callable[[str, float], Awaitable[Scrape]]  # (url, timeout) -> Scrape
 
 
 class ScrapeListener(Protocol):
@@ -136,6 +131,8 @@ class StallController:
         self._owned_scraper = None if scraper is not None else HttpScraper(clock)
         self._scraper: Scraper = scraper or self._owned_scraper  # tests script the servers' /metrics
         self.listener = listener
+        self.remediator = Remediator(api, self._scraper, metrics, wake_reconcile, publish=self._publish,
+                                     event=self._event)
 
     def fleet_known(self, namespace: str, name: str) -> bool:
         return (namespace, name) in self.fleets
@@ -338,8 +335,8 @@ class StallController:
         if d.choice is Choice.DRY_RUN or d.action is Action.HALT:
             self.metrics.remediations.labels(d.action.value, record.outcome.value).inc()
             return
-        self._spawn(fleet, self._execute(key, fleet, record, spec, d.batch, persisted=False,
-                                         stalled_sample=self._latest(fleet, d.verdict.server)))
+        self._spawn(fleet, self.remediator.execute(key, fleet, record, spec, d.batch, persisted=False,
+                                                   stalled_sample=self._latest(fleet, d.verdict.server)))
 
     async def _stand_down(self, key: Key, fleet: FleetStall, look: Look, alerts: list[StallAlert]) -> None:
         """mode Disabled: nothing is judged, alerts are acknowledged with an Event."""
@@ -368,8 +365,8 @@ class StallController:
                 fleet.logger.info("resuming %s of %s recorded at %s", record.action.value, ", ".join(record.targets),
                                   rfc3339(record.time))
                 batch = max(1, look.spec.remediation.max_concurrent_per_role)
-                self._spawn(fleet, self._execute(key, fleet, record, look.spec, batch, persisted=True,
-                                                 stalled_sample=None))
+                self._spawn(fleet, self.remediator.execute(key, fleet, record, look.spec, batch, persisted=True,
+                                                           stalled_sample=None))
         by_name = {p.name: p for p in look.pods}
         for name in left_drained(history, [p.view for p in look.pods], now):
             await self.api.set_drain(fleet.ref.namespace, name, by_name[name].uid, False)
@@ -382,135 +379,6 @@ class StallController:
     def _latest(self, fleet: FleetStall, server: str) -> Scrape | None:
         samples = [s for s in fleet.windows.samples(server) if s.ok]
         return samples[-1] if samples else None
-
-    # ---- one action: Pending → drain → delete → Succeeded/Failed/Recovered ------------------------
-
-    async def _execute(self, key: Key, fleet: FleetStall, record: Remediation, spec: FleetSpec, batch: int, *,
-                       persisted: bool, stalled_sample: Scrape | None) -> None:
-        """Carry `record` out, each step idempotent; rolling actions a batch at a time."""
-        try:
-            if not persisted and not await self._persist(key, fleet, record):
-                fleet.local.pop(record.key(), None)
-                self._publish(key, fleet, fleet.observe())
-                fleet.logger.warning("not acting on %s: its record did not reach the API server within %.0f s",
-                                     record.server, PERSIST_TIMEOUT_SECONDS)
-                self.metrics.remediations.labels(record.action.value, "NotPersisted").inc()
-                return
-            rolling = record.action.rolling
-            targets = list(record.targets)
-            batches = [targets[i:i + batch] for i in range(0, len(targets), batch)] if rolling else [targets]
-            problems: list[str] = []
-            for number, group in enumerate(batches):
-                outcome = await self._restart(fleet, record, group, spec, stalled=not rolling,
-                                              stalled_sample=stalled_sample)
-                if outcome is Outcome.RECOVERED:
-                    await self._finish(key, fleet, record, Outcome.RECOVERED,
-                                       f"progress resumed while draining; nothing restarted. {record.message}")
-                    return
-                if isinstance(outcome, str):
-                    problems.append(outcome)
-                if rolling and number + 1 < len(batches):
-                    await self._wait_replaced(fleet, record, group, spec)
-            if problems:
-                await self._finish(key, fleet, record, Outcome.FAILED, "; ".join(problems) + f". {record.message}")
-            else:
-                await self._finish(key, fleet, record, Outcome.SUCCEEDED, record.message)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # noqa: BLE001
-            fleet.logger.exception("remediation of %s failed", record.server)
-            await self._finish(key, fleet, record, Outcome.FAILED, f"{type(e).__name__}: {e}. {record.message}")
-
-    async def _restart(self, fleet: FleetStall, record: Remediation, group: list[str], spec: FleetSpec, *,
-                       stalled: bool, stalled_sample: Scrape | None) -> Outcome | str | None:
-        """Drain and delete the pods of `group` that the record means. RECOVERED, an error text, or None."""
-        ns = fleet.ref.namespace
-        current = {p.name: p for p in fleet.observe().pods if p.owner_uid == fleet.ref.uid}
-        victims = [current[n] for n in group if n in current and not current[n].terminating
-                   and still_to_delete(record, current[n].created)]
-        for pod in victims:
-            if not pod.draining:
-                out = await self.api.set_drain(ns, pod.name, pod.uid, True)
-                if not out.ok:
-                    return f"could not drain {pod.name}: {out.message}"
-        drain_timeout = float(spec.remediation.drain_timeout_seconds)
-        if stalled:
-            wait = min(drain_timeout, STALLED_DRAIN_GRACE_SECONDS)
-            if victims and stalled_sample is not None and await self._progressed(victims[0], stalled_sample, wait):
-                for pod in victims:
-                    await self.api.set_drain(ns, pod.name, pod.uid, False)
-                return Outcome.RECOVERED
-        else:
-            await self._drained(victims, drain_timeout)
-        errors = []
-        for pod in victims:
-            grace = STALLED_DELETE_GRACE_SECONDS if stalled else None
-            out = await self.api.delete_pod(ns, pod.name, pod.uid, grace)
-            if not out.ok:
-                errors.append(f"could not delete {pod.name}: {out.message}")
-            else:
-                fleet.windows.reset(pod.name)
-                fleet.logger.info("deleted %s (%s)", pod.name, record.action.value)
-        self.wake_reconcile((ns, fleet.ref.name))
-        return "; ".join(errors) or None
-
-    async def _progressed(self, pod: ServerPod, before: Scrape, wait: float) -> bool:
-        """Whether the stalled server produced real tokens since `before`, watched for `wait` s."""
-        deadline = time.monotonic() + wait
-        while True:
-            now = await self._scrape(pod, WATCH_SCRAPE_TIMEOUT)
-            if now.ok and set(now.ranks) == set(before.ranks) and now.tokens > before.tokens:
-                return True
-            if time.monotonic() >= deadline:
-                return False
-            await asyncio.sleep(min(WATCH_POLL_SECONDS, max(0.0, deadline - time.monotonic())))
-
-    async def _drained(self, pods: list[ServerPod], timeout: float) -> None:
-        """Until the (working) servers have finished their requests, or `timeout`."""
-        deadline = time.monotonic() + timeout
-        while pods and time.monotonic() < deadline:
-            samples = await asyncio.gather(*(self._scrape(p, WATCH_SCRAPE_TIMEOUT) for p in pods))
-            if all(s.ok and s.total("requests_running") + s.total("requests_waiting") == 0 for s in samples):
-                return
-            await asyncio.sleep(WATCH_POLL_SECONDS)
-
-    async def _wait_replaced(self, fleet: FleetStall, record: Remediation, group: list[str], spec: FleetSpec) -> None:
-        """Until the batch's replacements are Ready (or their startup and drain timeouts pass)."""
-        timeout = max(spec.role(role).probes.startup_timeout_seconds for role in names.ROLES)
-        deadline = time.monotonic() + timeout + spec.remediation.drain_timeout_seconds
-        while time.monotonic() < deadline:
-            current = {p.name: p for p in fleet.observe().pods if p.owner_uid == fleet.ref.uid}
-            if all(n in current and current[n].ready and not current[n].terminating and
-                   not still_to_delete(record, current[n].created) for n in group):
-                return
-            await asyncio.sleep(WATCH_POLL_SECONDS)
-
-    async def _persist(self, key: Key, fleet: FleetStall, record: Remediation) -> bool:
-        """Until the record is in the API server (the reconcile pass writes it), or the timeout."""
-        want = (record.key(), record.outcome)
-        deadline = time.monotonic() + PERSIST_TIMEOUT_SECONDS
-        self._publish(key, fleet, fleet.observe())
-        while want not in fleet.persisted:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            fleet.persisted_changed.clear()
-            self.wake_reconcile(key)
-            try:
-                await asyncio.wait_for(fleet.persisted_changed.wait(), timeout=min(left, PERSIST_WAKE_SECONDS))
-            except asyncio.TimeoutError:
-                pass
-        return True
-
-    async def _finish(self, key: Key, fleet: FleetStall, record: Remediation, outcome: Outcome,
-                      message: str) -> None:
-        done = record.ended(outcome, message)
-        fleet.local[done.key()] = done
-        self.metrics.remediations.labels(record.action.value, outcome.value).inc()
-        kind, reason = outcome.event
-        await self._event(fleet, kind, reason, f"{record.action.value} {', '.join(record.targets)}: "
-                          f"{outcome.value}. {message}", record.server, force=True)
-        self._publish(key, fleet, fleet.observe())
 
     # ---- reporting -------------------------------------------------------------------------------
 

@@ -44,6 +44,7 @@ FLOORS = {
         ("controllers: reconcile loop and pass, stall loop, alert inbox, leader election", ["adpfleet.operator.loops",
                                                                            "adpfleet.operator.reconciler",
                                                                            "adpfleet.operator.stall",
+                                                                           "adpfleet.operator.remediator",
                                                                            "adpfleet.operator.scaling",
                                                                            "adpfleet.operator.drains",
                                                                            "adpfleet.operator.inbox",

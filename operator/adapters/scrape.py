@@ -12,7 +12,7 @@ import math
 import re
 import time
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Awaitable, Callable, Mapping
 
 import httpx
 from adpfleet.operator.resource import names
@@ -220,6 +220,9 @@ async def scrape(client: httpx.AsyncClient, url: str, timeout: float, clock=time
         return Scrape(at=clock(), error=f"GET {url}: {type(e).__name__}: {e}".rstrip(": "))
     except OSError as e:
         return Scrape(at=clock(), error=f"GET {url}: {e}")
+
+
+Scraper = Callable[[str, float], Awaitable[Scrape]]  # (url, timeout) -> Scrape: an HttpScraper, or a test's script
 
 
 class HttpScraper:

@@ -12,7 +12,7 @@ import pytest
 
 from prometheus_client import CollectorRegistry
 
-from adpfleet.operator import stall as stall_module
+from adpfleet.operator import remediator
 from adpfleet.operator.adapters.kube import ApiResult
 from adpfleet.operator.adapters.scrape import RankSample, Scrape
 from adpfleet.operator.decisions.history import Remediation
@@ -130,7 +130,7 @@ class World:
 
 @pytest.fixture(autouse=True)
 def quick_drain(monkeypatch):
-    monkeypatch.setattr(stall_module, "STALLED_DRAIN_GRACE_SECONDS", 0.05)
+    monkeypatch.setattr(remediator, "STALLED_DRAIN_GRACE_SECONDS", 0.05)
 
 
 def run(coro):

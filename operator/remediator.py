@@ -1,0 +1,195 @@
+"""Carrying out one remediation: the stall controller (`stall.py`) decides and records an action;
+the `Remediator` carries it out, each step idempotent:
+
+    record Pending ─► (until the reconcile pass has written it to the API server)
+    drain the pod(s) ─► a stalled server: progress resumed meanwhile? undrain, Recovered
+                        a working one (a rolling peer restart): until its requests are done
+    delete the pod(s) ─► rolling: until the batch's replacements are Ready, then the next batch
+    record the result (Succeeded, Failed or Recovered), an Event and the metric
+
+An action starts only once its Pending record is in the API server, so an operator restarted
+mid-action finds it there and finishes it (`persisted=True`: deleting only pods older than the
+decision) instead of acting twice. The remediator owns no state: it reads and writes the fleet's
+in-memory state it is handed, and reaches the reconcile loop through the hooks it is given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Awaitable, Callable, Protocol
+
+from adpfleet.operator.adapters.kube import KubeApi
+from adpfleet.operator.adapters.scrape import Scrape, Scraper, metrics_url
+from adpfleet.operator.decisions.detection import SampleWindows
+from adpfleet.operator.decisions.history import Remediation, still_to_delete
+from adpfleet.operator.decisions.observed import FleetObservation, ServerPod
+from adpfleet.operator.resource import names
+from adpfleet.operator.resource.models import FleetSpec
+from adpfleet.operator.resource.names import FleetRef
+from adpfleet.operator.resource.vocabulary import Outcome
+from adpfleet.operator.telemetry import StallMetrics
+
+Key = tuple[str, str]
+PERSIST_TIMEOUT_SECONDS = 15.0  # how long an action waits for its Pending record to reach the API
+PERSIST_WAKE_SECONDS = 2.0      # ... waking the reconcile loop again this often meanwhile
+STALLED_DRAIN_GRACE_SECONDS = 2.0  # a stalled server finishes nothing: drained this long, then restarted
+STALLED_DELETE_GRACE_SECONDS = 5   # its pod's termination grace (a working peer keeps its own)
+WATCH_SCRAPE_TIMEOUT = 2.0      # a scrape while draining (progress made? requests finished?)
+WATCH_POLL_SECONDS = 0.5        # how often a drain or a rolling restart looks again
+
+
+class ActingFleet(Protocol):
+    """What an action reads and writes of its fleet's in-memory state (the stall controller's `FleetStall`)."""
+    ref: FleetRef
+    observe: Callable[[], FleetObservation]
+    logger: logging.Logger
+    windows: SampleWindows                  # a deleted server's scrapes are forgotten
+    local: dict[tuple, Remediation]         # records not yet seen in the cached status
+    persisted: set[tuple]                   # (record key, outcome) known to be in the API
+    persisted_changed: asyncio.Event        # set when the reconcile pass stored the status
+
+
+Publish = Callable[[Key, ActingFleet, FleetObservation], None]  # wake the reconcile pass if the status changed
+EventSink = Callable[..., Awaitable[None]]  # (fleet, type, reason, message, server, force=) -> an Event
+
+
+@dataclass(frozen=True)
+class Remediator:
+    """Carries out the actions of every fleet of one stall controller, one `execute` task an action."""
+    api: KubeApi
+    scraper: Scraper
+    metrics: StallMetrics
+    wake_reconcile: Callable[[Key], None]
+    publish: Publish
+    event: EventSink
+
+    async def execute(self, key: Key, fleet: ActingFleet, record: Remediation, spec: FleetSpec, batch: int, *,
+                      persisted: bool, stalled_sample: Scrape | None) -> None:
+        """Carry `record` out, each step idempotent; rolling actions a batch at a time."""
+        try:
+            if not persisted and not await self._persist(key, fleet, record):
+                fleet.local.pop(record.key(), None)
+                self.publish(key, fleet, fleet.observe())
+                fleet.logger.warning("not acting on %s: its record did not reach the API server within %.0f s",
+                                     record.server, PERSIST_TIMEOUT_SECONDS)
+                self.metrics.remediations.labels(record.action.value, "NotPersisted").inc()
+                return
+            rolling = record.action.rolling
+            targets = list(record.targets)
+            batches = [targets[i:i + batch] for i in range(0, len(targets), batch)] if rolling else [targets]
+            problems: list[str] = []
+            for number, group in enumerate(batches):
+                outcome = await self._restart(fleet, record, group, spec, stalled=not rolling,
+                                              stalled_sample=stalled_sample)
+                if outcome is Outcome.RECOVERED:
+                    await self._finish(key, fleet, record, Outcome.RECOVERED,
+                                       f"progress resumed while draining; nothing restarted. {record.message}")
+                    return
+                if isinstance(outcome, str):
+                    problems.append(outcome)
+                if rolling and number + 1 < len(batches):
+                    await self._wait_replaced(fleet, record, group, spec)
+            if problems:
+                await self._finish(key, fleet, record, Outcome.FAILED, "; ".join(problems) + f". {record.message}")
+            else:
+                await self._finish(key, fleet, record, Outcome.SUCCEEDED, record.message)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            fleet.logger.exception("remediation of %s failed", record.server)
+            await self._finish(key, fleet, record, Outcome.FAILED, f"{type(e).__name__}: {e}. {record.message}")
+
+    async def _restart(self, fleet: ActingFleet, record: Remediation, group: list[str], spec: FleetSpec, *,
+                       stalled: bool, stalled_sample: Scrape | None) -> Outcome | str | None:
+        """Drain and delete the pods of `group` that the record means. RECOVERED, an error text, or None."""
+        ns = fleet.ref.namespace
+        current = {p.name: p for p in fleet.observe().pods if p.owner_uid == fleet.ref.uid}
+        victims = [current[n] for n in group if n in current and not current[n].terminating
+                   and still_to_delete(record, current[n].created)]
+        for pod in victims:
+            if not pod.draining:
+                out = await self.api.set_drain(ns, pod.name, pod.uid, True)
+                if not out.ok:
+                    return f"could not drain {pod.name}: {out.message}"
+        drain_timeout = float(spec.remediation.drain_timeout_seconds)
+        if stalled:
+            wait = min(drain_timeout, STALLED_DRAIN_GRACE_SECONDS)
+            if victims and stalled_sample is not None and await self._progressed(victims[0], stalled_sample, wait):
+                for pod in victims:
+                    await self.api.set_drain(ns, pod.name, pod.uid, False)
+                return Outcome.RECOVERED
+        else:
+            await self._drained(victims, drain_timeout)
+        errors = []
+        for pod in victims:
+            grace = STALLED_DELETE_GRACE_SECONDS if stalled else None
+            out = await self.api.delete_pod(ns, pod.name, pod.uid, grace)
+            if not out.ok:
+                errors.append(f"could not delete {pod.name}: {out.message}")
+            else:
+                fleet.windows.reset(pod.name)
+                fleet.logger.info("deleted %s (%s)", pod.name, record.action.value)
+        self.wake_reconcile((ns, fleet.ref.name))
+        return "; ".join(errors) or None
+
+    async def _progressed(self, pod: ServerPod, before: Scrape, wait: float) -> bool:
+        """Whether the stalled server produced real tokens since `before`, watched for `wait` s."""
+        deadline = time.monotonic() + wait
+        while True:
+            now = await self.scraper(metrics_url(pod.ip), WATCH_SCRAPE_TIMEOUT)
+            if now.ok and set(now.ranks) == set(before.ranks) and now.tokens > before.tokens:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(min(WATCH_POLL_SECONDS, max(0.0, deadline - time.monotonic())))
+
+    async def _drained(self, pods: list[ServerPod], timeout: float) -> None:
+        """Until the (working) servers have finished their requests, or `timeout`."""
+        deadline = time.monotonic() + timeout
+        while pods and time.monotonic() < deadline:
+            samples = await asyncio.gather(*(self.scraper(metrics_url(p.ip), WATCH_SCRAPE_TIMEOUT) for p in pods))
+            if all(s.ok and s.total("requests_running") + s.total("requests_waiting") == 0 for s in samples):
+                return
+            await asyncio.sleep(WATCH_POLL_SECONDS)
+
+    async def _wait_replaced(self, fleet: ActingFleet, record: Remediation, group: list[str],
+                             spec: FleetSpec) -> None:
+        """Until the batch's replacements are Ready (or their startup and drain timeouts pass)."""
+        timeout = max(spec.role(role).probes.startup_timeout_seconds for role in names.ROLES)
+        deadline = time.monotonic() + timeout + spec.remediation.drain_timeout_seconds
+        while time.monotonic() < deadline:
+            current = {p.name: p for p in fleet.observe().pods if p.owner_uid == fleet.ref.uid}
+            if all(n in current and current[n].ready and not current[n].terminating and
+                   not still_to_delete(record, current[n].created) for n in group):
+                return
+            await asyncio.sleep(WATCH_POLL_SECONDS)
+
+    async def _persist(self, key: Key, fleet: ActingFleet, record: Remediation) -> bool:
+        """Until the record is in the API server (the reconcile pass writes it), or the timeout."""
+        want = (record.key(), record.outcome)
+        deadline = time.monotonic() + PERSIST_TIMEOUT_SECONDS
+        self.publish(key, fleet, fleet.observe())
+        while want not in fleet.persisted:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            fleet.persisted_changed.clear()
+            self.wake_reconcile(key)
+            try:
+                await asyncio.wait_for(fleet.persisted_changed.wait(), timeout=min(left, PERSIST_WAKE_SECONDS))
+            except asyncio.TimeoutError:
+                pass
+        return True
+
+    async def _finish(self, key: Key, fleet: ActingFleet, record: Remediation, outcome: Outcome,
+                      message: str) -> None:
+        done = record.ended(outcome, message)
+        fleet.local[done.key()] = done
+        self.metrics.remediations.labels(record.action.value, outcome.value).inc()
+        kind, reason = outcome.event
+        await self.event(fleet, kind, reason, f"{record.action.value} {', '.join(record.targets)}: "
+                         f"{outcome.value}. {message}", record.server, force=True)
+        self.publish(key, fleet, fleet.observe())
