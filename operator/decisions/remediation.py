@@ -143,7 +143,7 @@ def decide(verdicts: Sequence[StallVerdict], history: Sequence[Remediation], spe
 
         def skip(reason: SkipReason, message: str, action: Action = Action.RESTART_SERVER, targets=(v.server,), level=0,
                  quiet: bool = False):
-            planned.append(Decision(v, action, tuple(targets), Choice.SKIP, reason, message, level, origin,
+            planned.append(Decision(v, action, tuple(targets), Choice.SKIP, reason.value, message, level, origin,
                                     quiet=quiet or reason is SkipReason.IN_PROGRESS))
 
         if halted:

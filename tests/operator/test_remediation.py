@@ -111,7 +111,9 @@ def test_zero_budget_behaves_like_dry_run():
 
 def test_cooldown_per_server():
     history = [record(ago=30)]
-    assert only(decide([stalled()], history, spec(cooldownSeconds=60), fleet(), NOW)).reason == "Cooldown"
+    skipped = only(decide([stalled()], history, spec(cooldownSeconds=60), fleet(), NOW))
+    # the plain word, as Events ("not remediated (Cooldown)") and metric labels print it
+    assert skipped.reason == "Cooldown" and f"{skipped.reason}" == "Cooldown" and type(skipped.reason) is str
     other = decide([stalled("f-context-1")], history, spec(cooldownSeconds=60), fleet(), NOW)
     assert only(other).choice is Choice.ACT  # another server is not cooled down
 
