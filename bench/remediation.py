@@ -174,7 +174,7 @@ def run(args) -> dict:
                 victim = live(role)[0]
                 retries_before = router_retries(url)
                 t_fault = time.time()
-                inject(victim.status.pod_ip, fault, rank)
+                inject(core, victim, fault, rank)
                 record = wait(lambda: next((r for r in remediations(fleet()) if r["server"] == victim.metadata.name
                                             and parse_rfc3339(r["time"]) >= t_fault and r["outcome"] == "Succeeded"),
                                            None), 240, f"the remediation of {victim.metadata.name}")

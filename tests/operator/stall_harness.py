@@ -240,10 +240,11 @@ class Monitoring:
         return sum(1 for s in self.query('up{job="adpfleet-servers"}') if s["value"][1] == "1")
 
 
-def inject(fleets, pod, kind: str, rank: int) -> dict:
-    """POST /faults to a server of `fleets`, with the fleet's internal token (from the Secret the
-    operator created): /faults needs a credential like /v1/*."""
-    secret = fleets.core.read_namespaced_secret(f"{pod.metadata.labels[names.LABEL_FLEET]}-internal-token", fleets.ns)
+def inject(core, pod, kind: str, rank: int) -> dict:
+    """POST /faults to the server `pod`, with its fleet's internal token (read through the CoreV1Api
+    `core` from the Secret the operator created): /faults needs a credential like /v1/*."""
+    secret = core.read_namespaced_secret(f"{pod.metadata.labels[names.LABEL_FLEET]}-internal-token",
+                                         pod.metadata.namespace)
     token = base64.b64decode(secret.data["token"]).decode()
     r = httpx.post(f"http://{pod.status.pod_ip}:{names.SERVER_HTTP_PORT}/faults", json={"kind": kind, "rank": rank},
                    headers={"Authorization": f"Bearer {token}"}, timeout=10)

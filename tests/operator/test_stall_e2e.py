@@ -163,7 +163,7 @@ def test_auto_detects_the_fault_and_restarts_the_right_server_under_load(env, fa
     with PodTimeline(fleets.cluster, fleets.ns, FLEET) as timeline, Load(router_url(fleets), clients=4) as load:
         wait_flowing(load)
         t_fault = time.time()
-        inject(fleets, victim, fault, rank)
+        inject(fleets.core, victim, fault, rank)
         record = wait_for(lambda: record_for(fleets, victim.metadata.name, t_fault, "Succeeded"), timeout=120,
                           what=f"a Succeeded remediation of {victim.metadata.name}")
         assert record["action"] == "RestartServer" and record["signature"] == signature, record
@@ -192,7 +192,7 @@ def test_dry_run_reports_the_stall_and_deletes_nothing(env):
     with Load(router_url(fleets), clients=3) as load:
         wait_flowing(load)
         t_fault = time.time()
-        inject(fleets, victim, "starve", 1)
+        inject(fleets.core, victim, "starve", 1)
         record = wait_for(lambda: record_for(fleets, victim.metadata.name, t_fault, "DryRun"), timeout=90,
                           what="a DryRun record")
         assert record["action"] == "RestartServer" and record["message"].startswith("would RestartServer")
@@ -221,7 +221,7 @@ def test_an_exhausted_budget_degrades_the_fleet_and_only_emits_events(env):
     victim = server(fleets, "context")
     with Load(router_url(fleets), clients=3) as load:
         wait_flowing(load)
-        inject(fleets, victim, "starve", 1)
+        inject(fleets.core, victim, "starve", 1)
         wait_for(lambda: server(fleets, "context").metadata.uid != victim.metadata.uid, timeout=120,
                  what="the last action the budget allows")
         degraded = wait_for(lambda: fleets.condition(FLEET, "Degraded") if fleets.condition(FLEET, "Degraded").get(
@@ -233,7 +233,7 @@ def test_an_exhausted_budget_degrades_the_fleet_and_only_emits_events(env):
         wait_flowing(load)
         # the next stall: Events only, nothing deleted
         victim = server(fleets, "context")
-        inject(fleets, victim, "starve", 1)
+        inject(fleets.core, victim, "starve", 1)
         wait_for(lambda: any(e.reason == "RemediationBudgetExhausted" for e in fleets.events()), timeout=60,
                  what="a RemediationBudgetExhausted Event")
         time.sleep(WINDOW)
@@ -260,7 +260,7 @@ def test_a_leader_killed_mid_remediation_is_replaced_by_the_standby_without_a_du
     with PodTimeline(fleets.cluster, fleets.ns, FLEET) as timeline, Load(router_url(fleets), clients=3) as load:
         wait_flowing(load)
         t_fault = time.time()
-        inject(fleets, victim, "starve", 1)
+        inject(fleets.core, victim, "starve", 1)
         wait_for(lambda: record_for(fleets, victim.metadata.name, t_fault), timeout=90, what="the remediation record")
         holder["op"].kill()  # no goodbye, no Lease handed back: SIGKILL right after the decision was recorded
         killed = time.monotonic()
@@ -303,7 +303,7 @@ def test_the_alert_path_remediates_with_the_operators_own_detection_off(env):
             wait_flowing(load)
             time.sleep(5)
             t_fault = time.time()
-            inject(fleets, victim, "starve", 1)
+            inject(fleets.core, victim, "starve", 1)
             firing = wait_for(lambda: [a for a in monitoring.alerts() if a["state"] == "firing"
                                        and a["labels"]["alertname"] == "AdpfleetServerStalled"], timeout=150,
                               what="AdpfleetServerStalled firing in Prometheus")
