@@ -116,6 +116,16 @@ def record_for(fleets: Fleets, pod_name: str, since: float, outcome: str | None 
     return None
 
 
+def wait_restarts_settled(fleets: Fleets, timeout: float = 120) -> None:
+    """Until no restart of the fleet is still underway or unresolved (Pending, Succeeded): the
+    restarted servers made progress again. A stall of a server whose last restart is unresolved
+    climbs the escalation ladder (its peers, then Halt) instead of restarting it again: a test that
+    expects a plain RestartServer waits for this first."""
+    wait_for(lambda: not [r for r in remediations(fleets.get(FLEET)) if r["action"].startswith("Restart")
+                          and r["outcome"] in ("Pending", "Succeeded")],
+             timeout=timeout, what="every restart resolved (its server made progress again)")
+
+
 def assert_none_lost(load: Load) -> None:
     counts = load.counts()
     lost = [o for o in load.outcomes if o.kind == "lost"]
@@ -162,6 +172,7 @@ def test_auto_detects_the_fault_and_restarts_the_right_server_under_load(env, fa
     other = server(fleets, "generation" if role == "context" else "context")
     with PodTimeline(fleets.cluster, fleets.ns, FLEET) as timeline, Load(router_url(fleets), clients=4) as load:
         wait_flowing(load)
+        wait_restarts_settled(fleets)
         t_fault = time.time()
         inject(fleets.core, victim, fault, rank)
         record = wait_for(lambda: record_for(fleets, victim.metadata.name, t_fault, "Succeeded"), timeout=120,
@@ -215,6 +226,9 @@ def test_dry_run_reports_the_stall_and_deletes_nothing(env):
 def test_an_exhausted_budget_degrades_the_fleet_and_only_emits_events(env):
     fleets, holder, _ = env
     wait_healthy_fleet(fleets)
+    with Load(router_url(fleets), clients=3) as load:  # progress resolves the earlier tests' restarts
+        wait_flowing(load)
+        wait_restarts_settled(fleets)
     used = sum(1 for r in remediations(fleets.get(FLEET)) if r["action"].startswith("Restart")
                and r["outcome"] in ("Succeeded", "Resolved", "Failed", "Pending"))
     fleets.patch_spec(FLEET, {"remediation": {"budgetPerHour": used + 1}})  # room for one more action
@@ -231,6 +245,7 @@ def test_an_exhausted_budget_degrades_the_fleet_and_only_emits_events(env):
         assert holder["op"].metric("adpfleet_operator_remediation_budget_exhausted", fleet=FLEET) == 1
         wait_healthy_fleet(fleets)
         wait_flowing(load)
+        wait_restarts_settled(fleets)  # the next stall of this server is a new one, not an escalation
         # the next stall: Events only, nothing deleted
         victim = server(fleets, "context")
         inject(fleets.core, victim, "starve", 1)
@@ -259,6 +274,7 @@ def test_a_leader_killed_mid_remediation_is_replaced_by_the_standby_without_a_du
     victim = server(fleets, "context")
     with PodTimeline(fleets.cluster, fleets.ns, FLEET) as timeline, Load(router_url(fleets), clients=3) as load:
         wait_flowing(load)
+        wait_restarts_settled(fleets)
         t_fault = time.time()
         inject(fleets.core, victim, "starve", 1)
         wait_for(lambda: record_for(fleets, victim.metadata.name, t_fault), timeout=90, what="the remediation record")
