@@ -15,32 +15,26 @@ import pytest
 
 from adpfleet.operator.resource import names
 
-from specs import fleet_manifest
+from specs import GPU_TEMPLATE, fleet_manifest
 
 pytestmark = pytest.mark.k8s
 
 PRIORITY_CLASS = "adpfleet-test-inference"
 TOLERATIONS = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]  # the role's own fields
 
-TEMPLATE: dict = {
-    "metadata": {"labels": {"team": "inference"}, "annotations": {"example.com/owner": "ml-platform"}},
-    "spec": {
-        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
-            {"matchExpressions": [{"key": "kubernetes.io/os", "operator": "In", "values": ["linux"]}]}]}}},
-        "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
-                                       "whenUnsatisfiable": "ScheduleAnyway",
-                                       "labelSelector": {"matchLabels": {"team": "inference"}}}],
-        "priorityClassName": PRIORITY_CLASS,
-        "volumes": [{"name": "models", "emptyDir": {}}],
-        "initContainers": [{"name": "warm-cache", "image": "busybox:1.36", "command": ["true"]}],
-        "containers": [
-            {"name": "server", "env": [{"name": "NCCL_IB_HCA", "value": "mlx5"}],
-             "volumeMounts": [{"name": "models", "mountPath": "/models"}]},
-            {"name": "log-shipper", "image": "fluent/fluent-bit:3.0",
-             "volumeMounts": [{"name": "models", "mountPath": "/logs", "readOnly": True}]},
-        ],
-    },
-}
+def local_template() -> dict:
+    """specs.GPU_TEMPLATE less what one CPU node cannot give (another scheduler, a runtime class,
+    RDMA and hugepages, a ConfigMap), with the priority class the test creates."""
+    template = copy.deepcopy(GPU_TEMPLATE)
+    spec = template["spec"]
+    del spec["schedulerName"], spec["runtimeClassName"]
+    spec["priorityClassName"] = PRIORITY_CLASS
+    for key in ("envFrom", "resources", "securityContext"):
+        del spec["containers"][0][key]
+    return template
+
+
+TEMPLATE = local_template()
 
 
 @pytest.fixture
