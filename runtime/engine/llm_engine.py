@@ -117,9 +117,12 @@ class LLMEngine:
         slots = torch.tensor([self.kv.slot(req, p) for p in range(n)], dtype=torch.long)
         k_cache, v_cache = self.runner.kv_cache
         dev = k_cache.device
-        k_cache.index_copy_(1, slots.to(dev), req.kv_payload.k.to(dev, k_cache.dtype))
-        v_cache.index_copy_(1, slots.to(dev), req.kv_payload.v.to(dev, v_cache.dtype))
-        req.kv_payload = None
+        payload, req.kv_payload = req.kv_payload, None
+        try:
+            k_cache.index_copy_(1, slots.to(dev), payload.k.to(dev, k_cache.dtype))
+            v_cache.index_copy_(1, slots.to(dev), payload.v.to(dev, v_cache.dtype))
+        finally:
+            payload.release()  # copied (synchronously, also to a GPU): its buffer may take the next pull
         req.num_computed_tokens = n
         req.state = RequestState.GENERATION
         out = self._append_token(req, req.first_token_id)

@@ -41,12 +41,17 @@ class ADPExecutor:
         self.adp = comm.world_size > 1
         self.padding = Padding(engine, self.adp, pad_empty_batch)
 
-    def step(self, new_requests: list[Request] = (), stop: bool = False) -> PassResult:
+    def step(self, new_requests: list[Request] = (), stop: bool = False, emit=None) -> PassResult:
+        """One pass. `emit(outputs)`, when given, gets the outputs the fetch produced (the first
+        tokens of requests whose pulled KV was placed) at once, before this pass's forward."""
         e, stats = self.engine, self.engine.stats
         result = PassResult()
         # 1. fetch
         e.pending.extend(new_requests)
         result.outputs = e.fetch()
+        if emit is not None and result.outputs:
+            emit(result.outputs)
+            result.outputs = []
         fleet = self.comm.all_gather_ints([e.num_active_real + len(e.pending), int(stop)])
         result.fleet_has_work = any(row[0] for row in fleet)
         result.stop = any(row[1] for row in fleet)

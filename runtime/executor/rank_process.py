@@ -15,9 +15,11 @@ state, and its peers' position in the lockstep, are then unknown, so the server 
 from __future__ import annotations
 
 import logging
+import multiprocessing.connection
 import os
 import queue
 import signal
+import socket
 import sys
 import threading
 import time
@@ -27,7 +29,7 @@ from datetime import timedelta
 
 from adpfleet.runtime.config import EngineConfig
 from adpfleet.runtime.executor import faults
-from adpfleet.runtime.executor.kv_transfer import KVLayout
+from adpfleet.runtime.executor.kv_transfer import KVLayout, KVPuller
 from adpfleet.runtime.model.parallel import CALLS
 
 IDLE_WAIT_S = 0.02  # how long an idle rank waits for new requests before the next lockstep pass
@@ -97,15 +99,47 @@ def _start_kv_server(spec: RankSpec, engine):
                             transfer_timeout_s=spec.kv_transfer_timeout_s)
 
 
-def _pull(request, spec: RankSpec, layout, arrived: queue.SimpleQueue) -> None:
+class _Arrivals:
+    """Requests whose KV pull ended, from the pull threads to the loop. An arrival wakes a loop that
+    waits for messages, so an idle rank places the KV at once rather than after IDLE_WAIT_S."""
+
+    def __init__(self):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._woken, self._wake = socket.socketpair()
+        self._woken.setblocking(False)
+        self._wake.setblocking(False)
+
+    def put(self, item) -> None:
+        self._queue.put(item)
+        try:
+            self._wake.send(b"\0")
+        except BlockingIOError:  # the loop has not read the earlier wake-ups: it is woken already
+            pass
+
+    def wait(self, conn, timeout: float) -> None:
+        """Until a message on `conn` or an arrival, at most `timeout` seconds."""
+        multiprocessing.connection.wait([conn, self._woken], timeout)
+        try:
+            while self._woken.recv(4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def empty(self) -> bool:
+        return self._queue.empty()
+
+    def get(self):
+        return self._queue.get()
+
+
+def _pull(request, puller: KVPuller, arrived: _Arrivals) -> None:
     """Generation role, on its own thread: fetch the prompt's KV (checked against this rank's
     model and the request's prompt), then hand the request to the loop."""
-    from adpfleet.runtime.executor.kv_transfer import FAILED, fetch
+    from adpfleet.runtime.executor.kv_transfer import FAILED
 
     endpoint, handle = request.remote_kv
     try:
-        request.kv_payload = fetch(endpoint, handle, spec.kv_transfer_timeout_s, layout,
-                                   request.num_prompt_tokens, spec.kv_token)
+        request.kv_payload = puller.pull(endpoint, handle, request.num_prompt_tokens)
         arrived.put((request, None))
     except Exception as e:  # noqa: BLE001 - whatever the peer did, it fails this request, never the rank
         arrived.put((request, f"{FAILED} (from {endpoint}): {e}"))
@@ -120,8 +154,8 @@ def run_rank(spec: RankSpec, conn) -> None:
     try:
         engine, executor, puller = _build(spec)
         kv_server = _start_kv_server(spec, engine) if spec.role == "context" else None
-        layout = KVLayout.of(engine.runner.kv_cache[0])
-        arrived: queue.SimpleQueue = queue.SimpleQueue()  # generation role: requests whose KV came
+        kv_puller = KVPuller(KVLayout.of(engine.runner.kv_cache[0]), spec.kv_transfer_timeout_s, spec.kv_token)
+        arrived = _Arrivals()  # generation role: requests whose KV came
         conn.send(("ready", spec.rank, kv_server.endpoint if kv_server else None))
         stop = False
         frozen = False
@@ -129,12 +163,12 @@ def run_rank(spec: RankSpec, conn) -> None:
         last_stats = 0.0
         while True:
             new, failed = [], []
-            wait = 0 if busy or stop or not arrived.empty() else IDLE_WAIT_S
-            while conn.poll(wait):
-                wait = 0
+            if not (busy or stop or not arrived.empty()):
+                arrived.wait(conn, IDLE_WAIT_S)
+            while conn.poll(0):
                 msg = conn.recv()
                 if msg[0] == "add" and msg[1].remote_kv is not None:
-                    threading.Thread(target=_pull, args=(msg[1], spec, layout, arrived), name="kv-pull",
+                    threading.Thread(target=_pull, args=(msg[1], kv_puller, arrived), name="kv-pull",
                                      daemon=True).start()
                 elif msg[0] == "add":
                     new.append(msg[1])
@@ -160,7 +194,7 @@ def run_rank(spec: RankSpec, conn) -> None:
                 else:
                     failed.append(engine.fail(req, error))
             started = time.perf_counter()
-            result = executor.step(new, stop=stop)
+            result = executor.step(new, stop=stop, emit=lambda outputs: conn.send(("out", outputs)))
             result.outputs = failed + result.outputs
             if result.fleet_has_work:
                 engine.stats.busy_passes += 1

@@ -214,3 +214,129 @@ def test_an_endpoint_is_host_and_tcp_port_and_nothing_else(endpoint, parsed):
             parse_endpoint(endpoint)
     else:
         assert parse_endpoint(endpoint) == parsed and format_endpoint(*parsed) == endpoint
+
+
+# -- persistent connections -------------------------------------------------------------------------
+def expected(held, handle):
+    table, tokens = held.handles[handle]
+    slots = torch.tensor([table[p // BS] * BS + p % BS for p in range(tokens)])
+    return held.k[:, slots], held.v[:, slots]
+
+
+def test_a_puller_reuses_its_connection_and_each_pull_gets_its_own_kv(server, held):
+    held.handles.update({"req-2": ([0, 4, 2], 12), "req-3": ([4], 3)})
+    want = {h: expected(held, h) for h in held.handles}
+    puller = kv_transfer.KVPuller(layout_of(held), 5, TOKEN)
+    try:
+        for handle in ("req-1", "req-2", "req-3"):
+            payload = puller.pull(server.endpoint, handle, want[handle][0].shape[1])
+            assert torch.equal(payload.k, want[handle][0]) and torch.equal(payload.v, want[handle][1])
+            payload.release()  # its buffer takes the next pull
+            assert payload.k is None  # a released payload reads nothing
+        assert server.accepted == 1  # three pulls, one connection
+        assert puller.buffers.allocated == 1
+        wait(lambda: held.done == 3)
+        with pytest.raises(KVTransferError, match="no held KV"):  # a handle is still pulled once
+            puller.pull(server.endpoint, "req-1", TOKENS)
+    finally:
+        puller.close()
+
+
+def test_a_connection_waiting_between_pulls_gives_its_slot_to_a_new_one(server, held):
+    held.handles.update({"req-2": ([0, 4, 2], 12), "req-3": ([4], 3)})
+    puller = kv_transfer.KVPuller(layout_of(held), 5, TOKEN)
+    host, port = server.endpoint.rsplit(":", 1)
+    idle = [socket.create_connection((host, int(port)), timeout=10) for _ in range(3)]
+    try:
+        puller.pull(server.endpoint, "req-1", TOKENS)  # the fourth of 4 slots, kept open
+        wait(lambda: server._waiting)  # acknowledged: it waits for its next pull
+        fetch(server.endpoint, "req-2", 5, layout_of(held), 12, TOKEN)  # not "busy": the waiting one made room
+        payload = puller.pull(server.endpoint, "req-3", 3)  # its connection was closed: a new one
+        assert torch.equal(payload.k, held.k[:, 16:19]) and server.accepted == 6
+    finally:
+        puller.close()
+        for conn in idle:
+            conn.close()
+
+
+CONTEXT_KV_SERVER = """
+import sys, time, torch
+from adpfleet.runtime.executor.kv_transfer import KVTransferServer
+torch.manual_seed(int(sys.argv[2]))
+k, v = torch.randn(2, 20, 2, 8), torch.randn(2, 20, 2, 8)
+server = KVTransferServer("127.0.0.1", int(sys.argv[1]), k, v, lambda h: (([3, 1, 2], 10), lambda: None), 4,
+                          token=sys.argv[3])
+print(server.endpoint, flush=True)
+time.sleep(600)
+"""
+
+
+def context_kv_server(port: int, seed: int):
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", CONTEXT_KV_SERVER, str(port), str(seed), TOKEN],
+                            stdout=subprocess.PIPE, text=True)
+    torch.manual_seed(seed)
+    k, v = torch.randn(2, 20, 2, 8), torch.randn(2, 20, 2, 8)
+    slots = torch.tensor([TABLE[p // BS] * BS + p % BS for p in range(TOKENS)])
+    return proc, proc.stdout.readline().strip(), (k[:, slots], v[:, slots])
+
+
+@pytest.mark.parametrize("seen", ["closed before the pull", "found closed by the pull"])
+def test_a_pooled_connection_to_a_restarted_context_server_is_dropped_and_the_pull_retried(seen, monkeypatch):
+    if seen == "found closed by the pull":  # the peer's close is still in flight when the connection is taken
+        monkeypatch.setattr(kv_transfer.KVPuller, "_pooled", lambda self, peer: self._idle.get(peer, [(None,)]).pop()[0]
+                            if self._idle.get(peer) else None)
+    puller = kv_transfer.KVPuller(LAYOUT, 5, TOKEN)
+    first, endpoint, want = context_kv_server(0, seed=1)
+    try:
+        assert torch.equal(puller.pull(endpoint, "a", TOKENS).k, want[0])
+        first.kill()
+        first.wait()
+        again, endpoint_again, want = context_kv_server(int(endpoint.rsplit(":", 1)[1]), seed=2)
+        assert endpoint_again == endpoint
+        try:
+            for handle in ("b", "c"):  # the new server's KV, on one new connection that stays
+                payload = puller.pull(endpoint, handle, TOKENS)
+                assert torch.equal(payload.k, want[0]) and torch.equal(payload.v, want[1])
+            assert [len(conns) for conns in puller._idle.values()] == [1]
+        finally:
+            again.kill()
+            again.wait()
+    finally:
+        first.kill()
+        first.wait()
+        puller.close()
+
+
+def test_a_connection_closed_to_make_room_as_its_pull_arrives_leaves_the_handle_for_the_retry(server, held):
+    held.handles.update({"req-2": ([0, 4, 2], 12)})
+    puller = kv_transfer.KVPuller(layout_of(held), 5, TOKEN)
+    try:
+        puller.pull(server.endpoint, "req-1", TOKENS)
+        wait(lambda: server._waiting)
+        with server._lock:  # what a new connection at the cap does, caught just before the shutdown
+            server._waiting.clear()
+        want = expected(held, "req-2")
+        payload = puller.pull(server.endpoint, "req-2", 12)  # its line reaches a connection that is closing
+        assert torch.equal(payload.k, want[0]) and torch.equal(payload.v, want[1])
+        assert server.accepted == 2  # the retry's new connection
+    finally:
+        puller.close()
+
+
+def test_a_finished_pull_wakes_an_idle_rank_loop_at_once():
+    import multiprocessing
+
+    from adpfleet.runtime.executor.rank_process import _Arrivals
+
+    arrivals = _Arrivals()
+    ours, _theirs = multiprocessing.Pipe()
+    threading.Timer(0.2, arrivals.put, args=(("request", None),)).start()
+    t0 = time.monotonic()
+    arrivals.wait(ours, timeout=30)  # the loop's wait for messages from the server
+    assert time.monotonic() - t0 < 10 and not arrivals.empty() and arrivals.get() == ("request", None)
+    t0 = time.monotonic()
+    arrivals.wait(ours, timeout=0.3)  # the wake-up was consumed: nothing new, the full timeout
+    assert time.monotonic() - t0 >= 0.25

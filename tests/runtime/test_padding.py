@@ -413,3 +413,25 @@ def test_a_context_rank_at_the_cap_with_its_kv_held_does_not_stall_the_fleet():
         assert all(r.is_finished for r in starved) and e0.stats.forward_vetoed == 0
     finally:
         fleet.close()
+
+
+def test_a_placed_requests_first_token_is_emitted_before_the_passs_forward_and_its_buffer_released():
+    import torch
+
+    from adpfleet.runtime.executor.kv_transfer import KVPayload
+
+    e = engine()
+    forwards = record_forwards(e)
+    k_cache = e.runner.kv_cache[0]
+    req = Request("pulled", [5, 6, 7], SamplingParams(max_tokens=3))
+    req.remote_kv, req.first_token_id = ("127.0.0.1:1", "h"), 9
+    released = []
+    shape = (k_cache.shape[0], 3, k_cache.shape[2], k_cache.shape[3])
+    payload = KVPayload(torch.ones(shape), torch.ones(shape), on_release=lambda: released.append(True))
+    req.kv_payload = payload
+    emitted = []
+    result = ADPExecutor(e, FakeVote()).step([req], emit=lambda outs: emitted.append((len(forwards), outs)))
+    [(forwards_before, [first])] = emitted
+    assert forwards_before == 0 and first.request_id == "pulled" and first.new_token_ids == [9]
+    assert result.ran and all(o.request_id != "pulled" or o.new_token_ids != [9] for o in result.outputs)
+    assert released == [True] and payload.k is None  # copied into the blocks, then given back
