@@ -22,7 +22,8 @@ import yaml
 
 from adpfleet.operator.resource import names
 
-RULES = Path(__file__).resolve().parents[2] / "charts" / "adpfleet" / "files" / "alert-rules.yaml"
+ROOT = Path(__file__).resolve().parents[2]
+RULES = ROOT / "charts" / "adpfleet" / "files" / "alert-rules.yaml"
 VENV_BIN = Path(sys.executable).parent
 
 
@@ -250,6 +251,29 @@ def inject(core, pod, kind: str, rank: int) -> dict:
                    headers={"Authorization": f"Bearer {token}"}, timeout=10)
     assert r.status_code == 200, r.text
     return r.json()
+
+
+
+def inject_as_documented(cluster, pod, kind: str, rank: int) -> dict:
+    """The same POST as `inject`, made by the commands of docs/remediation.md's "Rehearsing a stall"
+    as a user runs them (the token from the fleet's Secret with kubectl, curl), with the page's
+    placeholders filled in. The local cluster cannot port-forward: the commands reach the pod's IP,
+    the alternative the page gives."""
+    page = (ROOT / "docs" / "remediation.md").read_text()
+    section = page[page.index("## Rehearsing a stall"):]
+    block = section[section.index("```bash\n") + 8:section.index("```", section.index("```bash\n") + 8)]
+    script = "\n".join(line for line in block.replace("\\\n", "").splitlines() if "port-forward" not in line)
+    script = (script.replace("NS", pod.metadata.namespace).replace("FLEET", pod.metadata.labels[names.LABEL_FLEET])
+              .replace("localhost:8000", f"{pod.status.pod_ip}:{names.SERVER_HTTP_PORT}")
+              .replace('{"kind": "freeze", "rank": 1}', json.dumps({"kind": kind, "rank": rank})))
+    env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig),
+           "PATH": f"{Path(cluster.kubectl_path).parent}:{os.environ['PATH']}"}
+    proc = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", script], env=env, capture_output=True, text=True,
+                          timeout=30)
+    assert proc.returncode == 0, f"{script}\n{proc.stderr}"
+    answer = json.loads(proc.stdout)
+    assert answer == {"injected": kind, "rank": rank}, answer
+    return answer
 
 
 def remediations(fleet: dict) -> list[dict]:

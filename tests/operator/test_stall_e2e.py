@@ -20,10 +20,11 @@ from kubernetes import client
 from adpfleet.cluster.testing import wait_for
 from adpfleet.operator.resource import names
 
+from adpfleet.operator.decisions.history import parse_rfc3339
 from adpfleet.operator.decisions.leadership import Timing
 
 from operator_harness import Fleets, OperatorProcess, PodTimeline, pod_ready
-from stall_harness import Load, Monitoring, inject, remediations, stall_fleet
+from stall_harness import Load, Monitoring, inject, inject_as_documented, remediations, stall_fleet
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow, pytest.mark.multiproc]
 
@@ -108,7 +109,6 @@ def wait_flowing(load: Load, n: int = 3, timeout: float = 120) -> None:
 
 
 def record_for(fleets: Fleets, pod_name: str, since: float, outcome: str | None = None) -> dict | None:
-    from adpfleet.operator.decisions.history import parse_rfc3339
     for r in remediations(fleets.get(FLEET)):
         if r["server"] == pod_name and parse_rfc3339(r["time"]) >= since and (outcome is None or
                                                                               r["outcome"] == outcome):
@@ -203,7 +203,7 @@ def test_dry_run_reports_the_stall_and_deletes_nothing(env):
     with Load(router_url(fleets), clients=3) as load:
         wait_flowing(load)
         t_fault = time.time()
-        inject(fleets.core, victim, "starve", 1)
+        inject_as_documented(fleets.cluster, victim, "starve", 1)  # docs/remediation.md's commands, as a user runs them
         record = wait_for(lambda: record_for(fleets, victim.metadata.name, t_fault, "DryRun"), timeout=90,
                           what="a DryRun record")
         assert record["action"] == "RestartServer" and record["message"].startswith("would RestartServer")
@@ -344,3 +344,57 @@ def test_the_alert_path_remediates_with_the_operators_own_detection_off(env):
     finally:
         monitoring.stop()
         start_op(holder)  # own detection back on for whatever runs next
+
+
+# ---- transfer stalls are the puller's or the server's own: two generation servers ----------------
+
+def test_two_sided_transfer_faults_restart_only_the_server_at_fault(env):
+    """A frozen generation rank leaves KV held for it on the context server: that is the generation
+    server's symptom, so only it restarts (its sibling and the context server keep their pods). A
+    context server that takes pulls and never answers them is the one at fault: only it restarts.
+    Runs last: it leaves the module's fleet with two generation servers."""
+    fleets, holder, _ = env
+    wait_healthy_fleet(fleets)
+    fleets.patch_spec(FLEET, {"generation": {"servers": 2}})
+    wait_for(lambda: len(ready := [p for p in fleets.live_pods(FLEET, "generation") if pod_ready(p)]) == 2 and ready,
+             timeout=240, what="two generation servers Ready")
+    fleets.wait_ready(FLEET, timeout=120)
+    frozen, sibling = sorted(fleets.live_pods(FLEET, "generation"), key=lambda p: p.metadata.name)
+    ctx = server(fleets, "context")
+    uids = lambda: {p.metadata.name: p.metadata.uid for p in fleets.live_pods(FLEET)}  # noqa: E731
+
+    def restarted(pod, since: float, signature: str) -> None:
+        record = wait_for(lambda: record_for(fleets, pod.metadata.name, since, "Succeeded"), timeout=120,
+                          what=f"a Succeeded remediation of {pod.metadata.name}")
+        assert (record["action"], record["signature"], record["targets"]) == (
+            "RestartServer", signature, [pod.metadata.name]), record
+        wait_for(lambda: len([p for p in fleets.live_pods(FLEET) if pod_ready(p)]) == 3, timeout=240,
+                 what="all three servers Ready")
+        fleets.wait_ready(FLEET, timeout=120)
+
+    with Load(router_url(fleets), clients=4) as load:
+        wait_flowing(load)
+        wait_restarts_settled(fleets)
+        t_freeze = time.time()
+        inject(fleets.core, frozen, "freeze", 0)
+        restarted(frozen, t_freeze, "hung")
+        after_freeze = uids()
+        assert after_freeze[ctx.metadata.name] == ctx.metadata.uid, "the context server was restarted for its puller"
+        assert after_freeze[sibling.metadata.name] == sibling.metadata.uid
+        wait_flowing(load)
+        wait_restarts_settled(fleets)
+
+        t_wedge = time.time()
+        inject(fleets.core, ctx, "stop-serving-kv", 0)
+        restarted(ctx, t_wedge, "transfer")
+        after_wedge = uids()
+        assert {n: u for n, u in after_wedge.items() if n != ctx.metadata.name} == \
+            {n: u for n, u in after_freeze.items() if n != ctx.metadata.name}, "a generation server was restarted"
+        wait_flowing(load)
+    assert_none_lost(load)
+    at_fault = lambda r: r["server"] == frozen.metadata.name or (  # noqa: E731
+        r["server"] == ctx.metadata.name and parse_rfc3339(r["time"]) >= t_wedge)
+    collateral = [r for r in remediations(fleets.get(FLEET)) if parse_rfc3339(r["time"]) >= t_freeze
+                  and not at_fault(r)]
+    assert collateral == [], collateral
+    print(f"two-sided transfer faults: {load.counts()}, 0 collateral restarts")
