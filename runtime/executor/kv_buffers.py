@@ -28,11 +28,9 @@ class BufferPool:
 
     def take(self, nbytes: int) -> torch.Tensor:
         with self._lock:
-            fits = [b for b in self._free if b.numel() >= nbytes]
-            if fits:
-                buffer = min(fits, key=torch.Tensor.numel)
-                self._free.remove(buffer)
-                return buffer
+            fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
+            if fits:  # by position: list.remove would compare tensors with ==, element by element
+                return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
             self.allocated += 1
         return torch.empty(-(-max(nbytes, 1) // ALIGN) * ALIGN, dtype=torch.uint8)
 
@@ -40,4 +38,4 @@ class BufferPool:
         with self._lock:
             self._free.append(buffer)
             while sum(b.numel() for b in self._free) > self.max_free_bytes:
-                self._free.remove(max(self._free, key=torch.Tensor.numel))
+                self._free.pop(max(range(len(self._free)), key=lambda i: self._free[i].numel()))
