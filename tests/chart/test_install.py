@@ -11,8 +11,11 @@ from __future__ import annotations
 import base64
 import copy
 import json
+import os
+import pathlib
 import re
 import secrets
+import subprocess
 import time
 
 import httpx
@@ -23,14 +26,21 @@ from kubernetes.client.exceptions import ApiException
 
 from adpfleet.cluster.testing import wait_for
 
-from helm_chart import CHART, EXAMPLES, helm
+from helm_chart import CHART, EXAMPLES, ROOT, helm
 
 pytestmark = pytest.mark.k8s
 
-RELEASE = "adp"
-FULLNAME = "adp-adpfleet"
+RELEASE = "adpfleet"  # the docs' release: the chart names its objects "adpfleet", as the runbooks do
+FULLNAME = "adpfleet"
 FLEET = "tiny"
-TIMINGS: dict[str, float] = {}
+TIMINGS: dict[str, float] = {}  # what bench/install.py reports (it sets ADPFLEET_INSTALL_TIMINGS to a path)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def timings():
+    yield TIMINGS
+    if path := os.environ.get("ADPFLEET_INSTALL_TIMINGS"):
+        pathlib.Path(path).write_text(json.dumps(TIMINGS, indent=2))
 
 
 def _namespace(cluster, prefix: str, labels: dict | None = None) -> str:
@@ -206,6 +216,56 @@ def test_install_runs_the_operator_under_its_service_account_and_it_reconciles_a
     assert not [c for c in counts if c[1] == "secrets" and c[2] != "create"], counts  # never reads one
     print("\n".join(f"{k:50s} {v:6.1f} s" for k, v in TIMINGS.items()))
 
+
+# ---- every runbook command, run against this release and its fleet ---------------------------------
+RUNBOOKS = sorted((ROOT / "docs" / "runbooks").glob("*.md"))
+POD_PROXY = re.compile(r'kubectl get --raw "?/api/v1/namespaces/([^/]+)/pods/([^/:]+):(\d+)/proxy(/[^"\s]*)"?'
+                       r"(?: --request-timeout=\S+)?")
+
+
+def runbook_commands(page: pathlib.Path) -> list[str]:
+    """The commands of a page's bash blocks, one per line, comments dropped."""
+    blocks = re.findall(r"```bash\n(.*?)```", page.read_text(), re.S)
+    lines = [re.sub(r"\s+#.*$", "", line).strip() for block in blocks for line in block.splitlines()]
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+def as_run_here(command: str, namespace: str) -> str:
+    """A runbook command with the page's placeholders (NS, FLEET, POD) and the chart's namespace
+    made this test's. The local cluster's pods listen on loopback addresses, which the API server
+    refuses to proxy to: there a pod's `kubectl get --raw .../proxy/PATH` runs as the documented
+    alternative, the same GET sent to the pod's IP. A grep of /metrics must find every name it lists;
+    a grep of a log may find nothing; a trailing head leaves the rest of the output unread."""
+    line = (command.replace("adpfleet-system", namespace).replace(" NS ", f" {namespace} ")
+            .replace("/NS/", f"/{namespace}/").replace("-n NS", f"-n {namespace}")
+            .replace("FLEET", FLEET).replace("POD", f"{FLEET}-context-0"))
+    line = POD_PROXY.sub(lambda m: f'curl -sf --max-time 10 "http://$(kubectl -n {m.group(1)} get pod {m.group(2)} '
+                                   f"-o jsonpath='{{.status.podIP}}'):{m.group(3)}{m.group(4)}\"", line)
+    producer, bar, last = line.rpartition("| ")
+    if bar and last.startswith("grep ") and " logs " in producer:  # a log may have no error lines
+        return f"{producer}| {{ {last} || [ $? = 1 ]; }}"
+    if bar and (metrics := re.fullmatch(r"grep -E '([\w|]+)'", last.strip())):  # every name the page greps for
+        checks = " && ".join(f"grep -q -E '{name}' <<< \"$out\"" for name in metrics.group(1).split("|"))
+        return f"out=$({producer.strip()}) && {checks}"
+    if bar and last.startswith("head"):  # head stops reading: the producer must not die of SIGPIPE
+        return f"{producer}| {{ {last}; cat > /dev/null; }}"
+    return line
+
+
+@pytest.mark.parametrize("page", RUNBOOKS, ids=[p.stem for p in RUNBOOKS])
+def test_every_runbook_command_runs_against_the_release(k8s_cluster, namespace, release, page):
+    """Every command of the runbook, in order in one shell (a command may use what an earlier one
+    set), succeeds against the chart's release and its Ready example fleet."""
+    commands = runbook_commands(page)
+    assert commands, f"{page.name} has no commands"
+    bindir = pathlib.Path(k8s_cluster.kubectl_path).parent
+    env = {**os.environ, "KUBECONFIG": str(k8s_cluster.kubeconfig), "PATH": f"{bindir}:{os.environ['PATH']}"}
+    script = "set -o pipefail\n" + "\n".join(
+        f"{as_run_here(c, namespace)} || {{ echo 'failed: {i}' >&2; exit 1; }}" for i, c in enumerate(commands))
+    proc = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    failed = re.search(r"failed: (\d+)", proc.stderr)
+    assert proc.returncode == 0, (f"{page.name}: {commands[int(failed.group(1))] if failed else '?'}\n"
+                                  f"{script}\n{proc.stderr[-3000:]}")
 
 def test_the_webhook_receiver_reads_its_token_from_the_chart_secret(k8s_cluster, namespace, release):
     secret = k8s_cluster.core.read_namespaced_secret(f"{FULLNAME}-webhook", namespace)
