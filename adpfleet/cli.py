@@ -98,6 +98,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--kv-peer", action="append", default=[], metavar="HOST|CIDR",
                        help="generation role: a host or network a request may name as its KV endpoint without the "
                             "internal token (repeatable; default: loopback only)")
+    serve.add_argument("--nodes", type=int, default=1,
+                       help="pods this server's --dp ranks are spread over (docs/adp.md: servers over several pods)")
+    serve.add_argument("--node-rank", type=int, default=0,
+                       help="this pod's place in the server: 0 the leader (API, KV endpoints), 1.. the workers; "
+                            "pod j runs ranks j*dp/nodes .. (j+1)*dp/nodes - 1")
+    serve.add_argument("--leader-address", default=os.environ.get("ADPFLEET_LEADER_ADDRESS", "127.0.0.1"),
+                       metavar="HOST", help="workers: where the leader pod is (on a cluster its headless Service's "
+                                            "DNS name; default $ADPFLEET_LEADER_ADDRESS, else 127.0.0.1)")
+    serve.add_argument("--group-port", type=int, default=29400,
+                       help="the leader's port where worker pods join the server (with --nodes > 1)")
     serve.add_argument("--max-waiting-requests", type=int, default=None,
                        help="requests accepted but not yet generating; one more is answered 429 with Retry-After "
                             "(default 128)")

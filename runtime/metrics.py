@@ -99,9 +99,11 @@ _HISTOGRAMS = [
 ]
 
 
-def render(role: str, ranks: list[tuple[int, RankStats]]) -> str:
-    """Prometheus text exposition of the given ranks' stats."""
+def render(role: str, ranks: list[tuple[int, RankStats]], node_rank: int | None = None) -> str:
+    """Prometheus text exposition of the given ranks' stats. A server over several pods labels its
+    series with the pod's `node_rank` too (0 the leader), so a dashboard names the pod of a rank."""
     lines: list[str] = []
+    pod = (("node_rank", node_rank),) if node_rank is not None else ()
 
     def family(name: str, kind: str, help_: str, samples):
         lines.append(f"# HELP {name} {help_}")
@@ -111,21 +113,21 @@ def render(role: str, ranks: list[tuple[int, RankStats]]) -> str:
             lines.append(f"{name}{{{text}}} {float(value)!r}")
 
     for attr, name, help_ in _COUNTERS:
-        family(name, "counter", help_, [((("role", role), ("rank", r)), getattr(s, attr)) for r, s in ranks])
+        family(name, "counter", help_, [((("role", role), ("rank", r), *pod), getattr(s, attr)) for r, s in ranks])
     family("adpfleet_padding_dummies_total", "counter", "Padding dummies by phase and outcome.",
-           [((("role", role), ("rank", r), ("phase", p), ("outcome", o)), n)
+           [((("role", role), ("rank", r), *pod, ("phase", p), ("outcome", o)), n)
             for r, s in ranks for (p, o), n in sorted(s.padding_dummies.items())])
     family("adpfleet_requests_finished_total", "counter", "Completed requests by finish reason.",
-           [((("role", role), ("rank", r), ("finish_reason", k)), n)
+           [((("role", role), ("rank", r), *pod, ("finish_reason", k)), n)
             for r, s in ranks for k, n in sorted(s.requests_finished.items())])
     for attr, name, help_ in _GAUGES:
-        family(name, "gauge", help_, [((("role", role), ("rank", r)), getattr(s, attr)) for r, s in ranks])
+        family(name, "gauge", help_, [((("role", role), ("rank", r), *pod), getattr(s, attr)) for r, s in ranks])
     for attr, name, help_ in _HISTOGRAMS:
         lines.append(f"# HELP {name} {help_}")
         lines.append(f"# TYPE {name} histogram")
         for r, s in ranks:
             h: LatencyHistogram = getattr(s, attr)
-            base = f'role="{role}",rank="{r}"'
+            base = ",".join(f'{k}="{v}"' for k, v in (("role", role), ("rank", r), *pod))
             cumulative = 0
             for bound, n in zip(LATENCY_BUCKETS, h.buckets):
                 cumulative += n

@@ -135,10 +135,7 @@ def build_app(engine, model_name: str, role: str = "aggregated", options: Server
             "id": model_name, "object": "model", "created": 0, "owned_by": "adpfleet",
             "max_model_len": engine.model_config.max_position_embeddings}]}
 
-    @app.get("/metrics")
-    async def prometheus():
-        return PlainTextResponse(metrics.render(role, engine.group.rank_stats()),
-                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+    _add_metrics(app, engine, role)
 
     def check_kv_peer(params, principal: str) -> None:
         """Only the router (the internal token) vouches for any endpoint; anyone else may name
@@ -331,10 +328,48 @@ def build_app(engine, model_name: str, role: str = "aggregated", options: Server
     return app
 
 
+def _add_metrics(app: FastAPI, engine, role: str) -> None:
+    """/metrics: this pod's ranks (each pod of a server exports its own, labelled with its node rank)."""
+    topology = engine.group.topology
+    node_rank = topology.node_rank if topology.nodes > 1 else None
+
+    @app.get("/metrics")
+    async def prometheus():
+        return PlainTextResponse(metrics.render(role, engine.group.rank_stats(), node_rank),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def build_worker_app(engine, role: str, options: ServerOptions | None = None) -> FastAPI:
+    """A worker pod of a server over several pods: it runs its ranks for the leader, which alone
+    serves the API and the KV endpoints. It answers /health (200 only while joined to its group and
+    its ranks are ready) and /metrics for its own ranks."""
+    options = options or ServerOptions()
+    app = FastAPI(title="adpfleet worker", version="0.1.0", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(BearerAuth, credentials=options.credentials)
+    node_rank = engine.group.topology.node_rank
+
+    @app.get("/health")
+    async def health():
+        ok, reason = engine.health()
+        return JSONResponse({"status": "ok" if ok else "unhealthy", "role": role, "node_rank": node_rank,
+                             "reason": reason}, status_code=200 if ok else 503)
+
+    _add_metrics(app, engine, role)
+
+    @app.api_route("/v1/{path:path}", methods=["GET", "POST"])
+    async def not_here(path: str):
+        return error_response(f"this pod is worker {node_rank} of a server over several pods: send requests "
+                              "to its leader (node rank 0)", 421, kind="invalid_request_error",
+                              code="misdirected_request")
+
+    return app
+
+
 def main(args) -> int:
     import uvicorn
 
     from adpfleet.runtime.config import EngineConfig
+    from adpfleet.runtime.executor.node_link import NodeTopology
     from adpfleet.runtime.serving.drain import GracefulServer
     from adpfleet.runtime.model.sources.fetch import resolve_model
     from adpfleet.runtime.serving.engine_client import EngineClient
@@ -343,6 +378,9 @@ def main(args) -> int:
     if args.dp < 1:
         raise ValueError(f"--dp must be a positive integer, got {args.dp}")
     options = ServerOptions.from_args(args)  # first: a bad flag costs no model fetch and no model load
+    topology = NodeTopology(args.nodes, args.node_rank, args.leader_address, args.group_port,
+                            options.credentials.internal_token)
+    topology.validate(args.dp)
     model = resolve_model(args.model, args.cache_dir)  # hf://, s3://, pvc://: fetched or found first
     config = EngineConfig.from_args(args).with_model(model.path)
     server: uvicorn.Server | None = None
@@ -362,15 +400,18 @@ def main(args) -> int:
                           collective_timeout_s=args.collective_timeout,
                           kv_host=args.host, kv_port=args.kv_port if args.kv_port is not None else args.port + 1,
                           kv_lease_s=args.kv_lease, kv_transfer_timeout_s=args.kv_transfer_timeout,
-                          kv_token=options.credentials.internal_token)
+                          kv_token=options.credentials.internal_token, topology=topology, link_host=args.host)
     name = args.served_model_name or model.served_name
-    app = build_app(client, name, args.role, options)
+    app = build_app(client, name, args.role, options) if topology.leader else build_worker_app(client, args.role,
+                                                                                                options)
     server = GracefulServer(app, client, host=args.host, port=args.port,
                             read_timeout=options.read_timeout, drain_timeout_s=args.drain_timeout)
     if options.fault_injection and not options.credentials.required:
         log.warning("POST /faults is enabled and this server has no API key: anyone who reaches it can stall it")
-    log.info("serving %s (%s, %d ADP ranks) on http://%s:%d%s", name, args.role, args.dp, args.host, args.port,
-             " (API key required)" if options.credentials.required else "")
+    share = "" if topology.nodes == 1 else (f"; pod {topology.node_rank} of {topology.nodes}, ranks "
+                                             f"{client.group.local_ranks[0]}..{client.group.local_ranks[-1]}")
+    log.info("serving %s (%s, %d ADP ranks%s) on http://%s:%d%s", name, args.role, args.dp, share, args.host,
+             args.port, " (API key required)" if options.credentials.required else "")
     try:
         server.run()
     finally:

@@ -3,6 +3,10 @@ watch their health.
 
 A rank that exits, reports an error, or stops reporting for longer than the collective timeout
 makes the whole server unhealthy: ranks share collectives, so the unit of restart is the server.
+
+A server over several pods (`node_link`): the leader's group holds every rank, its own as
+processes and the workers' as `RemoteRank`s behind the link; a worker's group holds only its own
+ranks and relays everything they say to the leader.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from adpfleet.runtime.config import EngineConfig
 from adpfleet.runtime.engine.llm_engine import RequestOutput
 from adpfleet.runtime.engine.request import Request
 from adpfleet.runtime.executor.adp_router import pick_rank
+from adpfleet.runtime.executor.node_link import LeaderLink, NodeTopology, RemoteRank, WorkerLink
 from adpfleet.runtime.executor.rank_process import RankSpec, run_rank
 from adpfleet.runtime.metrics import RankStats
 
@@ -26,7 +31,7 @@ log = logging.getLogger(__name__)
 
 def _free_port() -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind(("", 0))  # rank 0's store listens on every address: free on all of them
         return s.getsockname()[1]
 
 
@@ -34,8 +39,12 @@ class RankGroup:
     def __init__(self, config: EngineConfig, dp: int = 1, role: str = "aggregated",
                  pad_empty_batch: bool = True, collective_timeout_s: float = 60.0,
                  on_output: Callable[[RequestOutput], None] | None = None,
-                 on_dead: Callable[[str], None] | None = None, **spec_overrides):
+                 on_dead: Callable[[str], None] | None = None, topology: NodeTopology | None = None,
+                 link_host: str = "127.0.0.1", **spec_overrides):
         self.dp, self.role = dp, role
+        self.topology = topology or NodeTopology()
+        self.topology.validate(dp)
+        self.local_ranks = self.topology.ranks_of(self.topology.node_rank, dp)
         self.collective_timeout_s = collective_timeout_s
         self.on_output = on_output or (lambda out: None)
         self.on_dead = on_dead or (lambda reason: None)
@@ -48,19 +57,55 @@ class RankGroup:
         self._closing = False
         self._last_seen = [time.monotonic()] * dp
         self._lock = threading.Lock()
+        self.leader_link: LeaderLink | None = None
+        self.worker_link: WorkerLink | None = None
+        # ranks in other pods: the leader sees them behind the link, a worker not at all
+        self.procs: list = [RemoteRank(r) for r in range(dp)]
+        self.conns: list = list(self.procs)
+        master = "127.0.0.1"
+        if self.topology.leader:
+            port = _free_port()
+            if self.topology.nodes > 1:
+                self.leader_link = LeaderLink(self.topology, link_host, dp, port, self.procs,
+                                              on_lost=self._lost)
+        else:
+            self.worker_link = WorkerLink(self.topology, collective_timeout_s)
+            master, port = self.topology.leader_host, self.worker_link.store_port
         ctx = mp.get_context("spawn")
-        port = _free_port()
-        self.procs, self.conns = [], []
-        for rank in range(dp):
+        for rank in self.local_ranks:
             parent, child = ctx.Pipe()
-            spec = RankSpec(config, rank, dp, role, pad_empty_batch, port, collective_timeout_s, **spec_overrides)
+            spec = RankSpec(config, rank, dp, role, pad_empty_batch, port, collective_timeout_s,
+                            master_addr=master, **spec_overrides)
             proc = ctx.Process(target=run_rank, args=(spec, child), name=f"adpfleet-rank{rank}", daemon=True)
             proc.start()
             child.close()
-            self.procs.append(proc)
-            self.conns.append(parent)
+            self.procs[rank] = proc
+            self.conns[rank] = parent
+        watched = self.local_ranks if self.worker_link else range(dp)
+        for rank in watched:
             threading.Thread(target=self._read, args=(rank,), name=f"rank{rank}-reader", daemon=True).start()
-        threading.Thread(target=self._watch, name="rank-watchdog", daemon=True).start()
+        if self.worker_link:
+            self.worker_link.serve(self._from_leader, on_lost=self._lost)
+        threading.Thread(target=self._watch, args=(watched,), name="rank-watchdog", daemon=True).start()
+
+    @property
+    def watched(self) -> int:
+        """How many ranks this process answers for: all of the server's on the leader, its own on a worker."""
+        return len(self.local_ranks) if self.worker_link else self.dp
+
+    def _from_leader(self, rank: int, msg) -> None:
+        """A worker: the leader's message for one of this pod's ranks."""
+        if msg[0] == "stop":
+            self._closing = True
+        if rank in self.local_ranks:
+            try:
+                self.conns[rank].send(msg)
+            except (BrokenPipeError, OSError):
+                pass
+
+    def _lost(self, reason: str) -> None:
+        if not self._closing:
+            self._die(reason)
 
     # -- requests --------------------------------------------------------------------------------
     def submit(self, request: Request, rank: int | None = None) -> int:
@@ -104,36 +149,44 @@ class RankGroup:
     def health(self) -> tuple[bool, str]:
         if self.dead:
             return False, self.dead
-        if len(self.ready) < self.dp:
-            return False, f"starting: {len(self.ready)}/{self.dp} ranks ready"
+        if len(self.ready) < self.watched:
+            return False, f"starting: {len(self.ready)}/{self.watched} ranks ready"
         return True, "ok"
 
-    def rank_stats(self) -> list[tuple[int, RankStats]]:
-        """Stats of the live ranks only: a dead rank's series disappear with it."""
-        return [(r, s) for r, s in sorted(self.stats.items()) if self.procs[r].is_alive()]
+    def rank_stats(self, whole_server: bool = False) -> list[tuple[int, RankStats]]:
+        """Stats of this pod's live ranks (every pod exports its own), or of the whole server's:
+        a dead rank's series disappear with it."""
+        ranks = range(self.dp) if whole_server else self.local_ranks
+        return [(r, self.stats[r]) for r in ranks if self.procs[r].is_alive()]
 
     def wait_ready(self, timeout: float = 300) -> None:
         deadline = time.monotonic() + timeout
-        while len(self.ready) < self.dp:
+        while len(self.ready) < self.watched:
             if self.dead:
                 raise RuntimeError(self.dead)
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{len(self.ready)}/{self.dp} ranks ready after {timeout}s")
+                raise TimeoutError(f"{len(self.ready)}/{self.watched} ranks ready after {timeout}s")
             time.sleep(0.05)
 
     def close(self, timeout: float = 20) -> None:
         self._closing = True
-        for conn in self.conns:
+        if self.leader_link:
+            self.leader_link.close()
+        stoppable = self.local_ranks if self.worker_link else range(self.dp)
+        for rank in stoppable:  # a worker's ranks are stopped by their leader; this is its own ending
             try:
-                conn.send(("stop",))
+                self.conns[rank].send(("stop",))
             except (BrokenPipeError, OSError):
                 pass
         deadline = time.monotonic() + timeout
-        for proc in self.procs:
+        for rank in self.local_ranks:
+            proc = self.procs[rank]
             proc.join(max(0.1, deadline - time.monotonic()))
             if proc.is_alive():
                 proc.kill()
                 proc.join(5)
+        if self.worker_link:
+            self.worker_link.close()
 
     # -- threads ---------------------------------------------------------------------------------
     def _read(self, rank: int) -> None:
@@ -148,13 +201,18 @@ class RankGroup:
                 self._die(f"rank {rank} exited (exit code {self.procs[rank].exitcode})")
                 return
             self._last_seen[rank] = time.monotonic()
+            if self.worker_link:  # the leader owns the requests: it hears everything this rank says
+                try:
+                    self.worker_link.send_up(rank, msg)
+                except (BrokenPipeError, OSError):
+                    self._lost("the leader pod left the group")
             kind = msg[0]
             if kind == "ready":
                 self.kv_endpoints[rank] = msg[2]
                 self.ready.add(rank)
             elif kind == "stats":
                 self.stats[rank] = msg[1]
-            elif kind == "out":
+            elif kind == "out" and not self.worker_link:
                 for out in msg[1]:
                     out.rank = rank
                     if out.finished:
@@ -164,11 +222,11 @@ class RankGroup:
                 log.error("%s", msg[1])
                 self._die(msg[1].splitlines()[0])
 
-    def _watch(self) -> None:
+    def _watch(self, ranks: range) -> None:
         while not self.dead and not self._closing:
             time.sleep(0.5)
             now = time.monotonic()
-            for rank in range(self.dp):
+            for rank in ranks:
                 if rank in self.ready and now - self._last_seen[rank] > self.collective_timeout_s:
                     self._die(f"rank {rank} has not reported for {now - self._last_seen[rank]:.0f}s (hung)")
 

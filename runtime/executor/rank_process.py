@@ -53,6 +53,7 @@ class RankSpec:
     kv_transfer_timeout_s: float = 30.0  # both ends: a transfer not done by then ends (and fails the request)
     kv_token: str | None = None  # the fleet's internal token: pullers prove they hold it (see kv_transfer)
     threads: int = 1
+    master_addr: str = "127.0.0.1"  # where rank 0's rendezvous store listens (the leader pod's address)
 
 
 def _build(spec: RankSpec):
@@ -75,7 +76,7 @@ def _build(spec: RankSpec):
         import torch.distributed as dist
 
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
-                                init_method=f"tcp://127.0.0.1:{spec.master_port}", rank=spec.rank,
+                                init_method=f"tcp://{spec.master_addr}:{spec.master_port}", rank=spec.rank,
                                 world_size=spec.dp, timeout=timedelta(seconds=spec.collective_timeout_s))
         comm = TorchCollectives(spec.rank, spec.dp, device)
     else:

@@ -68,7 +68,7 @@ class EngineClient:
     @property
     def kv_held(self) -> int:
         """Context role: KV blocks its ranks hold for generation servers to pull."""
-        return sum(s.kv_transfers_in_flight for _, s in self.group.rank_stats())
+        return sum(s.kv_transfers_in_flight for _, s in self.group.rank_stats(whole_server=True))
 
     def hand_back(self, reason: str) -> None:
         """End every request in flight with an explicit error (the server is going away): the
