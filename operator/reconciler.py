@@ -29,7 +29,7 @@ from pydantic import ValidationError
 
 from adpfleet.operator.adapters.kube import ApiResult, KubeApi, now_rfc3339
 from adpfleet.model_uri import parse_progress
-from adpfleet.operator.decisions import conditions, security
+from adpfleet.operator.decisions import conditions, groups, security
 from adpfleet.operator.decisions import scale_target
 from adpfleet.operator.decisions.conditions import MODEL_UNAVAILABLE, Problem
 from adpfleet.operator.decisions.desired import DesiredFleet, desired_fleet
@@ -86,7 +86,8 @@ class FleetMemory:
     """What one fleet's loop remembers between passes. Lost on restart by design: the caches are
     complete before the first pass, so a restarted operator needs none of it."""
     # Actions whose effect the watch has not shown yet, so the next pass does not repeat them.
-    created: dict[str, tuple[CreateServer, float]] = field(default_factory=dict)  # pod name -> (action, deadline)
+    # pod name -> (action, deadline, node rank, pods per server)
+    created: dict[str, tuple[CreateServer, float, int, int]] = field(default_factory=dict)
     deleted: dict[str, tuple[DeleteServer, float]] = field(default_factory=dict)  # pod uid -> (action, deadline)
     # The status this loop last wrote, and the resourceVersion it was written over: while the
     # cached fleet is still at that version, it has not caught up with the write.
@@ -94,6 +95,7 @@ class FleetMemory:
     status_refused: str | None = None  # the last refusal reported (one Event per distinct refusal)
     failures: int = 0
     vacated: dict[str, tuple[int, ...]] = field(default_factory=dict)  # role -> slots to refill first
+    members: dict[str, tuple[ServerPod, ...]] = field(default_factory=dict)  # a group's uid (its leader's) -> its pods
 
 
 @dataclass(frozen=True)
@@ -119,7 +121,7 @@ def with_expectations(pods: list[ServerPod], memory: FleetMemory, now: float, te
     for uid, (action, deadline) in list(memory.deleted.items()):
         if action.role == role and (now > deadline or uid not in role_uids):
             del memory.deleted[uid]
-    for name, (action, deadline) in list(memory.created.items()):
+    for name, (action, deadline, node_rank, size) in list(memory.created.items()):
         if action.role != role:
             continue
         if name in by_name or now > deadline:
@@ -127,7 +129,8 @@ def with_expectations(pods: list[ServerPod], memory: FleetMemory, now: float, te
             continue
         out.append(ServerPod(name=name, uid="", role=action.role, index=action.index,
                              template_hash=templates.servers[action.role].template_hash, owner_uid=fleet_uid,
-                             phase="Pending", ready=False, terminating=False, unschedulable=False, problem=None))
+                             phase="Pending", ready=False, terminating=False, unschedulable=False, problem=None,
+                             node_rank=node_rank, pods_per_server=size))
     return out
 
 
@@ -267,8 +270,10 @@ class Reconciler:
         now = self.clock()
         wall = self.wall_clock()
         foreign = [dataclasses.replace(p, terminating=True) for p in obs.foreign_pods()]
-        role_pods = {role: with_expectations(obs.role_pods(role), memory, now, desired, obs.uid, role) +
-                     [p for p in foreign if p.role == role] for role in names.ROLES}
+        # a server over several pods is one server from here on (groups.py)
+        role_pods = {role: groups.servers(with_expectations(obs.role_pods(role), memory, now, desired, obs.uid, role) +
+                                          [p for p in foreign if p.role == role]) for role in names.ROLES}
+        memory.members = {p.uid: p.members for role in names.ROLES for p in role_pods[role] if p.members}
         # servers a remediation is restarting are never a scale-down's choice
         views = [p.view for role in names.ROLES for p in obs.role_pods(role)]
         protected = frozenset(restarts_in_progress(history_from_status(obs.status), views, spec, wall))
@@ -348,16 +353,26 @@ class Reconciler:
             return await self.api.set_leaving(fleet.namespace, action.name, action.uid, now_rfc3339())
         if isinstance(action, UndrainServer):
             return await self.api.set_leaving(fleet.namespace, action.name, action.uid, None)
-        if isinstance(action, CreateServer):
-            manifest = desired.servers[action.role].pod(action.index)
-            outcome = await self.api.create_pod(manifest)
-            if outcome.ok:
-                memory.created[manifest["metadata"]["name"]] = (action, self.clock() + EXPECTATION_SECONDS)
+        if isinstance(action, CreateServer):  # all pods of a server over several pods, leader first
+            manifests = desired.servers[action.role].pods(action.index)
+            for node_rank, manifest in enumerate(manifests):
+                outcome = await self.api.create_pod(manifest)
+                if not outcome.ok:  # a partial group is broken: the next pass replaces it whole
+                    return outcome
+                memory.created[manifest["metadata"]["name"]] = (action, self.clock() + EXPECTATION_SECONDS,
+                                                                node_rank, len(manifests))
             return outcome
-        if isinstance(action, DeleteServer):
-            outcome = await self.api.delete_pod(fleet.namespace, action.name, action.uid)
-            if outcome.ok:
-                memory.deleted[action.uid] = (action, self.clock() + EXPECTATION_SECONDS)
+        if isinstance(action, DeleteServer):  # all pods of a server over several pods
+            members = memory.members.get(action.uid)
+            targets = [(p.name, p.uid) for p in members if p.uid and not p.terminating] if members else \
+                [(action.name, action.uid)]
+            outcome = ApiResult(True)
+            for name, uid in targets:
+                result = await self.api.delete_pod(fleet.namespace, name, uid)
+                if result.ok:
+                    memory.deleted[uid] = (action, self.clock() + EXPECTATION_SECONDS)
+                elif outcome.ok:
+                    outcome = result
             return outcome
         if isinstance(action, ApplyObject):
             return await self.api.apply(action.manifest)

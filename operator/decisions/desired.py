@@ -13,6 +13,7 @@ drift.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
@@ -227,7 +228,8 @@ def _server_container(spec: FleetSpec, role: str) -> dict:
         # which a liveness kill on /health would pre-empt. /metrics, because it needs no credential.
         "livenessProbe": {"httpGet": {"path": "/metrics", "port": "http"}, "periodSeconds": 10,
                           "timeoutSeconds": 5, "failureThreshold": 3},
-        "resources": _resource_requirements(r.resources, r.gpus_per_server, spec.gpu_resource_name),
+        "resources": _resource_requirements(r.resources, r.gpus_per_server // r.pods_per_server,
+                                            spec.gpu_resource_name),
         "securityContext": CONTAINER_SECURITY,
         "volumeMounts": SCRATCH_MOUNTS + _model_mounts(spec.model, fetching=False),
         **TERMINATION_MESSAGE,
@@ -260,15 +262,17 @@ def _server_pod_spec(fleet: FleetRef, spec: FleetSpec, role: str) -> dict:
 
 @dataclass(frozen=True)
 class ServerTemplate:
-    """Everything the servers of one role share; `pod(index)` adds the identity of one server."""
+    """Everything the servers of one role share; `pods(index)` adds the identity of one server."""
     fleet: FleetRef
     role: str
     pod_spec: dict
     extra_labels: dict
     extra_annotations: dict
     template_hash: str
+    pods_per_server: int = 1
 
     def pod(self, index: int) -> dict:
+        """The pod of a one-pod server."""
         labels = {**self.extra_labels, **names.server_labels(self.fleet.name, self.role, index)}
         annotations = {**self.extra_annotations, names.ANNOTATION_TEMPLATE_HASH: self.template_hash}
         return {
@@ -279,12 +283,64 @@ class ServerTemplate:
             "spec": self.pod_spec,
         }
 
+    def pods(self, index: int) -> list[dict]:
+        """Every pod of server `index`, leader first: created together, as one unit."""
+        if self.pods_per_server == 1:
+            return [self.pod(index)]
+        return [self._group_pod(index, j) for j in range(self.pods_per_server)]
+
+    def _group_pod(self, index: int, node_rank: int) -> dict:
+        """Pod `node_rank` of a server over several pods: `<fleet>-<role>-<index>-<node_rank>`, named in
+        DNS through the role's headless Service (hostname + subdomain, as a StatefulSet's pods are),
+        told its share of the ranks and where its leader is."""
+        pod = self.pod(index)
+        fleet, role = self.fleet.name, self.role
+        name = names.group_pod_name(fleet, role, index, node_rank)
+        pod["metadata"]["name"] = name
+        pod["metadata"]["labels"] = {**pod["metadata"]["labels"], names.LABEL_NODE_RANK: str(node_rank),
+                                     **({names.LABEL_WORKER: "true"} if node_rank else {})}
+        pod["metadata"]["annotations"] = {**pod["metadata"]["annotations"],
+                                          names.ANNOTATION_PODS_PER_SERVER: str(self.pods_per_server)}
+        spec = copy.deepcopy(self.pod_spec)
+        spec["hostname"], spec["subdomain"] = name, names.group_service_name(fleet, role)
+        for container in spec["containers"]:
+            if container["name"] == names.SERVER_CONTAINER:
+                container["args"] = [*container["args"], "--nodes", str(self.pods_per_server),
+                                     "--node-rank", str(node_rank), "--group-port", str(names.SERVER_GROUP_PORT)]
+                leader = names.leader_address(fleet, role, index, self.fleet.namespace)
+                container["env"] = [*container.get("env", []), {"name": names.LEADER_ADDRESS_ENV, "value": leader}]
+                container["ports"] = [*container.get("ports", []), {"name": "group", "containerPort":
+                                                                    names.SERVER_GROUP_PORT, "protocol": "TCP"}]
+        pod["spec"] = spec
+        return pod
+
 
 def server_template(fleet: FleetRef, spec: FleetSpec, role: str) -> ServerTemplate:
     pod_spec = _server_pod_spec(fleet, spec, role)
     labels, annotations = _pod_metadata_extras(spec, spec.role(role).pod_template)
-    template_hash = digest({"spec": pod_spec, "labels": labels, "annotations": annotations})
-    return ServerTemplate(fleet, role, pod_spec, labels, annotations, template_hash)
+    pods_per_server = spec.role(role).pods_per_server
+    hashed = {"spec": pod_spec, "labels": labels, "annotations": annotations}
+    if pods_per_server > 1:  # a change of the split replaces the servers; a one-pod server's hash stays as it was
+        hashed["podsPerServer"] = pods_per_server
+    return ServerTemplate(fleet, role, pod_spec, labels, annotations, digest(hashed), pods_per_server)
+
+
+def group_services(fleet: FleetRef, spec: FleetSpec) -> list[dict]:
+    """Per role whose servers span several pods, the headless Service that gives each leader its
+    DNS name (`names.leader_address`); published before the leader is Ready, since the leader turns
+    Ready only once its workers have found it."""
+    out = []
+    for role in names.ROLES:
+        if spec.role(role).pods_per_server == 1:
+            continue
+        out.append(_with_hash({
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": _meta(fleet, names.group_service_name(fleet.name, role), f"{role}-group"),
+            "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
+                     "selector": {names.LABEL_FLEET: fleet.name, names.LABEL_ROLE: role, names.LABEL_NODE_RANK: "0"},
+                     "ports": [{"name": "group", "port": names.SERVER_GROUP_PORT, "targetPort": "group",
+                                "protocol": "TCP"}]}}))
+    return out
 
 
 # ---- router ----
@@ -373,17 +429,20 @@ def min_available(replicas: int, max_unavailable: int) -> int:
 def disruption_budgets(fleet: FleetRef, spec: FleetSpec) -> list[dict]:
     """A PodDisruptionBudget per role (`<fleet>-<role>`) and one for the router (`<fleet>-router`)."""
     wanted = [(role, spec.role(role).disruption_budget, spec.role(role).servers,
-               {names.LABEL_FLEET: fleet.name, names.LABEL_ROLE: role}) for role in names.ROLES]
+               {names.LABEL_FLEET: fleet.name, names.LABEL_ROLE: role}, spec.role(role).pods_per_server)
+              for role in names.ROLES]
     if spec.router.enabled:
         wanted.append(("router", spec.router.disruption_budget, spec.router.replicas,
-                       names.router_selector(fleet.name)))
+                       names.router_selector(fleet.name), 1))
     return [_with_hash({
         "apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
         "metadata": _meta(fleet, names.budget_name(fleet.name, component), component),
-        "spec": {"minAvailable": min_available(replicas, budget.max_unavailable), "selector": {"matchLabels": selector},
+        # a server over several pods counts all its pods: evicting any one takes the whole server down
+        "spec": {"minAvailable": min_available(replicas, budget.max_unavailable) * pods,
+                 "selector": {"matchLabels": selector},
                  # a pod that is not Ready serves nothing: evicting it never costs the budget
                  "unhealthyPodEvictionPolicy": "AlwaysAllow"}})
-        for component, budget, replicas, selector in wanted if budget.enabled]
+        for component, budget, replicas, selector, pods in wanted if budget.enabled]
 
 
 @dataclass(frozen=True)
@@ -394,7 +453,7 @@ class DesiredFleet:
 
 
 def desired_fleet(fleet: FleetRef, spec: FleetSpec, config: SecurityConfig = SecurityConfig()) -> DesiredFleet:
-    objects = router_objects(fleet, spec) + disruption_budgets(fleet, spec)
+    objects = group_services(fleet, spec) + router_objects(fleet, spec) + disruption_budgets(fleet, spec)
     if config.network_policies is not None:
         objects += [_with_hash(p) for p in security.network_policies(fleet, spec, config.network_policies)]
     return DesiredFleet(

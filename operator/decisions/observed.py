@@ -42,6 +42,14 @@ class ServerPod:
     model: str = ""         # FETCHING (running), FETCHED or UNAVAILABLE; "" before fetch-model runs, or without it
     model_failure: tuple[str, str] | None = None  # UNAVAILABLE: (reason, message) from the termination message
     model_revision: str = ""  # FETCHED: the commit fetch-model fetched the model at (its termination message)
+    node_rank: int = 0        # a server over several pods: this pod's place in it (0 the leader)
+    pods_per_server: int = 1  # ... and how many pods it has
+    members: tuple["ServerPod", ...] = ()  # a server over several pods, seen as one (groups.py): its pods
+
+    @property
+    def pods(self) -> tuple["ServerPod", ...]:
+        """The pods of this server: its members, or itself."""
+        return self.members or (self,)
 
     @property
     def leaving(self) -> bool:
@@ -117,10 +125,7 @@ def server_pod(body: dict) -> ServerPod:
             problem = crashed
     if status.get("phase") == "Failed":
         problem = f"Failed: {status.get('reason', '')} {status.get('message', '')}".strip()
-    try:
-        index = int(labels.get(names.LABEL_INDEX, "-1"))
-    except ValueError:
-        index = -1
+    index = _int(labels.get(names.LABEL_INDEX), -1)
     return ServerPod(
         name=meta.get("name", ""), uid=meta.get("uid", ""), role=labels.get(names.LABEL_ROLE, ""), index=index,
         template_hash=annotations.get(names.ANNOTATION_TEMPLATE_HASH, ""), owner_uid=controller_uid(meta),
@@ -131,7 +136,15 @@ def server_pod(body: dict) -> ServerPod:
         ip=status.get("podIP") or "", created=_epoch(meta.get("creationTimestamp")),
         draining=annotations.get(names.ANNOTATION_DRAIN) == "true",
         leaving_since=_epoch(annotations.get(names.ANNOTATION_SCALE_DOWN)), model=model, model_failure=model_failure,
-        model_revision=model_revision)
+        model_revision=model_revision, node_rank=_int(labels.get(names.LABEL_NODE_RANK), 0),
+        pods_per_server=max(1, _int(annotations.get(names.ANNOTATION_PODS_PER_SERVER), 1)))
+
+
+def _int(text, default: int) -> int:
+    try:
+        return int(text) if text is not None else default
+    except ValueError:
+        return default
 
 
 def _model_state(status: dict) -> tuple[str, tuple[str, str] | None]:

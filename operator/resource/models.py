@@ -543,6 +543,10 @@ class ServerRole(KubeModel):
     adp_ranks: int = Field(1, ge=1, le=64, description="Attention-data-parallel ranks per server (`--dp`).")
     gpus_per_server: int = Field(0, ge=0, le=64, description="GPUs each server requests; a multiple of adpRanks "
                                                              "(every rank drives whole GPUs).")
+    pods_per_server: int = Field(1, ge=1, le=16, description="Pods one server spans (multi-node ADP): pod j of "
+                                 "a server runs ranks j*adpRanks/podsPerServer onwards; pod 0, the leader, serves "
+                                 "the API. adpRanks divides evenly by it (so gpusPerServer, a multiple of adpRanks, does too). The pods are one unit: "
+                                 "created together, Ready together, replaced together.")
     engine: EngineSettings = Field(default_factory=EngineSettings, description="Engine knobs.")
     resources: Resources = Field(default_factory=Resources, description="CPU and memory of each server.")
     probes: Probes = Field(default_factory=Probes, description="Startup and readiness checking.")
@@ -568,6 +572,9 @@ class ServerRole(KubeModel):
         CelRule("self.gpusPerServer % self.adpRanks == 0",
                 "gpusPerServer must be a multiple of adpRanks (each ADP rank drives whole GPUs)",
                 ".gpusPerServer", lambda r: r.gpus_per_server % r.adp_ranks == 0),
+        CelRule("self.adpRanks % self.podsPerServer == 0",
+                "adpRanks must be a multiple of podsPerServer (every pod of a server runs as many ranks)",
+                ".podsPerServer", lambda r: r.adp_ranks % r.pods_per_server == 0),
         CelRule("(self.engine.device == 'cuda') == (self.gpusPerServer > 0)",
                 "engine.device must be cuda when gpusPerServer > 0 and cpu when it is 0",
                 ".engine.device", lambda r: (r.engine.device == "cuda") == (r.gpus_per_server > 0)),

@@ -39,8 +39,11 @@ LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 LABEL_FLEET = f"{GROUP}/fleet"
 LABEL_ROLE = f"{GROUP}/role"    # context | generation; the router discovers servers by it
 LABEL_INDEX = f"{GROUP}/index"  # the server's slot in its role: <fleet>-<role>-<index>
+LABEL_NODE_RANK = f"{GROUP}/node-rank"  # a server over several pods: the pod's place in it (0 the leader)
+LABEL_WORKER = f"{GROUP}/worker"        # "true" on a server's pods other than its leader: never discovered
 
 ANNOTATION_TEMPLATE_HASH = f"{GROUP}/template-hash"  # what the object was built from; a change means replace
+ANNOTATION_PODS_PER_SERVER = f"{GROUP}/pods-per-server"  # a server over several pods: how many it has
 ANNOTATION_DRAIN = f"{GROUP}/drain"                  # "true": the router sends this server no new requests
 ANNOTATION_SCALE_DOWN = f"{GROUP}/scale-down"        # RFC 3339 time: drained since then, deleted once idle
 ANNOTATION_SPEC_SERVERS = f"{GROUP}/spec-servers"    # on an InferenceFleetRole: the fleet's servers it last took
@@ -52,6 +55,8 @@ FETCH_CONTAINER = "fetch-model"  # its init container fetching (or checking) the
 
 SERVER_HTTP_PORT = 8000  # OpenAI API, /health, /metrics
 SERVER_KV_PORT = 8001    # KV-cache transfers (context servers; the runtime's default: HTTP port + 1)
+SERVER_GROUP_PORT = 29400  # a server over several pods: where its workers join the leader (serve --group-port)
+LEADER_ADDRESS_ENV = "ADPFLEET_LEADER_ADDRESS"  # a server over several pods: the leader's DNS name
 ROUTER_HTTP_PORT = 8000
 
 # What the operator sets in every pod of a fleet, and a pod template therefore may not
@@ -108,6 +113,22 @@ def server_name(fleet: str, role: str, index: int) -> str:
     return f"{fleet}-{role}-{index}"
 
 
+def group_pod_name(fleet: str, role: str, index: int, node_rank: int) -> str:
+    """Pod `node_rank` of a server over several pods (0: the leader)."""
+    return f"{server_name(fleet, role, index)}-{node_rank}"
+
+
+def group_service_name(fleet: str, role: str) -> str:
+    """The headless Service whose DNS names the leaders of a role's servers over several pods."""
+    return f"{fleet}-{role}-group"
+
+
+def leader_address(fleet: str, role: str, index: int, namespace: str) -> str:
+    """The leader's stable DNS name: <pod hostname>.<headless Service>.<namespace>.svc (the cluster
+    domain comes from the pod's DNS search path)."""
+    return f"{group_pod_name(fleet, role, index, 0)}.{group_service_name(fleet, role)}.{namespace}.svc"
+
+
 def role_object_name(fleet: str, role: str) -> str:
     """The InferenceFleetRole of one role of a fleet."""
     return f"{fleet}-{role}"
@@ -143,5 +164,6 @@ def router_selector(fleet: str) -> dict[str, str]:
 
 def discovery_selector(fleet: str) -> str:
     """The label selector the router watches: this fleet's pods that have a server role (router
-    pods carry the fleet label but no role, so they never discover themselves)."""
-    return f"{LABEL_FLEET}={fleet},{LABEL_ROLE}"
+    pods carry the fleet label but no role, so they never discover themselves), leaders only (the
+    workers of a server over several pods serve no API)."""
+    return f"{LABEL_FLEET}={fleet},{LABEL_ROLE},!{LABEL_WORKER}"

@@ -147,7 +147,7 @@ def test_router_runs_kubernetes_discovery_with_read_only_pod_access_in_its_names
     assert pod["spec"]["serviceAccountName"] == "demo-router"
     args = pod["spec"]["containers"][0]["args"]
     assert args[:5] == ["router", "--host", "$(POD_IP)", "--port", "8000"]
-    assert args[args.index("--kube-selector") + 1] == "adpfleet.io/fleet=demo,adpfleet.io/role"
+    assert args[args.index("--kube-selector") + 1] == "adpfleet.io/fleet=demo,adpfleet.io/role,!adpfleet.io/worker"
     assert args[args.index("--kube-namespace") + 1] == "$(POD_NAMESPACE)"
     assert args[args.index("--queue-size") + 1] == "256" and args[args.index("--queue-timeout") + 1] == "60"
     # Ready while it listens: with no Ready server it holds requests, so it must keep getting them
