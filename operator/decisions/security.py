@@ -134,6 +134,13 @@ def network_policies(fleet: FleetRef, spec: FleetSpec, operator: OperatorIdentit
         _policy(fleet, "kv", _role_pods(fleet.name, "context"),
                 [{"ports": [kv_ports], "from": [{"podSelector": _role_pods(fleet.name, "generation")}]}]),
     ]
+    for role in names.ROLES:
+        if spec.role(role).pods_per_server > 1:
+            # the pods of a server over several pods join each other: the group link, the rendezvous
+            # store and the collectives' own connections (gloo and NCCL pick their ports at start)
+            peers = _role_pods(fleet.name, role)
+            peers["matchExpressions"] = [{"key": names.LABEL_NODE_RANK, "operator": "Exists"}]
+            policies.append(_policy(fleet, f"{role}-group", peers, [{"from": [{"podSelector": peers}]}]))
     if spec.router.enabled:
         clients = _client_peers(spec)
         rule = {"ports": [{"port": names.ROUTER_HTTP_PORT, "protocol": "TCP"}], **({"from": clients} if clients else {})}

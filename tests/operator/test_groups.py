@@ -99,3 +99,13 @@ def test_a_roll_replaces_one_whole_group_at_a_time():
     surge = [member(1, 0), member(1, 1)]
     plan = plan_role("generation", 1, HASH, groups.servers(old + surge))
     assert [type(a) for a in plan.actions] == [DeleteServer] and plan.actions[0].name == "demo-generation-0-0"
+
+
+def test_with_network_policies_the_pods_of_a_group_may_reach_each_other_on_any_port():
+    from adpfleet.operator.decisions.security import OperatorIdentity, network_policies
+
+    policies = {p["metadata"]["name"]: p for p in network_policies(FLEET, spec(), OperatorIdentity("ops", {"a": "b"}))}
+    group = policies["demo-generation-group"]["spec"]
+    assert group["ingress"] == [{"from": [{"podSelector": group["podSelector"]}]}]  # no port list: all of them
+    assert group["podSelector"]["matchLabels"][names.LABEL_ROLE] == "generation"
+    assert "demo-context-group" not in policies
