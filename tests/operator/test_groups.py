@@ -109,3 +109,22 @@ def test_with_network_policies_the_pods_of_a_group_may_reach_each_other_on_any_p
     assert group["ingress"] == [{"from": [{"podSelector": group["podSelector"]}]}]  # no port list: all of them
     assert group["podSelector"]["matchLabels"][names.LABEL_ROLE] == "generation"
     assert "demo-context-group" not in policies
+
+
+def test_the_local_node_agent_answers_the_leader_address_the_pods_are_given():
+    """The same names CoreDNS gives a StatefulSet's pods: the agent's /etc/hosts records for the
+    role's headless Service hold the leader's address under the name every pod of the group gets."""
+    from adpfleet.cluster.agent import hosts
+
+    service = next(o for o in desired_fleet(FLEET, spec()).objects if o["kind"] == "Service"
+                   and o["metadata"]["name"] == "demo-generation-group")
+    pods = server_template(FLEET, spec(), "generation").pods(0)
+    for j, pod in enumerate(pods):  # not Ready yet: a leader waits for its workers before turning Ready
+        pod["status"] = {"podIP": f"127.0.5.{j + 1}", "phase": "Running", "conditions": []}
+    records = hosts.service_records([service], pods)
+    leader = next(e["value"] for e in pods[1]["spec"]["containers"][0]["env"] if e["name"] == "ADPFLEET_LEADER_ADDRESS")
+    assert leader == "demo-generation-0-0.demo-generation-group.ns1.svc"
+    text = hosts.hosts_file(pods[1], "127.0.5.2", records)
+    assert any(line.startswith("127.0.5.1\t") and leader in line.split() for line in text.splitlines())
+    assert not any(line.startswith("127.0.5.2\t") and "demo-generation-group.ns1.svc" in line.split()
+                   for line in text.splitlines())  # the Service names the leader only
