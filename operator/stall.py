@@ -29,7 +29,7 @@ from typing import Callable, Protocol
 
 from adpfleet.operator.adapters.kube import KubeApi, now_rfc3339
 from adpfleet.operator.adapters.scrape import HttpScraper, Scrape, Scraper, metrics_url, timeout_for
-from adpfleet.operator.decisions import stall_status
+from adpfleet.operator.decisions import groups, stall_status
 from adpfleet.operator.decisions.detection import (SampleWindows, StallVerdict, attribute, evidence_text, judge,
                                                    keep_seconds)
 from adpfleet.operator.decisions.history import (Remediation, budget_used, history_from_status, left_drained,
@@ -419,7 +419,16 @@ class StallController:
         await self.api.record_event(fleet.ref, type_, reason, message)
 
     async def _scrape(self, pod: ServerPod, timeout: float) -> Scrape:
-        return await self._scraper(metrics_url(pod.ip), timeout)
+        """One scrape of a server: of every pod of a server over several pods, as one (each pod exports
+        its own ranks; a pod that cannot be scraped makes the server's scrape fail, naming it)."""
+        if not pod.members:
+            return await self._scraper(metrics_url(pod.ip), timeout)
+        parts = await asyncio.gather(*(self._scraper(metrics_url(m.ip), timeout) for m in pod.members))
+        failed = next(((m, part) for m, part in zip(pod.members, parts) if not part.ok), None)
+        if failed:
+            return replace(failed[1], error=f"pod {failed[0].name}: {failed[1].error}")
+        return Scrape(at=min(part.at for part in parts),
+                      ranks={r: sample for part in parts for r, sample in part.ranks.items()})
 
     # ---- the reconcile pass's StatusPart -----------------------------------------------------------
 
@@ -458,6 +467,7 @@ def _look(obs: FleetObservation) -> Look | None:
         return None
     # A server a scale-down is draining is on its way out: never judged (its queue empties on purpose),
     # never a remediation's concern.
-    pods = [p for role in names.ROLES for p in obs.role_pods(role) if not p.leaving]
+    # a server over several pods is one server, judged on the scrapes of all its pods (groups.py)
+    pods = [p for role in names.ROLES for p in groups.servers(obs.role_pods(role)) if not p.leaving]
     judged = [p for p in pods if p.phase == "Running" and p.ready and not p.terminating and p.ip]
     return Look(obs, spec, pods, judged)

@@ -312,3 +312,25 @@ def test_a_server_left_drained_by_a_recovered_action_is_undrained():
     w.pods["llama-context-0"] = dataclasses.replace(w.pods["llama-context-0"], draining=True)
     run(w.ticks(1))
     assert ("undrain", "llama-context-0", "llama-context-0-uid") in w.api.calls and w.api.deletes() == []
+
+
+def test_a_frozen_rank_on_a_worker_pod_makes_its_whole_group_hung_and_the_leader_is_restarted():
+    w = World()
+    leader = dataclasses.replace(w.pods.pop("llama-generation-0"), name="llama-generation-0-0", node_rank=0,
+                                 pods_per_server=2)
+    worker = dataclasses.replace(leader, name="llama-generation-0-1", uid="worker-uid", ip="127.0.9.3", node_rank=1)
+    w.pods.update({leader.name: leader, worker.name: worker})
+
+    def frozen(rank):  # the worker's rank froze; the leader's waits for it in the next collective
+        return lambda: {rank: RankSample(iterations=100, forward_steps=50, generation_tokens=50, requests_running=2)}
+    w.metrics["127.0.9.2"], w.metrics["127.0.9.3"] = frozen(0), frozen(1)
+    run(w.ticks(8))
+    assert [c[:2] for c in w.api.calls if c[0] != "event"] == [("drain", "llama-generation-0-0"),
+                                                              ("delete", "llama-generation-0-0")]
+    (record,) = w.records()
+    assert record["signature"] == "hung" and record["targets"] == ["llama-generation-0-0"]
+    # the group is judged on both pods' scrapes: ranks 0 and 1 are in the verdict
+    stalled = next(c for st in w.written for c in st["conditions"] if c["type"] == "Stalled" and c["status"] == "True")
+    assert "llama-generation-0-0 (generation)" in stalled["message"] and "hung, ranks 0,1" in stalled["message"]
+    assert "llama-generation-0-1" not in stalled["message"]
+    (detected,) = w.api.events("StallDetected")  # one server, not two
