@@ -46,3 +46,14 @@ def test_benchmarks_md_disagg_tables_are_bench_results_disagg_serving_json():
         expected = [f"{p['kv_transfer_gbps']}", f"{p['loopback_tcp_gbps']}", f"{p['ratio']:.2f}",
                     f"{p['loopback_tcp_persistent_gbps']}", f"{p['ratio_to_persistent']:.2f}"]
         assert payloads[p["payload"]] == expected, p["payload"]
+
+
+def test_readme_cites_the_recorded_demo_run_of_bench_results_demo_summary_json():
+    demo = json.loads((ROOT / "bench/results/demo-summary.json").read_text())
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    total = demo["requests_completed"] + demo["requests_failed"]
+    cited = (f"detected its frozen rank {demo['detection_s']} s after the fault "
+             f"({demo['stall_window_s']} s window, {demo['scrape_interval_s']} s scrapes) and was serving again "
+             f"{demo['recovery_s']} s after it, with {demo['requests_failed']} of {total} requests failed "
+             f"({demo['router_queued']:.0f} held in the router's queue and retried")
+    assert cited in readme
