@@ -108,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
                                             "DNS name; default $ADPFLEET_LEADER_ADDRESS, else 127.0.0.1)")
     serve.add_argument("--group-port", type=int, default=29400,
                        help="the leader's port where worker pods join the server (with --nodes > 1)")
+    serve.add_argument("--join-timeout", type=float, default=600.0, metavar="SECONDS",
+                       help="with --nodes > 1: how long the pods of a server wait for each other to start "
+                            "before exiting non-zero")
     serve.add_argument("--max-waiting-requests", type=int, default=None,
                        help="requests accepted but not yet generating; one more is answered 429 with Retry-After "
                             "(default 128)")

@@ -379,7 +379,7 @@ def main(args) -> int:
         raise ValueError(f"--dp must be a positive integer, got {args.dp}")
     options = ServerOptions.from_args(args)  # first: a bad flag costs no model fetch and no model load
     topology = NodeTopology(args.nodes, args.node_rank, args.leader_address, args.group_port,
-                            options.credentials.internal_token)
+                            options.credentials.internal_token, args.join_timeout)
     topology.validate(args.dp)
     model = resolve_model(args.model, args.cache_dir)  # hf://, s3://, pvc://: fetched or found first
     config = EngineConfig.from_args(args).with_model(model.path)

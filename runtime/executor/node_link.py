@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 LEADER_ADDRESS_ENV = "ADPFLEET_LEADER_ADDRESS"
 DEFAULT_GROUP_PORT = 29400  # the leader's link port (torch's own rendezvous default is 29500)
+DEFAULT_JOIN_TIMEOUT_S = 600.0  # how long the pods of a group wait for each other to start (model loads, imports)
 JOIN_RETRY_S = 0.2
 _NO_TOKEN = b"adpfleet-group-link"
 
@@ -45,6 +46,7 @@ class NodeTopology:
     leader_host: str = "127.0.0.1"
     group_port: int = DEFAULT_GROUP_PORT
     token: str | None = None
+    join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S
 
     def validate(self, dp: int) -> None:
         if self.nodes < 1:
@@ -111,6 +113,7 @@ class LeaderLink:
         self.topology, self.dp, self.store_port = topology, dp, store_port
         self.remote, self.on_lost = remote, on_lost
         self.joined: set[int] = set()
+        self.all_joined = threading.Event()
         self.closing = False
         self.listener = Listener((host, topology.group_port), authkey=topology.authkey)
         threading.Thread(target=self._accept, name="group-link-accept", daemon=True).start()
@@ -141,7 +144,16 @@ class LeaderLink:
             log.info("worker pod %d joined with ranks %d..%d", node_rank, ranks[0], ranks[-1])
             threading.Thread(target=self._relay, args=(node_rank, conn), name=f"group-link-{node_rank}",
                              daemon=True).start()
+        self.all_joined.set()
         self.listener.close()
+
+    def wait_joined(self) -> None:
+        """Until every worker joined: the ranks start only then, so that the rendezvous (bounded by
+        the collective timeout) never waits for a pod that is still starting."""
+        if not self.all_joined.wait(self.topology.join_timeout_s):
+            missing = sorted(set(range(1, self.topology.nodes)) - self.joined)
+            self.close()
+            raise TimeoutError(f"worker pods {missing} did not join within {self.topology.join_timeout_s:g} s")
 
     def _relay(self, node_rank: int, conn: Connection) -> None:
         ranks = self.topology.ranks_of(node_rank, self.dp)
@@ -169,8 +181,9 @@ class LeaderLink:
 class WorkerLink:
     """Pod j > 0: joins the leader, then relays between the leader and this pod's ranks."""
 
-    def __init__(self, topology: NodeTopology, timeout_s: float):
+    def __init__(self, topology: NodeTopology):
         self.topology = topology
+        timeout_s = topology.join_timeout_s
         self.send_lock = threading.Lock()
         deadline = time.monotonic() + timeout_s
         address = (topology.leader_host, topology.group_port)

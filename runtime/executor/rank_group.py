@@ -68,8 +68,9 @@ class RankGroup:
             if self.topology.nodes > 1:
                 self.leader_link = LeaderLink(self.topology, link_host, dp, port, self.procs,
                                               on_lost=self._lost)
+                self.leader_link.wait_joined()
         else:
-            self.worker_link = WorkerLink(self.topology, collective_timeout_s)
+            self.worker_link = WorkerLink(self.topology)
             master, port = self.topology.leader_host, self.worker_link.store_port
         ctx = mp.get_context("spawn")
         for rank in self.local_ranks:

@@ -104,9 +104,19 @@ def test_a_pod_whose_peer_dies_exits_nonzero_within_the_collective_timeout(tmp_p
         leader.stop()
 
 
+def test_a_leader_whose_worker_never_comes_exits_nonzero(tmp_path):
+    leader = Server("--model", "tiny", "--dp", "2", "--nodes", "2", "--group-port", str(free_port()),
+                    "--join-timeout", "3", log_path=tmp_path / "leader.log")
+    try:
+        wait_exit(leader, 60)
+        assert leader.proc.returncode != 0 and "did not join within 3 s" in leader.tail()
+    finally:
+        leader.stop()
+
+
 def test_a_worker_whose_leader_never_comes_exits_nonzero(tmp_path):
     worker = Server("--model", "tiny", "--dp", "2", "--nodes", "2", "--node-rank", "1", "--group-port",
-                    str(free_port()), "--collective-timeout", "3", log_path=tmp_path / "worker.log")
+                    str(free_port()), "--join-timeout", "3", log_path=tmp_path / "worker.log")
     try:
         wait_exit(worker, 60)
         assert worker.proc.returncode != 0 and "could not join the leader" in worker.tail()
