@@ -16,10 +16,7 @@ from operator_harness import pod_ready
 from specs import fleet_manifest
 from test_end_to_end import SERVER_START, real_role, router_client
 
-pytestmark = [pytest.mark.k8s, pytest.mark.slow,
-              # Written for #17 and never run: at the helper's deadline the shared heavy-run lock was
-              # held by other runs. Run it on the local cluster and drop this mark once it passes.
-              pytest.mark.skip(reason="not yet run on the local cluster (#17 slice 2 e2e)")]
+pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 
 PROMPTS = ["The operator says", "A server over two pods", "Gang lifecycle"]
 
