@@ -428,14 +428,17 @@ def _scrape_from(handler, timeout=0.5):
     from aiohttp import web
     from aiohttp.test_utils import TestServer
 
-    from adpfleet.operator.adapters.scrape import scrape
+    from adpfleet.operator.adapters.scrape import HttpScraper
 
     async def main():
         app = web.Application()
         app.router.add_get("/metrics", handler)
         async with TestServer(app) as server:
-            async with httpx.AsyncClient() as client:
-                return await scrape(client, str(server.make_url("/metrics")), timeout)
+            scraper = HttpScraper()
+            try:
+                return await scraper(str(server.make_url("/metrics")), timeout)
+            finally:
+                await scraper.close()
     return asyncio.run(main())
 
 
@@ -471,10 +474,81 @@ def test_a_scrape_that_times_out_or_returns_garbage_is_a_failed_scrape(behaviour
 def test_a_refused_connection_is_a_failed_scrape():
     import asyncio
 
-    from adpfleet.operator.adapters.scrape import scrape
+    from adpfleet.operator.adapters.scrape import HttpScraper
 
     async def main():
-        async with httpx.AsyncClient() as client:
-            return await scrape(client, "http://127.0.0.1:9/metrics", 1.0)
+        scraper = HttpScraper()
+        try:
+            return await scraper("http://127.0.0.1:9/metrics", 1.0)
+        finally:
+            await scraper.close()
     s = asyncio.run(main())
-    assert not s.ok and "127.0.0.1:9" in s.error
+    assert not s.ok and s.refused and "127.0.0.1:9" in s.error
+
+
+def test_a_server_is_scraped_over_one_kept_alive_connection():
+    import asyncio
+
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    from adpfleet.operator.adapters.scrape import HttpScraper
+
+    peers = []
+
+    async def ok(request):
+        peers.append(request.transport.get_extra_info("peername"))
+        return web.Response(text=render("context", [(0, RankStats()), (1, RankStats())]))
+
+    async def main():
+        app = web.Application()
+        app.router.add_get("/metrics", ok)
+        async with TestServer(app) as server:
+            scraper = HttpScraper()
+            try:
+                return [await scraper(str(server.make_url("/metrics")), 1.0) for _ in range(3)]
+            finally:
+                await scraper.close()
+    scrapes = asyncio.run(main())
+    assert all(s.ok for s in scrapes) and len(peers) == 3
+    assert len(set(peers)) == 1, peers  # one connection, reused
+
+
+def test_a_kept_alive_connection_the_server_closed_is_retried_not_a_failed_scrape():
+    """uvicorn closes an idle connection after 5 s, about one scrape interval: a close that crosses
+    the next request must not make the server Unreachable (that would break a stall's confirmations)."""
+    import asyncio
+
+    from adpfleet.operator.adapters.scrape import HttpScraper
+
+    body = render("context", [(0, RankStats()), (1, RankStats())]).encode()
+    connections = []
+
+    async def handle(reader, writer):
+        connections.append(writer)
+        answered = 0
+        while True:
+            try:
+                await reader.readuntil(b"\r\n\r\n")
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return
+            if answered:  # a second request on this connection: it is closed instead (the idle timeout's race)
+                writer.close()
+                return
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: "
+                         + str(len(body)).encode() + b"\r\n\r\n" + body)
+            await writer.drain()
+            answered += 1
+
+    async def main():
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        scraper = HttpScraper()
+        try:
+            return [await scraper(f"http://127.0.0.1:{port}/metrics", 1.0) for _ in range(3)]
+        finally:
+            await scraper.close()
+            server.close()
+    scrapes = asyncio.run(main())
+    assert [s.error for s in scrapes] == [None, None, None]
+    assert len(connections) == 3  # each reuse was refused by the server, and retried on a new connection
