@@ -126,7 +126,6 @@ class StallController:
         self.detection = detection
         self.clock = clock
         self.fleets: dict[Key, FleetStall] = {}
-        logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per scrape otherwise
         inbox.on_put = self._alert_arrived
         self._owned_scraper = None if scraper is not None else HttpScraper(clock)
         self._scraper: Scraper = scraper or self._owned_scraper  # tests script the servers' /metrics

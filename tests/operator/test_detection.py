@@ -66,6 +66,52 @@ def test_a_truncated_exposition_is_a_scrape_error():
         parse_metrics(full[: len(full) // 2])
 
 
+def _outcome(text):
+    try:
+        return parse_metrics(text)
+    except ScrapeError as e:
+        return f"ScrapeError: {e}"
+
+
+_LINES = render("context", [(0, RankStats(iterations=3, prompt_tokens=2)), (1, RankStats(generation_tokens=5))]).split("\n")
+_ODD = ["", "# a comment", "adpfleet_iterations_total{rank=\"0\"}\t7", "adpfleet_iterations_total{rank=\"0\"} 7\r",
+        "adpfleet_iterations_total{rank=\"1\"} 7 }", "adpfleet_iterations_total{rank=\"1\"} 7 123",
+        "adpfleet_requests_waiting{rank=\"0\"}  1e3  ", "adpfleet_requests_waiting{rank=\"0\"} 1_0",
+        "adpfleet_requests_waiting{rank=\"0\"} Infinity", "adpfleet_requests_waiting{rank=\"0\"} +Inf",
+        "adpfleet_requests_waiting{rank=\"0\"} .5", "adpfleet_requests_waiting{rank=\"0\",x=\"}\"} 4",
+        "adpfleet_requests_waiting{rank=\"0\"}4", "adpfleet_requests_waiting 4", "adpfleet_requests_waiting\t4",
+        "adpfleet_requests_waiting{rank=\"0\"} NaN", "adpfleet_requests_waiting{rank=\"0\"} -1",
+        "adpfleet_last_progress_timestamp_seconds{rank=\"1\"} -1", "other_metric{rank=\"0\"} 1 2 3",
+        "other metric 1", "{rank=\"0\"} 1", "adpfleet_kv_transfers_in_flight{rank=\"0\"} \u0661",
+        "<html>", "adpfleet_iterations_total_extra{rank=\"0\"} 9"]
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.sampled_from(_LINES + _ODD), max_size=60), st.booleans())
+def test_the_fast_path_reads_every_text_exactly_as_the_line_by_line_path(lines, newline_at_end):
+    """The whole-text regular expression is a shortcut, never a second opinion: any text it accepts
+    yields what the line-by-line reading yields, and any other text is read line by line."""
+    import re
+
+    from adpfleet.operator.adapters import scrape
+
+    text = "\n".join(lines) + ("\n" if newline_at_end else "")
+    fast = _outcome(text)
+    regex = scrape._EXPOSITION
+    scrape._EXPOSITION = re.compile(r"(?!)")  # never matches: every text goes line by line
+    try:
+        slow = _outcome(text)
+    finally:
+        scrape._EXPOSITION = regex
+    assert fast == slow
+
+
+def test_the_runtime_exposition_takes_the_fast_path():
+    from adpfleet.operator.adapters.scrape import _EXPOSITION
+
+    assert _EXPOSITION.fullmatch(render("context", [(0, RankStats()), (1, RankStats())]))
+
+
 def test_an_oversized_exposition_is_refused_before_parsing():
     with pytest.raises(ScrapeError, match="bytes"):
         parse_metrics("#" * (5 * 1024 * 1024))
