@@ -429,6 +429,15 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+BEFORE_KEYS = ("operator_cpu_percent_steady", "operator_cpu_ms_per_scrape", "operator_rss_mb_peak", "scrape_latency_ms",
+               "steady_scrapes_per_second", "steady_scrapes_failed", "stall", "machine")
+
+
+def with_before(result: dict, before: dict, tree: str) -> dict:
+    """`result` with another tree's run of the same benchmark (e.g. main before a change) as "before"."""
+    return {**result, "before": {"tree": tree, **{k: before.get(k) for k in BEFORE_KEYS}}}
+
+
 def scrape_table(result: dict) -> str:
     stall = result["stall"]
     rows = [
@@ -462,12 +471,17 @@ def main() -> int:
     p.add_argument("--scrape", action="store_true",
                    help="servers answer /metrics (synthetic), stall detection and autoscaling on: the operator's "
                         "scrape path at scale (writes operator_scale_detection.json)")
+    p.add_argument("--before", type=Path, help="with --scrape: a JSON this benchmark wrote for another tree (e.g. "
+                                               "main before a change), kept in this run's JSON as 'before'")
+    p.add_argument("--before-tree", default="", help="what --before was run on (a commit)")
     p.add_argument("--keep", action="store_true", help="leave the control plane running")
     p.add_argument("--output", type=Path)
     args = p.parse_args()
     args.output = args.output or (RESULTS_SCRAPE if args.scrape else RESULTS)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the control plane and servers on the way out
     result = run(args)
+    if args.before:
+        result = with_before(result, json.loads(args.before.read_text()), args.before_tree)
     print(table(result))
     if args.scrape:
         print(scrape_table(result))
