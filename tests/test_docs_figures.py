@@ -73,7 +73,10 @@ def test_operator_md_cites_the_scrape_run_of_bench_results_operator_scale_detect
         "the same, main's scraper before this change (same session)": [
             f"{before['operator_cpu_percent_steady']:.1f} % of one core "
             f"({before['operator_cpu_ms_per_scrape']:.2f} ms per scrape): "
-            f"{before['operator_cpu_percent_steady'] / result['operator_cpu_percent_steady']:.1f}x", ""],
+            f"{before['operator_cpu_percent_steady'] / result['operator_cpu_percent_steady']:.1f}x; it fell behind: "
+            f"{before['steady_scrapes_per_second']:g} scrapes/s, {before['steady_scrapes_failed']} failed, "
+            f"p99 {before['scrape_latency_ms']['p99']} ms, "
+            f"hang → decision {before['stall']['hung_to_decision_seconds']:.1f} s", ""],
         "operator RSS idle / peak / at rest": [f"{result['operator_rss_mb_idle']:.0f} / "
                                                f"{result['operator_rss_mb_peak']:.0f} / "
                                                f"{result['operator_rss_mb_steady']:.0f} MB", "< 250 MB"],
@@ -84,3 +87,8 @@ def test_operator_md_cites_the_scrape_run_of_bench_results_operator_scale_detect
             f"≤ {result['stall_decision_bound_seconds']} s (window + 2 intervals)"],
     }
     assert rows == expected
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert (f"it uses {result['operator_cpu_percent_steady']:.1f} % of a core "
+            f"({before['operator_cpu_percent_steady'] / result['operator_cpu_percent_steady']:.1f}x less than with "
+            f"httpx) and decides on a hung server {result['stall']['hung_to_decision_seconds']:.1f} s after it hangs "
+            f"({result['stall_window_seconds']} s window)") in readme
