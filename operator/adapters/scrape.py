@@ -240,28 +240,20 @@ async def scrape(session: aiohttp.ClientSession, url: str, timeout: float, clock
 
 async def _get(session: aiohttp.ClientSession, url: str) -> bytes | str:
     """The body of a 200, or what was wrong. A kept-alive connection the server closed while it sat
-    idle (uvicorn closes them after 5 s, about one scrape interval) is retried once on a new one:
-    that is not the server failing (recent aiohttp retries such a GET itself; older ones do not)."""
-    for attempt in (1, 2):
-        try:
-            async with session.get(url, allow_redirects=False) as response:
-                if response.status != 200:
-                    return f"GET {url}: HTTP {response.status}"
-                if (response.content_length or 0) > MAX_METRICS_BYTES:
-                    return f"GET {url}: more than {MAX_METRICS_BYTES} bytes"
-                chunks, size = [], 0  # read with a bound: parse_metrics would refuse it anyway
-                async for chunk in response.content.iter_any():
-                    size += len(chunk)
-                    if size > MAX_METRICS_BYTES:
-                        return f"GET {url}: more than {MAX_METRICS_BYTES} bytes"
-                    chunks.append(chunk)
-                return b"".join(chunks)
-        except aiohttp.ClientConnectorError:
-            raise  # no connection could be made: nothing to retry on
-        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
-            if attempt == 2:
-                raise
-    raise AssertionError("unreachable")
+    idle (uvicorn closes them after 5 s, about one scrape interval) is not the server failing:
+    aiohttp (3.9 on) retries such a GET once on a new connection."""
+    async with session.get(url, allow_redirects=False) as response:
+        if response.status != 200:
+            return f"GET {url}: HTTP {response.status}"
+        if (response.content_length or 0) > MAX_METRICS_BYTES:
+            return f"GET {url}: more than {MAX_METRICS_BYTES} bytes"
+        chunks, size = [], 0  # read with a bound: parse_metrics would refuse it anyway
+        async for chunk in response.content.iter_any():
+            size += len(chunk)
+            if size > MAX_METRICS_BYTES:
+                return f"GET {url}: more than {MAX_METRICS_BYTES} bytes"
+            chunks.append(chunk)
+        return b"".join(chunks)
 
 
 Scraper = Callable[[str, float], Awaitable[Scrape]]  # (url, timeout) -> Scrape: an HttpScraper, or a test's script
