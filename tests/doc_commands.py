@@ -145,10 +145,12 @@ def as_run_here(command: str, place: Place) -> str:
         kind, name, local, remote = forward.group(3, 4, 5, 6)
         selector = (f"kubectl -n {ns} get service {name} -o go-template='{{{{$s := \"\"}}}}{{{{range $k, $v := "
                     f".spec.selector}}}}{{{{$s}}}}{{{{$k}}}}={{{{$v}}}}{{{{$s = \",\"}}}}{{{{end}}}}'")
-        pod = f"pod {name} -o jsonpath='{{.status.podIP}}'" if kind == "pod" else \
-            f"pods -l \"$({selector})\" -o jsonpath='{{.items[0].status.podIP}}'"
-        ip = f"$(kubectl -n {ns} get {pod})"
-        return f"PORT_FORWARD_{local}={ip}:{remote} && [ -n \"${{PORT_FORWARD_{local}%:*}}\" ]"
+        if kind == "pod":
+            find = f"ip=$(kubectl -n {ns} get pod {name} -o jsonpath='{{.status.podIP}}')"
+        else:  # the Service must exist and select a pod
+            find = (f"selector=$({selector}) && [ -n \"$selector\" ] && "
+                    f"ip=$(kubectl -n {ns} get pods -l \"$selector\" -o jsonpath='{{.items[0].status.podIP}}')")
+        return f"{find} && [ -n \"$ip\" ] && PORT_FORWARD_{local}=$ip:{remote}"
     line = re.sub(r"localhost:(\d+)", r"$PORT_FORWARD_\1", line)
     if watch := WATCH.fullmatch(line):
         namespace, kind, name = watch.group(1) or "", watch.group(2), watch.group(3)

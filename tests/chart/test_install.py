@@ -281,14 +281,16 @@ def test_operator_md_commands_start_an_operator_and_a_standby_of_the_release(
             env=doc_commands.shell_env(k8s_cluster), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
     try:
         for line, port, proc in started:
-            def ready(proc=proc, line=line, port=port):
-                assert proc.poll() is None, f"{line} exited {proc.returncode}:\n{proc.stdout.read()[-3000:]}"
+            def ready(proc=proc, port=port):
+                if proc.poll() is not None:
+                    return {"exited": proc.returncode}
                 try:
                     r = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2)
                 except httpx.HTTPError:
                     return None
                 return r.json() if r.status_code == 200 else None
             answer = wait_for(ready, timeout=90, what=f"{line} to be ready", interval=0.5)
+            assert "exited" not in answer, f"{line} exited {proc.returncode}:\n{proc.stdout.read()[-3000:]}"
             if "--leader-elect" in line:
                 assert answer.get("role") == "standby", answer  # the chart's leader holds the Lease
     finally:
