@@ -2,11 +2,11 @@
 
     .venv/bin/python bench/install.py [--json bench/results/install.json]
 
-Runs the chart's install tests (tests/chart/test_install.py: a fresh local cluster, `helm install
---wait`, the tiny example fleet, a completion through its router, `helm upgrade --wait`) and reports
-the times they record: the operator Ready after `helm install`, the fleet's servers Ready, the fleet
-Ready with its router, the first completion, the upgraded operator Ready. Prints a table and writes
-JSON.
+Runs the chart's install tests (tests/chart/test_install.py: a fresh local cluster, the commands of
+docs/install.md's Quickstart as written — `helm install`, `kubectl rollout status`, the tiny example
+fleet, a completion through its router — then `helm upgrade --wait`) and reports the times they
+record: the operator Ready after `helm install`, the fleet's servers Ready, the fleet Ready with its
+router, the first completion, the upgraded operator Ready. Prints a table and writes JSON.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ import torch
 # Several rank processes share two cores here; one intra-op thread each keeps them from fighting.
 torch.set_num_threads(int(os.environ.get("ADPFLEET_TEST_THREADS", "1")))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "runtime"))
+sys.path.insert(0, os.path.dirname(__file__))  # doc_commands.py: the docs' commands, as the tests run them
 
 # Kubernetes fixtures (k8s_cluster, k8s_namespace) for tests against the local control plane.
 pytest_plugins = ["adpfleet.cluster.testing"]

@@ -8,6 +8,7 @@ import subprocess
 
 import pytest
 
+import doc_commands
 from helm_chart import CHART, ROOT
 
 DOC = ROOT / "docs" / "install.md"
@@ -56,11 +57,10 @@ def test_the_prometheus_scrape_snippet_is_a_valid_configuration_with_the_rule_fi
 
 
 def quickstart_commands(page) -> str:
-    """The bash blocks of a page's Quickstart section (up to the next `## ` heading)."""
-    text = page.read_text()
-    section = re.search(r"^## Quickstart[^\n]*\n(.*?)(?=^## )", text, re.S | re.M)
-    assert section, f"{page.name} has no Quickstart section"
-    return "\n".join(re.findall(r"```bash\n(.*?)```", section.group(1), re.S))
+    """The commands of a page's Quickstart section (`## Quickstart...`)."""
+    found = [b for b in doc_commands.blocks(page) if b.section.startswith("Quickstart")]
+    assert found, f"{page.name} has no Quickstart section with commands"
+    return "\n".join(c for block in found for c in block.commands)
 
 
 def test_the_quickstarts_tell_one_namespace_story():

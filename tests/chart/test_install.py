@@ -20,12 +20,12 @@ import time
 
 import httpx
 import pytest
-import yaml
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from adpfleet.cluster.testing import wait_for
 
+import doc_commands
 from helm_chart import CHART, EXAMPLES, ROOT, helm
 
 pytestmark = pytest.mark.k8s
@@ -33,6 +33,7 @@ pytestmark = pytest.mark.k8s
 RELEASE = "adpfleet"  # the docs' release: the chart names its objects "adpfleet", as the runbooks do
 FULLNAME = "adpfleet"
 FLEET = "tiny"
+INSTALL_MD = ROOT / "docs" / "install.md"
 TIMINGS: dict[str, float] = {}  # what bench/install.py reports (it sets ADPFLEET_INSTALL_TIMINGS to a path)
 
 
@@ -41,6 +42,11 @@ def timings():
     yield TIMINGS
     if path := os.environ.get("ADPFLEET_INSTALL_TIMINGS"):
         pathlib.Path(path).write_text(json.dumps(TIMINGS, indent=2))
+
+
+def install_md(section: str) -> list[doc_commands.Block]:
+    """The command blocks of a section of docs/install.md that a test runs."""
+    return [b for b in doc_commands.blocks(INSTALL_MD, section) if not b.not_run]
 
 
 def _namespace(cluster, prefix: str, labels: dict | None = None) -> str:
@@ -53,11 +59,13 @@ def _namespace(cluster, prefix: str, labels: dict | None = None) -> str:
 
 @pytest.fixture(scope="module")
 def namespace(k8s_cluster):
-    # The restricted Pod Security Standard is enforced: the operator's pod (and the fleet's) must meet it.
-    ns = _namespace(k8s_cluster, "chart", {"pod-security.kubernetes.io/enforce": "restricted"})
+    """The release's namespace: docs/install.md's Quickstart creates it (`release`) and labels it so
+    that the restricted Pod Security Standard is enforced: the operator's pod (and the fleet's) must
+    meet it."""
+    ns = f"chart-{secrets.token_hex(3)}"
     yield ns
     helm("uninstall", RELEASE, "-n", ns, "--wait", "--timeout", "60s", kubeconfig=k8s_cluster.kubeconfig, check=False)
-    k8s_cluster.core.delete_namespace(ns)
+    k8s_cluster.kubectl("delete", "namespace", ns, "--wait=false", "--ignore-not-found", check=False)
 
 
 @pytest.fixture(scope="module")
@@ -82,12 +90,16 @@ def diagnosis(cluster, namespace: str) -> str:
 
 @pytest.fixture(scope="module")
 def release(k8s_cluster, namespace):
+    """Installed by the first block of docs/install.md's Quickstart, as written (the namespace is
+    this module's): what it prints is the release's NOTES."""
+    install, *_ = install_md("Quickstart")
     start = time.monotonic()
-    proc = helm("install", RELEASE, str(CHART), "-n", namespace, "--wait", "--timeout", "180s",
-                kubeconfig=k8s_cluster.kubeconfig, timeout=240, check=False)
-    assert proc.returncode == 0, f"helm install failed:\n{proc.stderr}\n{diagnosis(k8s_cluster, namespace)}"
-    TIMINGS["helm install --wait (operator Ready)"] = time.monotonic() - start
-    return proc.stdout
+    try:
+        out = doc_commands.run(install.commands, doc_commands.Place(namespace, FLEET), k8s_cluster, timeout=240)
+    except AssertionError as failed:
+        raise AssertionError(f"{failed}\n{diagnosis(k8s_cluster, namespace)}") from None
+    TIMINGS["helm install, rollout status (operator Ready)"] = time.monotonic() - start
+    return out
 
 
 @pytest.fixture
@@ -170,21 +182,18 @@ def test_install_runs_the_operator_under_its_service_account_and_it_reconciles_a
     assert f"http://{FULLNAME}.{namespace}.svc:8080/alerts" in release and "helm show crds" in release
     assert "auth: {apiKeySecret: {name: tiny-api-key, key: key}}" in release  # its fleet has the required key
 
-    manifest = yaml.safe_load((EXAMPLES / "tiny-cpu.yaml").read_text())
-    for role in ("context", "generation"):
-        manifest["spec"][role]["probes"] = {"readinessPeriodSeconds": 1}  # seconds count here
-    key_ref = manifest["spec"]["auth"]["apiKeySecret"]  # the chart requires an API key by default
-    api_key = secrets.token_hex(16)
-    k8s_cluster.apply({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": key_ref["name"]},
-                       "stringData": {key_ref["key"]: api_key}}, namespace=namespace)
+    # docs/install.md's Quickstart: the API key Secret and the example fleet, as written
+    _, fleet, request = install_md("Quickstart")
+    here = doc_commands.Place(namespace, FLEET)
     start = time.monotonic()
-    k8s_cluster.apply(manifest, namespace=namespace)
+    doc_commands.run(fleet.commands[:2], here, k8s_cluster)
     for role in ("context", "generation"):
         k8s_cluster.wait_for_pod(namespace, f"{FLEET}-{role}-0", timeout=180)
     TIMINGS["fleet applied -> both servers Ready"] = time.monotonic() - start
-    wait_for(lambda: _fleet_condition(k8s_cluster, namespace, FLEET, "Ready") == "True", timeout=120,
-             what=f"fleet {FLEET} Ready=True")
+    doc_commands.run(fleet.commands[2:], here, k8s_cluster)  # until READY becomes True
+    assert _fleet_condition(k8s_cluster, namespace, FLEET, "Ready") == "True"
     TIMINGS["fleet applied -> fleet Ready (router included)"] = time.monotonic() - start
+    api_key = base64.b64decode(k8s_cluster.core.read_namespaced_secret("tiny-api-key", namespace).data["key"]).decode()
 
     router = k8s_cluster.core.list_namespaced_pod(
         namespace, label_selector=f"app.kubernetes.io/instance={FLEET},app.kubernetes.io/component=router").items[0]
@@ -199,6 +208,8 @@ def test_install_runs_the_operator_under_its_service_account_and_it_reconciles_a
                     what="a completion through the fleet's router", interval=1)
     assert body["usage"]["completion_tokens"] == 8 and body["choices"][0]["finish_reason"] == "length"
     TIMINGS["fleet applied -> first completion"] = time.monotonic() - start
+    answer = json.loads(doc_commands.run(request.commands, here, k8s_cluster))  # the page's request, as written
+    assert answer["usage"]["completion_tokens"] == 16, answer
     assert complete("not-the-key") == 401
     # the chart's default: the fleet's NetworkPolicies, accepted by the API server
     policies = {p.metadata.name for p in client.NetworkingV1Api(k8s_cluster.api_client)
@@ -219,53 +230,82 @@ def test_install_runs_the_operator_under_its_service_account_and_it_reconciles_a
 
 # ---- every runbook command, run against this release and its fleet ---------------------------------
 RUNBOOKS = sorted((ROOT / "docs" / "runbooks").glob("*.md"))
-POD_PROXY = re.compile(r'kubectl get --raw "?/api/v1/namespaces/([^/]+)/pods/([^/:]+):(\d+)/proxy(/[^"\s]*)"?'
-                       r"(?: --request-timeout=\S+)?")
-
-
-def runbook_commands(page: pathlib.Path) -> list[str]:
-    """The commands of a page's bash blocks, one per line, comments dropped."""
-    blocks = re.findall(r"```bash\n(.*?)```", page.read_text(), re.S)
-    lines = [re.sub(r"\s+#.*$", "", line).strip() for block in blocks for line in block.splitlines()]
-    return [line for line in lines if line and not line.startswith("#")]
-
-
-def as_run_here(command: str, namespace: str) -> str:
-    """A runbook command with the page's placeholders (NS, FLEET, POD) and the chart's namespace
-    made this test's. The local cluster's pods listen on loopback addresses, which the API server
-    refuses to proxy to: there a pod's `kubectl get --raw .../proxy/PATH` runs as the documented
-    alternative, the same GET sent to the pod's IP. A grep of /metrics must find every name it lists;
-    a grep of a log may find nothing; a trailing head leaves the rest of the output unread."""
-    line = (command.replace("adpfleet-system", namespace).replace(" NS ", f" {namespace} ")
-            .replace("/NS/", f"/{namespace}/").replace("-n NS", f"-n {namespace}")
-            .replace("FLEET", FLEET).replace("POD", f"{FLEET}-context-0"))
-    line = POD_PROXY.sub(lambda m: f'curl -sf --max-time 10 "http://$(kubectl -n {m.group(1)} get pod {m.group(2)} '
-                                   f"-o jsonpath='{{.status.podIP}}'):{m.group(3)}{m.group(4)}\"", line)
-    producer, bar, last = line.rpartition("| ")
-    if bar and last.startswith("grep ") and " logs " in producer:  # a log may have no error lines
-        return f"{producer}| {{ {last} || [ $? = 1 ]; }}"
-    if bar and (metrics := re.fullmatch(r"grep -E '([\w|]+)'", last.strip())):  # every name the page greps for
-        checks = " && ".join(f"grep -q -E '{name}' <<< \"$out\"" for name in metrics.group(1).split("|"))
-        return f"out=$({producer.strip()}) && {checks}"
-    if bar and last.startswith("head"):  # head stops reading: the producer must not die of SIGPIPE
-        return f"{producer}| {{ {last}; cat > /dev/null; }}"
-    return line
 
 
 @pytest.mark.parametrize("page", RUNBOOKS, ids=[p.stem for p in RUNBOOKS])
 def test_every_runbook_command_runs_against_the_release(k8s_cluster, namespace, release, page):
     """Every command of the runbook, in order in one shell (a command may use what an earlier one
     set), succeeds against the chart's release and its Ready example fleet."""
-    commands = runbook_commands(page)
+    commands = [c for block in doc_commands.blocks(page) for c in block.commands]
     assert commands, f"{page.name} has no commands"
-    bindir = pathlib.Path(k8s_cluster.kubectl_path).parent
-    env = {**os.environ, "KUBECONFIG": str(k8s_cluster.kubeconfig), "PATH": f"{bindir}:{os.environ['PATH']}"}
-    script = "set -o pipefail\n" + "\n".join(
-        f"{as_run_here(c, namespace)} || {{ echo 'failed: {i}' >&2; exit 1; }}" for i, c in enumerate(commands))
-    proc = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=120)
-    failed = re.search(r"failed: (\d+)", proc.stderr)
-    assert proc.returncode == 0, (f"{page.name}: {commands[int(failed.group(1))] if failed else '?'}\n"
-                                  f"{script}\n{proc.stderr[-3000:]}")
+    doc_commands.run(commands, doc_commands.Place(namespace, FLEET), k8s_cluster, timeout=120)
+
+
+def test_install_md_commands_read_the_release_as_documented(k8s_cluster, namespace, release):
+    """docs/install.md's Lease and budget (the tables it shows), the webhook token, and the s3://
+    credentials Secret, run against the release."""
+    here = doc_commands.Place(namespace, FLEET)
+    lease_and_budget, = [b for b in doc_commands.blocks(INSTALL_MD, "Values") if "get lease" in b.text]
+    holder, _ = doc_commands.run_console(lease_and_budget, here, k8s_cluster)
+    assert holder.rsplit("_", 1)[0] == _operator_pod(k8s_cluster, namespace).metadata.name
+    token_block, = [b for b in install_md("Prometheus and Alertmanager") if "secret adpfleet-webhook" in b.text]
+    token = doc_commands.run(token_block.commands, here, k8s_cluster)
+    assert token == base64.b64decode(
+        k8s_cluster.core.read_namespaced_secret(f"{FULLNAME}-webhook", namespace).data["token"]).decode()
+    s3, = [b for b in install_md("Pointing a fleet at its weights") if "s3-models" in b.text]
+    doc_commands.run(s3.commands, here, k8s_cluster)
+    assert set(k8s_cluster.core.read_namespaced_secret("s3-models", namespace).data) == {
+        "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION"}
+
+
+OPERATOR_MD = ROOT / "docs" / "operator.md"
+
+
+def test_operator_md_commands_start_an_operator_and_a_standby_of_the_release(
+        k8s_cluster, namespace, other_namespace, release):
+    """docs/operator.md's `adpfleet operator` command lines, as written (the optional part in
+    brackets included): each starts and turns ready; the one with leader election joins the
+    release's Lease as its standby. team-a and team-b are namespaces without fleets; the chart's
+    operator pods hold port 8080 on this machine, so each listens on a free port."""
+    here = doc_commands.Place(namespace, FLEET, renamed=(("team-a", other_namespace), ("team-b", "default")))
+    commands = [c for b in doc_commands.blocks(OPERATOR_MD, "Running it") for c in b.commands]
+    assert [c.split()[:2] for c in commands] == [["adpfleet", "operator"]] * 2, commands
+    listed, = doc_commands.blocks(OPERATOR_MD, "")  # `kubectl get ifleet`, and the columns it shows
+    doc_commands.run_console(listed, here, k8s_cluster)
+    started = []  # both at once: most of their start is importing
+    for command in commands:
+        port = _free_port()
+        line = doc_commands.as_run_here(command.replace("[", "").replace("]", ""), here)
+        started.append((line, port, subprocess.Popen(
+            ["bash", "-c", f"exec {line} --http-host 127.0.0.1 --http-port {port}"],
+            env=doc_commands.shell_env(k8s_cluster), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
+    try:
+        for line, port, proc in started:
+            def ready(proc=proc, port=port):
+                if proc.poll() is not None:
+                    return {"exited": proc.returncode}
+                try:
+                    r = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2)
+                except httpx.HTTPError:
+                    return None
+                return r.json() if r.status_code == 200 else None
+            answer = wait_for(ready, timeout=90, what=f"{line} to be ready", interval=0.5)
+            assert "exited" not in answer, f"{line} exited {proc.returncode}:\n{proc.stdout.read()[-3000:]}"
+            if "--leader-elect" in line:
+                assert answer.get("role") == "standby", answer  # the chart's leader holds the Lease
+    finally:
+        for _, _, proc in started:
+            proc.terminate()
+        for _, _, proc in started:
+            proc.wait(timeout=30)
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
 
 def test_the_webhook_receiver_reads_its_token_from_the_chart_secret(k8s_cluster, namespace, release):
     secret = k8s_cluster.core.read_namespaced_secret(f"{FULLNAME}-webhook", namespace)
@@ -367,6 +407,22 @@ def test_cluster_wide_rbac_grants_the_same_rules_in_every_namespace_and_nothing_
         k8s_cluster.core.delete_namespace(ns)
 
 
+def test_install_md_upgrades_the_crd_and_the_release_and_turns_monitoring_on(
+        k8s_cluster, namespace, release, explain):
+    """docs/install.md's "Upgrading the CRD" and "With the Prometheus Operator" blocks, as written:
+    without the Prometheus Operator the upgrade succeeds and NOTES say what was left out."""
+    here = doc_commands.Place(namespace, FLEET)
+    upgrade, = install_md("Upgrading the CRD")
+    doc_commands.run(upgrade.commands, here, k8s_cluster)
+    monitoring, = [b for b in install_md("Prometheus and Alertmanager") if "serviceMonitor.enabled" in b.text]
+    notes = doc_commands.run(monitoring.commands, here, k8s_cluster)
+    assert "PodMonitor" in notes and "PrometheusRule" in notes, notes
+    assert helm("get", "values", RELEASE, "-n", namespace, "-o", "json", kubeconfig=k8s_cluster.kubeconfig
+                ).stdout.count('"enabled":true') >= 4
+    wait_for(lambda: _fleet_condition(k8s_cluster, namespace, FLEET, "Ready") == "True", timeout=60,
+             what="the fleet to stay Ready")
+
+
 def test_upgrade_keeps_the_webhook_token_and_leaves_the_fleet_alone(k8s_cluster, namespace, release, explain):
     secret_name = f"{FULLNAME}-webhook"
     token = k8s_cluster.core.read_namespaced_secret(secret_name, namespace).data["token"]
@@ -396,25 +452,42 @@ def test_examples_are_accepted_by_the_api_server(k8s_cluster, namespace, release
 
 
 def test_install_with_invalid_values_fails_with_the_schema_message_and_creates_nothing(k8s_cluster):
+    """docs/install.md's example, as written (the kubeconfig's namespace): it fails with every line
+    the page shows, and nothing is installed."""
+    refused, = [b for b in doc_commands.blocks(INSTALL_MD, "Values") if "resyncSeconds=-5" in b.text]
     ns = _namespace(k8s_cluster, "chart-bad")
     try:
-        proc = helm("install", "bad", str(CHART), "-n", ns, "--set", "operator.resyncSeconds=-5",
-                    "--set", "replicas=2", kubeconfig=k8s_cluster.kubeconfig, check=False)
-        assert proc.returncode != 0
-        assert "values don't meet the specifications of the schema" in proc.stderr
-        assert "/operator/resyncSeconds" in proc.stderr and "additional properties 'replicas'" in proc.stderr
-        assert helm("list", "-n", ns, "-q", kubeconfig=k8s_cluster.kubeconfig).stdout.strip() == ""
+        doc_commands.run_console(refused, doc_commands.Place(ns), k8s_cluster)
+        assert helm("list", "-A", "-q", "-f", "^adpfleet$", kubeconfig=k8s_cluster.kubeconfig
+                    ).stdout.split() == [RELEASE]  # the module's release only
         assert not k8s_cluster.core.list_namespaced_service_account(ns).items[1:]  # only `default`
     finally:
         k8s_cluster.core.delete_namespace(ns)
 
 
+def test_autoscaling_md_scales_a_role_as_documented(k8s_cluster, namespace, release):
+    """docs/autoscaling.md's `kubectl scale ifrole`, as written (the next test deletes the fleet, so
+    the new servers need not become Ready): the operator takes the count, and `kubectl get ifrole`
+    prints the columns the page shows."""
+    block, = doc_commands.blocks(ROOT / "docs" / "autoscaling.md")
+    out = doc_commands.run(block.commands, doc_commands.Place(namespace, FLEET), k8s_cluster)
+    shown = next(line for line in block.text.splitlines() if line.startswith("# NAME "))
+    assert next(line for line in out.splitlines() if line.startswith("NAME ")).split() == shown[2:].split(), out
+    wait_for(lambda: k8s_cluster.get_json("ifrole", f"{FLEET}-generation", "-n", namespace)
+             .get("status", {}).get("desiredReplicas") == 3, timeout=60, what="the role's desiredReplicas 3")
+    wait_for(lambda: len(k8s_cluster.core.list_namespaced_pod(
+        namespace, label_selector=f"adpfleet.io/fleet={FLEET},adpfleet.io/role=generation").items) == 3,
+        timeout=60, what="three generation servers")
+
+
 def test_deleting_the_fleet_then_uninstalling_leaves_nothing_behind(k8s_cluster, namespace, release):
-    k8s_cluster.kubectl("delete", "inferencefleet", FLEET, "-n", namespace, "--wait=true", "--timeout=60s")
+    """docs/install.md's "Uninstalling", as written (in the shared test cluster, the fleets of this
+    namespace and a server-side dry run of the CRD's deletion)."""
+    uninstall, = install_md("Uninstalling")
+    doc_commands.run(uninstall.commands, doc_commands.Place(namespace, FLEET), k8s_cluster, timeout=180)
     wait_for(lambda: not k8s_cluster.core.list_namespaced_pod(
         namespace, label_selector=f"adpfleet.io/fleet={FLEET}").items, timeout=90,
         what="the fleet's pods to be deleted")
-    helm("uninstall", RELEASE, "-n", namespace, "--wait", "--timeout", "60s", kubeconfig=k8s_cluster.kubeconfig)
     wait_for(lambda: not k8s_cluster.core.list_namespaced_pod(namespace).items, timeout=60,
              what="the operator pod to be deleted")
     rbac = client.RbacAuthorizationV1Api(k8s_cluster.api_client)

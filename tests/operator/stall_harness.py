@@ -258,20 +258,14 @@ def inject_as_documented(cluster, pod, kind: str, rank: int) -> dict:
     """The same POST as `inject`, made by the commands of docs/remediation.md's "Rehearsing a stall"
     as a user runs them (the token from the fleet's Secret with kubectl, curl), with the page's
     placeholders filled in. The local cluster cannot port-forward: the commands reach the pod's IP,
-    the alternative the page gives."""
-    page = (ROOT / "docs" / "remediation.md").read_text()
-    section = page[page.index("## Rehearsing a stall"):]
-    block = section[section.index("```bash\n") + 8:section.index("```", section.index("```bash\n") + 8)]
-    script = "\n".join(line for line in block.replace("\\\n", "").splitlines() if "port-forward" not in line)
-    script = (script.replace("NS", pod.metadata.namespace).replace("FLEET", pod.metadata.labels[names.LABEL_FLEET])
-              .replace("localhost:8000", f"{pod.status.pod_ip}:{names.SERVER_HTTP_PORT}")
-              .replace('{"kind": "freeze", "rank": 1}', json.dumps({"kind": kind, "rank": rank})))
-    env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig),
-           "PATH": f"{Path(cluster.kubectl_path).parent}:{os.environ['PATH']}"}
-    proc = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", script], env=env, capture_output=True, text=True,
-                          timeout=30)
-    assert proc.returncode == 0, f"{script}\n{proc.stderr}"
-    answer = json.loads(proc.stdout)
+    the alternative the page gives (tests/doc_commands.py)."""
+    import doc_commands  # tests/, on the path under pytest (bench/remediation.py never injects this way)
+    block, = doc_commands.blocks(ROOT / "docs" / "remediation.md", "Rehearsing a stall (fault injection)")
+    commands = [c.replace('{"kind": "freeze", "rank": 1}', json.dumps({"kind": kind, "rank": rank}))
+                for c in block.commands]
+    place = doc_commands.Place(pod.metadata.namespace, fleet=pod.metadata.labels[names.LABEL_FLEET],
+                               pod=pod.metadata.name)
+    answer = json.loads(doc_commands.run(commands, place, cluster, timeout=30))
     assert answer == {"injected": kind, "rank": rank}, answer
     return answer
 
