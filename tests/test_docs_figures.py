@@ -16,3 +16,44 @@ def test_install_md_cites_the_time_to_ready_of_bench_results_install_json():
              "fleet applied -> fleet Ready (router included)", "fleet applied -> first completion"]
     missing = [f"{step}: {seconds[step]:.1f} s" for step in cited if f"{seconds[step]:.1f} s" not in page]
     assert missing == [], missing
+
+
+def _table_rows(page: str, header: str) -> dict[str, list[str]]:
+    """The rows of the markdown table whose header line starts with `header`, by first cell."""
+    lines = page[page.index(header):].splitlines()
+    rows = {}
+    for line in lines[2:]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        rows[cells[0]] = cells[1:]
+    return rows
+
+
+def test_benchmarks_md_disagg_tables_are_bench_results_disagg_serving_json():
+    result = json.loads((ROOT / "bench/results/disagg_serving.json").read_text())
+    page = (ROOT / "docs/benchmarks.md").read_text()
+    arms = _table_rows(page, "| arm | output tok/s |")
+    assert set(arms) == {a["arm"] for a in result["arms"]}
+    for arm in result["arms"]:
+        expected = [f"{arm['output_tokens_per_s']}", f"{arm['requests_per_s']}",
+                    f"{arm['ttft_ms']['p50']} ms", f"{arm['ttft_ms']['p99']} ms",
+                    f"{arm['itl_ms']['p50']} ms", f"{arm['itl_ms']['p99']} ms"]
+        assert arms[arm["arm"]] == expected, arm["arm"]
+    payloads = _table_rows(page, "| payload | KV transfer GB/s |")
+    assert set(payloads) == {p["payload"] for p in result["kv_transfer"]}
+    for p in result["kv_transfer"]:
+        expected = [f"{p['kv_transfer_gbps']}", f"{p['loopback_tcp_gbps']}", f"{p['ratio']:.2f}",
+                    f"{p['loopback_tcp_persistent_gbps']}", f"{p['ratio_to_persistent']:.2f}"]
+        assert payloads[p["payload"]] == expected, p["payload"]
+
+
+def test_readme_cites_the_recorded_demo_run_of_bench_results_demo_summary_json():
+    demo = json.loads((ROOT / "bench/results/demo-summary.json").read_text())
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    total = demo["requests_completed"] + demo["requests_failed"]
+    cited = (f"detected its frozen rank {demo['detection_s']} s after the fault "
+             f"({demo['stall_window_s']} s window, {demo['scrape_interval_s']} s scrapes) and was serving again "
+             f"{demo['recovery_s']} s after it, with {demo['requests_failed']} of {total} requests failed "
+             f"({demo['router_queued']:.0f} held in the router's queue and retried")
+    assert cited in readme
