@@ -26,6 +26,7 @@ import asyncio
 import json
 import math
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -542,6 +543,7 @@ def main() -> int:
     args = p.parse_args()
     from common import format_table, machine_info
 
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a killed run still takes its cluster down
     started = time.monotonic()
     result = run(args)
     result["machine"] = machine_info()

@@ -11,7 +11,8 @@ role's desired server count should be, and why:
    or remediated: the last decision has not taken effect, and the signals do not show its effect yet.
 3. Each load gives a recommendation (`recommend`), from one model of what the same requests would
    show on another number of servers (`projected`): requests per rank scale inversely with the
-   servers; a rank runs what fits (its batch, or what its KV allows) and queues the rest; KV use
+   servers; a rank runs what fits (its batch, or what its KV allows) and queues the rest — the
+   requests it has admitted beyond one batch count as queued too (`observed`); KV use
    follows the requests held; latencies scale in proportion. Up, when a signal is above its
    target by more than the tolerance: the fewest servers at which every set target holds (for a
    proportional signal this is the HPA's `ceil(servers x signal / target)`). Down: the fewest
@@ -159,13 +160,22 @@ def projected(load: RoleLoad, name: str, servers: int, batch_capacity: int) -> f
     scale = load.servers / servers
     demand = (load.running_per_rank + load.waiting_per_rank) * scale
     if name == "waiting_per_rank":
-        fits = load.running_per_rank if load.waiting_per_rank > 0 else batch_capacity
+        fits = min(load.running_per_rank, batch_capacity) if load.waiting_per_rank > 0 else batch_capacity
         return max(0.0, demand - fits)
     if name == "kv_cache_utilization":
         if load.running_per_rank > 0:  # KV per request now, times the requests it would hold
             return value / load.running_per_rank * min(demand, batch_capacity)
         return value * scale
     return value * scale
+
+
+def observed(load: RoleLoad, name: str, batch_capacity: int) -> float | None:
+    """Signal `name` of `load` as the policy judges it. A rank admits more requests than one batch
+    holds (up to maxNumActiveRequests) and runs `batch_capacity` of them per pass: those beyond its
+    batch wait pass by pass, so they count as waiting."""
+    if name == "waiting_per_rank":
+        return load.waiting_per_rank + max(0.0, load.running_per_rank - batch_capacity)
+    return load.signal(name)
 
 
 def recommend(load: RoleLoad, role: str, policy: AutoscalingSpec, batch_capacity: int) -> Recommendation:
@@ -186,7 +196,7 @@ def recommend(load: RoleLoad, role: str, policy: AutoscalingSpec, batch_capacity
     # signal back to its target
     worst: tuple[float, str] | None = None
     for name, target in targets.items():
-        value = load.signal(name)
+        value = observed(load, name, batch_capacity)
         if value is not None and value > target * (1 + tol) and (worst is None or value / target > worst[0]):
             worst = (value / target, name)
     if worst is not None:
@@ -195,7 +205,8 @@ def recommend(load: RoleLoad, role: str, policy: AutoscalingSpec, batch_capacity
         m = n + 1
         while m < MAX_SERVERS and not holds(m, 1.0):
             m += 1
-        return Recommendation(m, reason, f"{label} {load.signal(name):.3g} > target {targets[name]:g}")
+        return Recommendation(m, reason, f"{label} {observed(load, name, batch_capacity):.3g} > target "
+                                         f"{targets[name]:g}")
     if role == "generation" and load.peer_held_for_transfers > TRANSFER_BOUND:
         return Recommendation(n + 1, ScaleReason.GENERATION_BACKLOG,
                               f"context servers hold {load.peer_held_for_transfers:.0%} of their KV for transfers")
@@ -209,7 +220,8 @@ def recommend(load: RoleLoad, role: str, policy: AutoscalingSpec, batch_capacity
             break
         fewest = m
     if fewest < n:
-        shown = ", ".join(f"{SIGNALS[k][0]} {load.signal(k):.3g}" for k in targets if load.signal(k) is not None)
+        shown = ", ".join(f"{SIGNALS[k][0]} {v:.3g}" for k in targets
+                          if (v := observed(load, k, batch_capacity)) is not None)
         return Recommendation(fewest, ScaleReason.BELOW_TARGETS, f"{shown or 'no load'}: under every target with "
                                                                  f"{fewest} server(s)")
     return Recommendation(n, None, "within targets")

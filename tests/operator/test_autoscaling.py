@@ -53,6 +53,19 @@ def test_a_queue_above_target_asks_for_the_servers_that_would_absorb_it():
     assert deep.servers == math.ceil(2 * 48 / (8 + 2))
 
 
+def test_requests_a_rank_admitted_beyond_one_batch_count_as_waiting():
+    # The engine admits up to maxNumActiveRequests and runs maxBatchSize of them per pass: 8
+    # admitted on a rank whose batch holds 1 is 7 waiting, though adpfleet_requests_waiting says 0
+    # (bench/autoscale.py: a generation role at 4x load never grew, its queue all "running").
+    rec = recommend(load(servers=1, waiting_per_rank=0.0, running_per_rank=8.0), "generation",
+                    policy(targets={"waitingPerRank": 1}), 1)
+    assert rec.reason is ScaleReason.WAITING and "waiting/rank 7 > target 1" in rec.detail
+    assert rec.servers == 4  # 8 per rank on 1 server is 2 on 4: one in the batch, one waiting
+    within = recommend(load(servers=1, waiting_per_rank=0.0, running_per_rank=8.0), "generation",
+                       policy(targets={"waitingPerRank": 1}), 8)
+    assert within.reason is None
+
+
 def test_a_proportional_signal_follows_the_hpa_rule():
     p = policy(targets={"timeToFirstTokenSeconds": 0.5})
     rec = recommend(load(servers=3, time_to_first_token_seconds=1.7), "context", p, BATCH)
