@@ -331,7 +331,7 @@ def summarise(arm: str, requests: list[Request], watch: FleetWatch, t0: float, b
         "ttft_p50_s": _round(percentile(ttfts, 50)), "ttft_p99_s": _round(percentile(ttfts, 99)),
         "e2e_p50_s": _round(percentile(e2e, 50)), "e2e_p99_s": _round(percentile(e2e, 99)),
         "phases": phases, "signals": signals,
-        "step_to_first_scale_up_s": ups[0]["at"] - step_up if ups else None,
+        "step_to_first_scale_up_s": _round(ups[0]["at"] - step_up) if ups else None,
         "step_to_new_server_serving_s": min(serving) if serving else None,
         "added_after_step": added,
         "step_down_to_first_scale_down_s": _round(downs[0]["at"] - step_down) if downs else None,
