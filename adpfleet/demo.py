@@ -54,6 +54,8 @@ class Traffic:
     failed: int = 0
     errors: dict[str, int] = field(default_factory=dict)
     latencies: list[tuple[float, float]] = field(default_factory=list)  # (sent at, seconds) of completed requests
+    retried: int = 0  # completed, after the router tried another server (X-Adpfleet-Attempts > 1)
+    held: int = 0     # completed, after waiting in the router's queue for a usable server
 
 
 API_KEY_SECRET = f"{FLEET}-api-key"
@@ -208,11 +210,15 @@ class Demo:
                     r = http.post(url + "/v1/completions", json=body)
                     ok = r.status_code == 200
                     reason = None if ok else f"HTTP {r.status_code}"
+                    retried = int(r.headers.get("x-adpfleet-attempts", 1)) > 1
+                    held = float(r.headers.get("x-adpfleet-queued-seconds", 0)) >= 0.05
                 except httpx.HTTPError as e:
-                    ok, reason = False, type(e).__name__
+                    ok, reason, retried, held = False, type(e).__name__, False, False
                 with self._lock:
                     if ok:
                         self.traffic.completed += 1
+                        self.traffic.retried += retried
+                        self.traffic.held += held
                         self.traffic.latencies.append((sent_at, time.monotonic() - started))
                     else:
                         self.traffic.failed += 1
@@ -354,7 +360,8 @@ class Demo:
         latency = {name: {"requests": len(xs), "p50_s": percentile(xs, 50), "p99_s": percentile(xs, 99)}
                    for name, xs in (("before_fault", before), ("from_fault", after))}
         result = {"requests_completed": self.traffic.completed, "requests_failed": self.traffic.failed,
-                  "errors": self.traffic.errors, "router_retries": router.get("adpfleet_router_retries_total"),
+                  "errors": self.traffic.errors, "requests_retried": self.traffic.retried,
+                  "requests_held": self.traffic.held, "router_retries": router.get("adpfleet_router_retries_total"),
                   "router_queued": router.get("adpfleet_router_queued_total"), "latency": latency,
                   "fault_at_s": fault and round(fault, 1),
                   "detection_s": since(detected), "first_action_s": since(acted), "recovery_s": since(recovered),
@@ -367,9 +374,10 @@ class Demo:
         table.add_column("what")
         table.add_column("value", justify="right")
         table.add_row("requests completed", str(self.traffic.completed))
-        table.add_row("requests failed (explicit errors)", f"{self.traffic.failed} {self.traffic.errors or ''}")
-        table.add_row("requests retried by the router / held in its queue",
-                      f"{result['router_retries']} / {result['router_queued']}")
+        table.add_row("client-visible errors (error answers, no answer)",
+                      f"{self.traffic.failed} {self.traffic.errors or ''}")
+        table.add_row("completed after a retry on another server / after waiting in the router's queue",
+                      f"{self.traffic.retried} / {self.traffic.held}")
         for name, what in (("before_fault", "latency before the fault"), ("from_fault", "latency from the fault on")):
             row = latency[name]
             table.add_row(f"{what} p50 / p99", f"{row['p50_s']} / {row['p99_s']} s ({row['requests']} requests)")

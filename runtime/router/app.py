@@ -99,7 +99,7 @@ class RelayResponse(StreamingResponse):
 
     def __init__(self, router: Router, relay: Relay, deadline: float):
         super().__init__(router.relay(relay, deadline), media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache"})
+                         headers={"Cache-Control": "no-cache", **relay.headers})
         self.router, self.relay = router, relay
 
     async def __call__(self, scope, receive, send):

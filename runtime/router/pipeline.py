@@ -29,6 +29,11 @@ from adpfleet.runtime.serving.limits import RETRY_AFTER_S
 
 log = logging.getLogger("adpfleet.router")
 
+# On every answer `prepare` makes: how many attempts it took (more than 1: the router retried it on
+# another server, invisibly to the client) and how long it waited in the queue for a usable server.
+ATTEMPTS_HEADER = "X-Adpfleet-Attempts"
+QUEUED_HEADER = "X-Adpfleet-Queued-Seconds"
+
 
 @dataclass
 class Answer:
@@ -47,6 +52,7 @@ class Relay:
     server: Endpoint | None = None
     on_close: list = field(default_factory=list)
     outcome: str = "client_closed"  # the requests_total label, set by Router.relay as it ends
+    headers: dict = field(default_factory=dict)  # sent with the stream (see ATTEMPTS_HEADER)
 
     async def close(self) -> None:
         """Idempotent: closes the server's stream and releases its in-flight slot."""
@@ -89,19 +95,28 @@ class Router:
         failures: list[Failure] = []
         avoid: set[Endpoint] = set()
         queue_until: list[float] = []  # set when the request first has to wait: the queue timeout is per request
+        attempts, queued = 0, 0.0
+
+        def told(outcome: Answer | Relay) -> Answer | Relay:
+            outcome.headers.update({ATTEMPTS_HEADER: str(attempts), QUEUED_HEADER: f"{queued:.3f}"})
+            return outcome
         for attempt in range(1, self.max_attempts + 1):
-            if (unplaceable := await self._wait_for_server(deadline, queue_until)) is not None:
+            waited_from = loop.time()
+            unplaceable = await self._wait_for_server(deadline, queue_until)
+            queued += loop.time() - waited_from
+            if unplaceable is not None:
                 failures.append(unplaceable)
                 self.metrics.errors.labels(unplaceable.reason).inc()
                 log.warning("request not placed: %s", unplaceable.describe())
                 break
             if attempt > 1:
                 self.metrics.retries.inc()
+            attempts = attempt
             state = _Attempt(headers or {})
             limit = deadline if not self.first_token_timeout else min(deadline, loop.time() + self.first_token_timeout)
             try:
                 async with asyncio.timeout_at(limit):
-                    return await self._attempt(state, path, body, avoid)
+                    return told(await self._attempt(state, path, body, avoid))
             except AttemptFailed as e:
                 failure = e.failure
             except TimeoutError:
@@ -120,7 +135,7 @@ class Router:
                 break
             avoid |= servers_to_avoid(failure, state.context)
         status, err = final_error(failures, deadline_passed=loop.time() >= deadline)
-        return Answer(status, err, {"Retry-After": str(RETRY_AFTER_S)} if retry_after(status, failures) else {})
+        return told(Answer(status, err, {"Retry-After": str(RETRY_AFTER_S)} if retry_after(status, failures) else {}))
 
     async def _wait_for_server(self, deadline: float, queue_until: list[float]) -> Failure | None:
         """None when the pool has usable servers for a mode, at once or after waiting in the

@@ -215,6 +215,32 @@ def test_a_generation_server_answering_503_is_retried_on_the_other(disagg, fresh
     assert disagg.metric("adpfleet_router_requests_total", status="200") == 4
 
 
+def test_every_answer_says_how_many_attempts_it_took_and_how_long_it_waited_for_a_server(disagg, fresh_fakes):
+    """What a client (and bench/remediation.py) reads to tell a request the router retried
+    invisibly, or held in its queue, from one that went through at once."""
+    fresh_fakes["gen1"].configure(fail_status=503)
+    attempts = []
+    for stream in (False, True, False, True):
+        r = httpx.post(disagg.url + "/v1/completions", json={"prompt": "x", "max_tokens": 3, "stream": stream},
+                       timeout=30)
+        assert r.status_code == 200 and (r.text.rstrip().endswith("[DONE]") if stream else r.json()["choices"])
+        attempts.append(int(r.headers["x-adpfleet-attempts"]))
+        assert 0 <= float(r.headers["x-adpfleet-queued-seconds"]) < 0.5
+    assert sorted(set(attempts)) == [1, 2], attempts  # the one sent to gen1 first took a second attempt
+    assert attempts.count(2) == disagg.metric("adpfleet_router_retries_total")
+    fresh_fakes["gen1"].configure(healthy=False)
+    fresh_fakes["gen2"].configure(healthy=False)
+    wait_until(lambda: httpx.get(disagg.url + "/health").status_code == 503, timeout=5, what="no usable generation")
+    held = concurrent.futures.ThreadPoolExecutor(1).submit(
+        httpx.post, disagg.url + "/v1/completions", json={"prompt": "x", "max_tokens": 3, "stream": True}, timeout=30)
+    wait_until(lambda: disagg.metric("adpfleet_router_queue_waiting") == 1, timeout=5, what="the request waiting")
+    time.sleep(0.5)  # it waits at least this long
+    fresh_fakes["gen2"].configure(healthy=True)
+    r = held.result(timeout=10)
+    assert r.status_code == 200 and r.headers["x-adpfleet-attempts"] == "1"
+    assert float(r.headers["x-adpfleet-queued-seconds"]) >= 0.5
+
+
 def test_a_failed_kv_pull_reruns_the_whole_pipeline(disagg, fresh_fakes):
     fresh_fakes["gen1"].configure(kv_fail=True)
     fresh_fakes["gen2"].configure(kv_fail=True)
