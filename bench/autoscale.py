@@ -138,7 +138,7 @@ class FleetWatch(Background):
         self.operator_url = operator_url
         self.servers: dict[str, Server] = {}  # uid -> Server
         self.decisions: list[dict] = []
-        self.signals: list[tuple[float, str, str, float]] = []  # (monotonic, role, signal, value) as the policy read them
+        self.signals: list[tuple[float, str, str, float]] = []  # (monotonic, role, signal, value), as the policy read
         self._lock = threading.Lock()
 
     def _read_signals(self, now: float) -> None:
@@ -199,8 +199,10 @@ class FleetWatch(Background):
     def counts(self, role: str, t: float) -> tuple[int, int]:
         """(servers alive, servers serving) of `role` at monotonic time `t`."""
         with self._lock:
-            alive = [s for s in self.servers.values() if s.role == role and s.seen <= t and (s.gone is None or s.gone > t)]
-            serving = [s for s in alive if s.ready is not None and s.ready <= t and (s.drained is None or s.drained > t)]
+            alive = [s for s in self.servers.values()
+                     if s.role == role and s.seen <= t and (s.gone is None or s.gone > t)]
+            serving = [s for s in alive
+                       if s.ready is not None and s.ready <= t and (s.drained is None or s.drained > t)]
             return len(alive), len(serving)
 
     def signal(self, role: str, name: str, start: float, end: float) -> list[float]:
@@ -312,7 +314,8 @@ def summarise(arm: str, requests: list[Request], watch: FleetWatch, t0: float, b
     # the servers the step brought: the first of each role seen after it, and when it served
     added = {}
     for role in ROLES:
-        new = sorted((s for s in watch.servers.values() if s.role == role and s.seen >= t0 + step_up), key=lambda s: s.seen)
+        new = sorted((s for s in watch.servers.values() if s.role == role and s.seen >= t0 + step_up),
+                     key=lambda s: s.seen)
         if new:
             added[role] = {"seen_after_step_s": _round(new[0].seen - t0 - step_up),
                            "serving_after_step_s": _round(new[0].ready - t0 - step_up) if new[0].ready else None}
@@ -401,8 +404,8 @@ def run(args) -> dict:
             if arm == "policy":  # the fixed fleet for the peak: the size the policy found for it, held throughout
                 peak = dict(arms[-1]["servers_at_peak"])
             arms[-1]["wall_s"] = round(time.monotonic() - started, 1)
-            print(f"{arm}: {json.dumps({k: v for k, v in arms[-1].items() if k not in ('timeline', 'ttft_series', 'decisions')})}",
-                  flush=True)
+            brief = {k: v for k, v in arms[-1].items() if k not in ("timeline", "ttft_series", "decisions")}
+            print(f"{arm}: {json.dumps(brief)}", flush=True)
         return {"phases_s": durations, "phase_names": list(PHASES), "trough_rps": args.trough_rps,
                 "factor": args.factor, "requests_per_arm": len(schedule), "seed": args.seed,
                 "max_tokens": args.max_tokens, "scrape_interval_s": args.interval,

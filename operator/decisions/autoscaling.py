@@ -50,7 +50,7 @@ from adpfleet.operator.adapters.scrape import Scrape
 from adpfleet.operator.resource.models import AutoscalingSpec
 from adpfleet.operator.resource.vocabulary import ScaleReason
 
-TRANSFER_BOUND = 0.5  # a context role with more than this share of its KV capacity held for transfers waits on generation
+TRANSFER_BOUND = 0.5  # a context role with more of its KV capacity held for transfers waits on generation
 MAX_SERVERS = 256     # the most any role may ask for (ServerRole.servers' bound)
 
 # signal (a ScalingTargets field) -> (what it is called in messages, the reason when it is above target)
