@@ -22,6 +22,7 @@ hands it to the remediator again (deleting only pods older than the decision) in
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import time
 from dataclasses import dataclass, field, replace
@@ -91,6 +92,7 @@ class FleetStall:
     published: object = None
     unreachable_since: dict[str, float] = field(default_factory=dict)
     unreachable_reported: set[str] = field(default_factory=set)
+    spec: tuple[dict, FleetSpec] | None = None  # the spec as last read, and its model: validated once per change
 
     def all_verdicts(self) -> list[StallVerdict]:
         """Own detection's and the standing alert re-checks'."""
@@ -126,7 +128,6 @@ class StallController:
         self.detection = detection
         self.clock = clock
         self.fleets: dict[Key, FleetStall] = {}
-        logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per scrape otherwise
         inbox.on_put = self._alert_arrived
         self._owned_scraper = None if scraper is not None else HttpScraper(clock)
         self._scraper: Scraper = scraper or self._owned_scraper  # tests script the servers' /metrics
@@ -169,7 +170,7 @@ class StallController:
 
     async def tick(self, key: Key, fleet: FleetStall) -> float:
         """One pass of the diagram above; the seconds until the next."""
-        look = _look(fleet.observe())
+        look = _look(fleet.observe(), fleet)
         if look is None:
             return INVALID_SPEC_RETRY_SECONDS
         alerts = self.inbox.take(*key)
@@ -428,7 +429,7 @@ class StallController:
         fleet = self.fleets.get(key)
         if fleet is None:
             return status
-        look = _look(obs)
+        look = _look(obs, fleet)
         settling = look is None or self.clock() - fleet.started < look.window + look.interval
         return stall_status.overlay(status, obs.status, [e.verdict for e in fleet.episodes.values()], fleet.plan,
                                     self._history(fleet, obs), now_rfc3339(), generation=obs.generation,
@@ -450,12 +451,19 @@ class StallController:
             await self._owned_scraper.close()
 
 
-def _look(obs: FleetObservation) -> Look | None:
-    """The tick's view of the fleet; None while the spec cannot be read (the reconciler reports it)."""
-    try:
-        spec = FleetSpec.model_validate(obs.spec or {})
-    except Exception:  # noqa: BLE001 - the reconciler reports an invalid spec
-        return None
+def _look(obs: FleetObservation, fleet: FleetStall) -> Look | None:
+    """The tick's view of the fleet; None while the spec cannot be read (the reconciler reports it).
+    The spec's model is made again only when the spec changed (comparing is far cheaper than
+    validating, which every tick and every status overlay would otherwise do)."""
+    source = obs.spec or {}
+    if fleet.spec is not None and fleet.spec[0] == source:
+        spec = fleet.spec[1]
+    else:
+        try:
+            spec = FleetSpec.model_validate(source)
+        except Exception:  # noqa: BLE001 - the reconciler reports an invalid spec
+            return None
+        fleet.spec = (copy.deepcopy(source), spec)
     # A server a scale-down is draining is on its way out: never judged (its queue empties on purpose),
     # never a remediation's concern.
     pods = [p for role in names.ROLES for p in obs.role_pods(role) if not p.leaving]

@@ -82,6 +82,41 @@ def test_benchmarks_md_cites_the_autoscale_run_of_bench_results_autoscale_json()
         assert ratio in text and serving in text, (page_name, ratio, serving)
 
 
+def test_operator_md_cites_the_scrape_run_of_bench_results_operator_scale_detection_json():
+    result = json.loads((ROOT / "bench/results/operator_scale_detection.json").read_text())
+    page = (ROOT / "docs/operator.md").read_text()
+    assert "bench/results/operator_scale_detection.json" in page
+    rows = _table_rows(page, "| measure (detection and autoscaling on) |")
+    before = result["before"]
+    expected = {
+        "scrapes per second at rest": [f"{result['steady_scrapes_per_second']:g} "
+                                       f"({result['steady_scrapes_failed']} failed)", ""],
+        "operator CPU at rest": [f"{result['operator_cpu_percent_steady']:.1f} % of one core "
+                                 f"({result['operator_cpu_ms_per_scrape']:.2f} ms per scrape)", "< 50 %"],
+        "the same, main's scraper before this change (same session)": [
+            f"{before['operator_cpu_percent_steady']:.1f} % of one core "
+            f"({before['operator_cpu_ms_per_scrape']:.2f} ms per scrape): "
+            f"{before['operator_cpu_percent_steady'] / result['operator_cpu_percent_steady']:.1f}x; it fell behind: "
+            f"{before['steady_scrapes_per_second']:g} scrapes/s, {before['steady_scrapes_failed']} failed, "
+            f"p99 {before['scrape_latency_ms']['p99']} ms, "
+            f"hang → decision {before['stall']['hung_to_decision_seconds']:.1f} s", ""],
+        "operator RSS idle / peak / at rest": [f"{result['operator_rss_mb_idle']:.0f} / "
+                                               f"{result['operator_rss_mb_peak']:.0f} / "
+                                               f"{result['operator_rss_mb_steady']:.0f} MB", "< 250 MB"],
+        "scrape latency p50 / p99": [f"{result['scrape_latency_ms']['p50']} / {result['scrape_latency_ms']['p99']} ms",
+                                     ""],
+        "a server hangs → the remediation decision": [
+            f"{result['stall']['hung_to_decision_seconds']:.1f} s",
+            f"≤ {result['stall_decision_bound_seconds']} s (window + 2 intervals)"],
+    }
+    assert rows == expected
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert (f"it uses {result['operator_cpu_percent_steady']:.1f} % of a core "
+            f"({before['operator_cpu_percent_steady'] / result['operator_cpu_percent_steady']:.1f}x less than with "
+            f"httpx) and decides on a hung server {result['stall']['hung_to_decision_seconds']:.1f} s after it hangs "
+            f"({result['stall_window_seconds']} s window)") in readme
+
+
 def _remediation_tables() -> dict[str, list[str]]:
     import importlib.util
     import sys

@@ -14,13 +14,15 @@ import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Mapping
 
-import httpx
+import aiohttp
+
 from adpfleet.operator.resource import names
 
 MAX_METRICS_BYTES = 4 * 1024 * 1024  # a server's /metrics is a few KiB; more is not a server of ours
 TIMEOUT_FRACTION = 0.8     # of a scrape interval: a scrape is over before the next one is due ...
 MIN_TIMEOUT_SECONDS = 1.0  # ... but gets at least this long ...
 MAX_TIMEOUT_SECONDS = 5.0  # ... and at most this long (a slow /metrics is a sick server)
+KEEPALIVE_SECONDS = 75.0   # an idle connection to a server is kept this long (longer than most scrape intervals)
 
 
 def timeout_for(interval_seconds: float) -> float:
@@ -101,24 +103,19 @@ def parse_metrics(text: str) -> dict[int, RankSample]:
     not a complete adpfleet server exposition (garbage, HTML, truncated, a metric missing).
 
     A scrape of every rank of every server every few seconds is most of the operator's work at
-    scale, so this reads the text line by line and parses the labels and values of only the
-    families it uses (every line's shape is still checked: garbage is refused, not skipped)."""
+    scale, so the labels and values of only the families it uses are parsed. Every line's shape is
+    still checked (garbage is refused, not skipped): by one regular expression over the whole text
+    in the common case, and line by line, to name the bad line, when that does not match."""
     if len(text) > MAX_METRICS_BYTES:
         raise ScrapeError(f"/metrics is {len(text)} bytes, more than {MAX_METRICS_BYTES}: not an adpfleet server")
+    if _EXPOSITION.fullmatch(text) is not None:
+        wanted = ((m.group(1), m.group(2) or "", float(m.group(3))) for m in _WANTED_SAMPLE.finditer("\n" + text))
+    else:
+        wanted = _wanted_line_by_line(text)
     values: dict[int, dict[str, float]] = {}
     seen: dict[int, set[str]] = {}
-    for number, line in enumerate(text.split("\n"), 1):
-        if not line or line[0] == "#":
-            continue
-        name, labels, rest = _split_line(line)
-        if name is None:
-            raise ScrapeError(f"not Prometheus text: line {number}: {line[:80]!r}")
-        value = _value(rest)
-        if value is None:
-            raise ScrapeError(f"not Prometheus text: line {number}: {line[:80]!r}")
-        attr = _WANTED.get(name)
-        if attr is None:
-            continue
+    for name, labels, value in wanted:
+        attr = _WANTED[name]
         match = _RANK.search(labels)
         try:
             rank = int(match.group(1)) if match else None
@@ -137,6 +134,30 @@ def parse_metrics(text: str) -> dict[int, RankSample]:
         if missing:
             raise ScrapeError(f"rank {rank} lacks {', '.join(missing)}")
     return {rank: RankSample(**fields) for rank, fields in sorted(values.items())}
+
+
+# The fast path's grammar: a strict subset of what the line-by-line path accepts (so both agree on
+# every text it matches): `name{labels} value [timestamp]` with single spaces' worth of separators,
+# the value in Prometheus's own forms, no '}' after the labels (the labels end at the line's last '}').
+_VALUE_RE = r"[-+]?(?:(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?|Inf)|NaN"
+_SAMPLE_RE = r"[a-zA-Z_:][a-zA-Z0-9_:]*(?:\{[^\n]*\})? +(?:" + _VALUE_RE + r")(?: +[^\s}]+)? *"
+_EXPOSITION = re.compile(r"(?:(?:#[^\n]*|" + _SAMPLE_RE + r")?\n)*(?:#[^\n]*|" + _SAMPLE_RE + r")?")
+# a wanted sample at a line's start ("\n" + text: a literal "\n" to search for is faster than ^ in MULTILINE)
+_WANTED_SAMPLE = re.compile(r"\n(" + "|".join(map(re.escape, _WANTED)) + r")(?:\{([^\n]*)\})? +(" + _VALUE_RE + ")")
+
+
+def _wanted_line_by_line(text: str):
+    """(name, labels, value) of the wanted families' samples, checking every line's shape; raises
+    `ScrapeError` naming the first line that is not Prometheus text."""
+    for number, line in enumerate(text.split("\n"), 1):
+        if not line or line[0] == "#":
+            continue
+        name, labels, rest = _split_line(line)
+        value = _value(rest) if name is not None else None
+        if value is None:
+            raise ScrapeError(f"not Prometheus text: line {number}: {line[:80]!r}")
+        if name in _WANTED:
+            yield name, labels, value
 
 
 def _split_line(line: str) -> tuple[str | None, str, str]:
@@ -196,47 +217,72 @@ def metrics_url(pod_ip: str, port: int = names.SERVER_HTTP_PORT) -> str:
     return f"http://{host}:{port}/metrics"
 
 
-async def scrape(client: httpx.AsyncClient, url: str, timeout: float, clock=time.time) -> Scrape:
+async def scrape(session: aiohttp.ClientSession, url: str, timeout: float, clock=time.time) -> Scrape:
+    """One GET of `url` on `session`'s kept-alive connections, as a `Scrape` (never an exception)."""
     try:
         async with asyncio.timeout(timeout):
-            async with client.stream("GET", url, timeout=timeout) as response:
-                if response.status_code != 200:
-                    return Scrape(at=clock(), error=f"GET {url}: HTTP {response.status_code}")
-                chunks, size = [], 0  # read with a bound: parse_metrics would refuse it anyway
-                async for chunk in response.aiter_bytes():
-                    size += len(chunk)
-                    if size > MAX_METRICS_BYTES:
-                        return Scrape(at=clock(), error=f"GET {url}: more than {MAX_METRICS_BYTES} bytes")
-                    chunks.append(chunk)
+            body = await _get(session, url)
+        if isinstance(body, str):
+            return Scrape(at=clock(), error=body)
         at = clock()
-        return Scrape(at=at, ranks=parse_metrics(b"".join(chunks).decode("utf-8", errors="replace")))
+        return Scrape(at=at, ranks=parse_metrics(body.decode("utf-8", errors="replace")))
     except TimeoutError:
         return Scrape(at=clock(), error=f"GET {url}: timed out after {timeout:g} s")
     except ScrapeError as e:
         return Scrape(at=clock(), error=f"GET {url}: {e}")
-    except httpx.ConnectError as e:
-        return Scrape(at=clock(), error=f"GET {url}: {type(e).__name__}: {e}".rstrip(": "), refused=True)
-    except httpx.HTTPError as e:
+    except aiohttp.ClientConnectorError as e:
+        return Scrape(at=clock(), error=f"GET {url}: {type(e).__name__}: {e.os_error or e}", refused=True)
+    except aiohttp.ClientError as e:
         return Scrape(at=clock(), error=f"GET {url}: {type(e).__name__}: {e}".rstrip(": "))
     except OSError as e:
         return Scrape(at=clock(), error=f"GET {url}: {e}")
+
+
+async def _get(session: aiohttp.ClientSession, url: str) -> bytes | str:
+    """The body of a 200, or what was wrong. A kept-alive connection the server closed while it sat
+    idle (uvicorn closes them after 5 s, about one scrape interval) is not the server failing:
+    aiohttp (3.9 on) retries such a GET once on a new connection."""
+    async with session.get(url, allow_redirects=False) as response:
+        if response.status != 200:
+            return f"GET {url}: HTTP {response.status}"
+        if (response.content_length or 0) > MAX_METRICS_BYTES:
+            return f"GET {url}: more than {MAX_METRICS_BYTES} bytes"
+        chunks, size = [], 0  # read with a bound: parse_metrics would refuse it anyway
+        async for chunk in response.content.iter_any():
+            size += len(chunk)
+            if size > MAX_METRICS_BYTES:
+                return f"GET {url}: more than {MAX_METRICS_BYTES} bytes"
+            chunks.append(chunk)
+        return b"".join(chunks)
 
 
 Scraper = Callable[[str, float], Awaitable[Scrape]]  # (url, timeout) -> Scrape: an HttpScraper, or a test's script
 
 
 class HttpScraper:
-    """Scrapes servers over one connection pool (kept-alive connections are reused from scrape to
-    scrape): `await scraper(url, timeout)` is a `Scrape`, never an exception."""
+    """Scrapes servers over kept-alive connections, one per server, reused from scrape to scrape:
+    `await scraper(url, timeout)` is a `Scrape`, never an exception.
 
-    def __init__(self, clock=time.time, max_connections: int = 256):
+    aiohttp, not httpx: httpx's pool scans every pooled connection for each request, so with one
+    connection per server a scrape's CPU grew with the fleet (docs/operator.md, Numbers: 300
+    servers scraped every 5 s)."""
+
+    def __init__(self, clock=time.time):
         self.clock = clock
-        self.http = httpx.AsyncClient(limits=httpx.Limits(max_connections=max_connections,
-                                                          max_keepalive_connections=max_connections),
-                                      follow_redirects=False, trust_env=False)
+        self._session: aiohttp.ClientSession | None = None
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None:  # made on first use: an aiohttp session belongs to the running loop
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=KEEPALIVE_SECONDS),
+                trust_env=False, skip_auto_headers=("User-Agent", "Accept-Encoding"),  # plain text: no gzip to undo
+                headers={"Accept": "text/plain"})
+        return self._session
 
     async def __call__(self, url: str, timeout: float) -> Scrape:
-        return await scrape(self.http, url, timeout, self.clock)
+        return await scrape(self._client(), url, timeout, self.clock)
 
     async def close(self) -> None:
-        await self.http.aclose()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None

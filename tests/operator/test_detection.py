@@ -66,6 +66,52 @@ def test_a_truncated_exposition_is_a_scrape_error():
         parse_metrics(full[: len(full) // 2])
 
 
+def _outcome(text):
+    try:
+        return parse_metrics(text)
+    except ScrapeError as e:
+        return f"ScrapeError: {e}"
+
+
+_LINES = render("context", [(0, RankStats(iterations=3, prompt_tokens=2)), (1, RankStats(generation_tokens=5))]).split("\n")
+_ODD = ["", "# a comment", "adpfleet_iterations_total{rank=\"0\"}\t7", "adpfleet_iterations_total{rank=\"0\"} 7\r",
+        "adpfleet_iterations_total{rank=\"1\"} 7 }", "adpfleet_iterations_total{rank=\"1\"} 7 123",
+        "adpfleet_requests_waiting{rank=\"0\"}  1e3  ", "adpfleet_requests_waiting{rank=\"0\"} 1_0",
+        "adpfleet_requests_waiting{rank=\"0\"} Infinity", "adpfleet_requests_waiting{rank=\"0\"} +Inf",
+        "adpfleet_requests_waiting{rank=\"0\"} .5", "adpfleet_requests_waiting{rank=\"0\",x=\"}\"} 4",
+        "adpfleet_requests_waiting{rank=\"0\"}4", "adpfleet_requests_waiting 4", "adpfleet_requests_waiting\t4",
+        "adpfleet_requests_waiting{rank=\"0\"} NaN", "adpfleet_requests_waiting{rank=\"0\"} -1",
+        "adpfleet_last_progress_timestamp_seconds{rank=\"1\"} -1", "other_metric{rank=\"0\"} 1 2 3",
+        "other metric 1", "{rank=\"0\"} 1", "adpfleet_kv_transfers_in_flight{rank=\"0\"} \u0661",
+        "<html>", "adpfleet_iterations_total_extra{rank=\"0\"} 9"]
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.sampled_from(_LINES + _ODD), max_size=60), st.booleans())
+def test_the_fast_path_reads_every_text_exactly_as_the_line_by_line_path(lines, newline_at_end):
+    """The whole-text regular expression is a shortcut, never a second opinion: any text it accepts
+    yields what the line-by-line reading yields, and any other text is read line by line."""
+    import re
+
+    from adpfleet.operator.adapters import scrape
+
+    text = "\n".join(lines) + ("\n" if newline_at_end else "")
+    fast = _outcome(text)
+    regex = scrape._EXPOSITION
+    scrape._EXPOSITION = re.compile(r"(?!)")  # never matches: every text goes line by line
+    try:
+        slow = _outcome(text)
+    finally:
+        scrape._EXPOSITION = regex
+    assert fast == slow
+
+
+def test_the_runtime_exposition_takes_the_fast_path():
+    from adpfleet.operator.adapters.scrape import _EXPOSITION
+
+    assert _EXPOSITION.fullmatch(render("context", [(0, RankStats()), (1, RankStats())]))
+
+
 def test_an_oversized_exposition_is_refused_before_parsing():
     with pytest.raises(ScrapeError, match="bytes"):
         parse_metrics("#" * (5 * 1024 * 1024))
@@ -428,14 +474,17 @@ def _scrape_from(handler, timeout=0.5):
     from aiohttp import web
     from aiohttp.test_utils import TestServer
 
-    from adpfleet.operator.adapters.scrape import scrape
+    from adpfleet.operator.adapters.scrape import HttpScraper
 
     async def main():
         app = web.Application()
         app.router.add_get("/metrics", handler)
         async with TestServer(app) as server:
-            async with httpx.AsyncClient() as client:
-                return await scrape(client, str(server.make_url("/metrics")), timeout)
+            scraper = HttpScraper()
+            try:
+                return await scraper(str(server.make_url("/metrics")), timeout)
+            finally:
+                await scraper.close()
     return asyncio.run(main())
 
 
@@ -471,10 +520,81 @@ def test_a_scrape_that_times_out_or_returns_garbage_is_a_failed_scrape(behaviour
 def test_a_refused_connection_is_a_failed_scrape():
     import asyncio
 
-    from adpfleet.operator.adapters.scrape import scrape
+    from adpfleet.operator.adapters.scrape import HttpScraper
 
     async def main():
-        async with httpx.AsyncClient() as client:
-            return await scrape(client, "http://127.0.0.1:9/metrics", 1.0)
+        scraper = HttpScraper()
+        try:
+            return await scraper("http://127.0.0.1:9/metrics", 1.0)
+        finally:
+            await scraper.close()
     s = asyncio.run(main())
-    assert not s.ok and "127.0.0.1:9" in s.error
+    assert not s.ok and s.refused and "127.0.0.1:9" in s.error
+
+
+def test_a_server_is_scraped_over_one_kept_alive_connection():
+    import asyncio
+
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    from adpfleet.operator.adapters.scrape import HttpScraper
+
+    peers = []
+
+    async def ok(request):
+        peers.append(request.transport.get_extra_info("peername"))
+        return web.Response(text=render("context", [(0, RankStats()), (1, RankStats())]))
+
+    async def main():
+        app = web.Application()
+        app.router.add_get("/metrics", ok)
+        async with TestServer(app) as server:
+            scraper = HttpScraper()
+            try:
+                return [await scraper(str(server.make_url("/metrics")), 1.0) for _ in range(3)]
+            finally:
+                await scraper.close()
+    scrapes = asyncio.run(main())
+    assert all(s.ok for s in scrapes) and len(peers) == 3
+    assert len(set(peers)) == 1, peers  # one connection, reused
+
+
+def test_a_kept_alive_connection_the_server_closed_is_retried_not_a_failed_scrape():
+    """uvicorn closes an idle connection after 5 s, about one scrape interval: a close that crosses
+    the next request must not make the server Unreachable (that would break a stall's confirmations)."""
+    import asyncio
+
+    from adpfleet.operator.adapters.scrape import HttpScraper
+
+    body = render("context", [(0, RankStats()), (1, RankStats())]).encode()
+    connections = []
+
+    async def handle(reader, writer):
+        connections.append(writer)
+        answered = 0
+        while True:
+            try:
+                await reader.readuntil(b"\r\n\r\n")
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return
+            if answered:  # a second request on this connection: it is closed instead (the idle timeout's race)
+                writer.close()
+                return
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: "
+                         + str(len(body)).encode() + b"\r\n\r\n" + body)
+            await writer.drain()
+            answered += 1
+
+    async def main():
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        scraper = HttpScraper()
+        try:
+            return [await scraper(f"http://127.0.0.1:{port}/metrics", 1.0) for _ in range(3)]
+        finally:
+            await scraper.close()
+            server.close()
+    scrapes = asyncio.run(main())
+    assert [s.error for s in scrapes] == [None, None, None]
+    assert len(connections) == 3  # each reuse was refused by the server, and retried on a new connection
