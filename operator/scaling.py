@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable
 
 from adpfleet.operator.adapters.kube import KubeApi, now_rfc3339
@@ -82,7 +82,7 @@ class ScalingController:
                                                 {n: memory.before[n] for n in pods if n in memory.before})
         memory.before = dict(scrapes)
         if loads["generation"] is not None and loads["context"] is not None:
-            loads["generation"] = _with_peer(loads["generation"], loads["context"].transfer_share)
+            loads["generation"] = autoscaling.with_context_peer(loads["generation"], loads["context"])
         in_remediation = set(restarts_in_progress(history_from_status(obs.status),
                                                   [p.view for r in names.ROLES for p in obs.role_pods(r)], spec, now))
         for role in names.ROLES:
@@ -149,10 +149,6 @@ class ScalingController:
             value = getattr(load, name)
             if value is not None:
                 self.metrics.signal.labels(*key, role, name).set(value)
-
-
-def _with_peer(load: RoleLoad, share: float) -> RoleLoad:
-    return replace(load, peer_transfer_share=share)
 
 
 def _trim(history: deque, now: float, keep_seconds: float) -> None:

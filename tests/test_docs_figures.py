@@ -59,6 +59,29 @@ def test_readme_cites_the_recorded_demo_run_of_bench_results_demo_summary_json()
     assert cited in readme
 
 
+def test_benchmarks_md_cites_the_autoscale_run_of_bench_results_autoscale_json():
+    import sys
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from autoscale import doc_rows
+
+    result = json.loads((ROOT / "bench/results/autoscale.json").read_text())
+    page = (ROOT / "docs/benchmarks.md").read_text()
+    section = page[page.index("## Autoscaling"):]
+    section = section[:section.find("\n## ", 1)] if "\n## " in section[1:] else section
+    assert "bench/results/autoscale.json" in section and "autoscale.png" in section
+    assert (ROOT / "bench/results/autoscale.png").stat().st_size > 10_000
+    missing = [row for row in doc_rows(result) if row not in section]
+    assert missing == [], missing
+    policy = next(a for a in result["arms"] if a["arm"] == "policy")
+    peak = next(a for a in result["arms"] if a["arm"] == "fixed-peak")
+    ratio = f"{policy['server_seconds']['total'] / peak['server_seconds']['total']:.2f}x"
+    serving = f"{policy['step_to_new_server_serving_s']:.1f} s"
+    for page_name in ("docs/benchmarks.md", "docs/autoscaling.md"):
+        text = (ROOT / page_name).read_text()
+        assert ratio in text and serving in text, (page_name, ratio, serving)
+
+
 def test_operator_md_cites_the_scrape_run_of_bench_results_operator_scale_detection_json():
     result = json.loads((ROOT / "bench/results/operator_scale_detection.json").read_text())
     page = (ROOT / "docs/operator.md").read_text()

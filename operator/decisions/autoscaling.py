@@ -11,7 +11,8 @@ role's desired server count should be, and why:
    or remediated: the last decision has not taken effect, and the signals do not show its effect yet.
 3. Each load gives a recommendation (`recommend`), from one model of what the same requests would
    show on another number of servers (`projected`): requests per rank scale inversely with the
-   servers; a rank runs what fits (its batch, or what its KV allows) and queues the rest; KV use
+   servers; a rank runs what fits (its batch, or what its KV allows) and queues the rest — the
+   requests it has admitted beyond one batch count as queued too (`observed`); KV use
    follows the requests held; latencies scale in proportion. Up, when a signal is above its
    target by more than the tolerance: the fewest servers at which every set target holds (for a
    proportional signal this is the HPA's `ceil(servers x signal / target)`). Down: the fewest
@@ -26,10 +27,13 @@ role's desired server count should be, and why:
    a decision needs one load taken since the role settled at its size.
 5. Step limits: `maxServersPerStep` servers per decision each way; the next waits for rule 2.
 
-Context and generation are not scaled alike. A context server whose KV is mostly held for transfers
-to generation servers (`transfer_share`) is waiting on the generation role, not short of capacity:
-its queue does not add context servers; instead the generation role gets one more server
-(`GenerationBacklog`), as it is the one that does not keep up. TTFT is a context signal and
+Context and generation are not scaled alike. A context server whose KV cache is mostly filled by
+blocks held for transfers to generation servers (`held_for_transfers`, a share of its capacity)
+is waiting on the generation role, not short of capacity: its queue does not add context servers;
+instead the generation role gets one more server (`GenerationBacklog`), as it is the one that
+does not keep up. A share of the capacity, not of the blocks in use: a context server prefills in
+moments and holds every finished prompt until its pull, so nearly all the blocks it uses are held
+for transfers even when generation keeps up and most of its cache is free. TTFT is a context signal and
 inter-token latency a generation one in a disaggregated fleet; any set target counts on either role.
 
 The tolerance and the down rule's projection make a steady load find one size and stay there: the
@@ -39,14 +43,14 @@ size it scales down to is one at which no signal exceeds its target, so it never
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
 from adpfleet.operator.adapters.scrape import Scrape
 from adpfleet.operator.resource.models import AutoscalingSpec
 from adpfleet.operator.resource.vocabulary import ScaleReason
 
-TRANSFER_BOUND = 0.5  # a context role with more than this share of its KV held for transfers waits on generation
+TRANSFER_BOUND = 0.5  # a context role with more of its KV capacity held for transfers waits on generation
 MAX_SERVERS = 256     # the most any role may ask for (ServerRole.servers' bound)
 
 # signal (a ScalingTargets field) -> (what it is called in messages, the reason when it is above target)
@@ -70,10 +74,20 @@ class RoleLoad:
     transfer_share: float = 0.0       # of the KV blocks in use, the share held for transfers
     time_to_first_token_seconds: float | None = None  # mean over the last interval (None: no first token)
     inter_token_latency_seconds: float | None = None
-    peer_transfer_share: float = 0.0  # generation roles: the context role's transfer_share at the same scrape
+    peer_held_for_transfers: float = 0.0  # generation roles: the context role's held_for_transfers at the same scrape
+
+    @property
+    def held_for_transfers(self) -> float:
+        """The share of the KV capacity held for transfers."""
+        return self.kv_cache_utilization * self.transfer_share
 
     def signal(self, name: str) -> float | None:
         return getattr(self, name)
+
+
+def with_context_peer(generation: RoleLoad, context: RoleLoad) -> RoleLoad:
+    """The generation role's load, knowing how much KV the context role holds for it at the same scrape."""
+    return replace(generation, peer_held_for_transfers=context.held_for_transfers)
 
 
 def role_load(at: float, now: Mapping[str, Scrape], before: Mapping[str, Scrape]) -> RoleLoad | None:
@@ -146,7 +160,7 @@ def projected(load: RoleLoad, name: str, servers: int, batch_capacity: int) -> f
     scale = load.servers / servers
     demand = (load.running_per_rank + load.waiting_per_rank) * scale
     if name == "waiting_per_rank":
-        fits = load.running_per_rank if load.waiting_per_rank > 0 else batch_capacity
+        fits = min(load.running_per_rank, batch_capacity) if load.waiting_per_rank > 0 else batch_capacity
         return max(0.0, demand - fits)
     if name == "kv_cache_utilization":
         if load.running_per_rank > 0:  # KV per request now, times the requests it would hold
@@ -155,13 +169,22 @@ def projected(load: RoleLoad, name: str, servers: int, batch_capacity: int) -> f
     return value * scale
 
 
+def observed(load: RoleLoad, name: str, batch_capacity: int) -> float | None:
+    """Signal `name` of `load` as the policy judges it. A rank admits more requests than one batch
+    holds (up to maxNumActiveRequests) and runs `batch_capacity` of them per pass: those beyond its
+    batch wait pass by pass, so they count as waiting."""
+    if name == "waiting_per_rank":
+        return load.waiting_per_rank + max(0.0, load.running_per_rank - batch_capacity)
+    return load.signal(name)
+
+
 def recommend(load: RoleLoad, role: str, policy: AutoscalingSpec, batch_capacity: int) -> Recommendation:
     """The server count `load` alone asks for (rule 3). `batch_capacity`: requests one rank runs at once
     (the engine's maxBatchSize): a scale-down never leaves more running+waiting per rank than that."""
     n = max(1, load.servers)
     tol = policy.tolerance
     targets = policy.targets.given()
-    blocked_on_generation = role == "context" and load.transfer_share > TRANSFER_BOUND
+    blocked_on_generation = role == "context" and load.held_for_transfers > TRANSFER_BOUND
     if blocked_on_generation:  # its queue is the generation role's to fix
         targets = {k: v for k, v in targets.items() if k not in ("waiting_per_rank", "time_to_first_token_seconds")}
 
@@ -173,7 +196,7 @@ def recommend(load: RoleLoad, role: str, policy: AutoscalingSpec, batch_capacity
     # signal back to its target
     worst: tuple[float, str] | None = None
     for name, target in targets.items():
-        value = load.signal(name)
+        value = observed(load, name, batch_capacity)
         if value is not None and value > target * (1 + tol) and (worst is None or value / target > worst[0]):
             worst = (value / target, name)
     if worst is not None:
@@ -182,12 +205,13 @@ def recommend(load: RoleLoad, role: str, policy: AutoscalingSpec, batch_capacity
         m = n + 1
         while m < MAX_SERVERS and not holds(m, 1.0):
             m += 1
-        return Recommendation(m, reason, f"{label} {load.signal(name):.3g} > target {targets[name]:g}")
-    if role == "generation" and load.peer_transfer_share > TRANSFER_BOUND:
+        return Recommendation(m, reason, f"{label} {observed(load, name, batch_capacity):.3g} > target "
+                                         f"{targets[name]:g}")
+    if role == "generation" and load.peer_held_for_transfers > TRANSFER_BOUND:
         return Recommendation(n + 1, ScaleReason.GENERATION_BACKLOG,
-                              f"context servers hold {load.peer_transfer_share:.0%} of their KV for transfers")
+                              f"context servers hold {load.peer_held_for_transfers:.0%} of their KV for transfers")
     if blocked_on_generation:
-        return Recommendation(n, None, f"{load.transfer_share:.0%} of the KV in use waits for generation servers")
+        return Recommendation(n, None, f"{load.held_for_transfers:.0%} of the KV cache waits for generation servers")
     # down: the fewest servers that would hold the same load under every target, less the
     # tolerance, and within the engine's batch capacity
     fewest = n
@@ -196,7 +220,8 @@ def recommend(load: RoleLoad, role: str, policy: AutoscalingSpec, batch_capacity
             break
         fewest = m
     if fewest < n:
-        shown = ", ".join(f"{SIGNALS[k][0]} {load.signal(k):.3g}" for k in targets if load.signal(k) is not None)
+        shown = ", ".join(f"{SIGNALS[k][0]} {v:.3g}" for k in targets
+                          if (v := observed(load, k, batch_capacity)) is not None)
         return Recommendation(fewest, ScaleReason.BELOW_TARGETS, f"{shown or 'no load'}: under every target with "
                                                                  f"{fewest} server(s)")
     return Recommendation(n, None, "within targets")
