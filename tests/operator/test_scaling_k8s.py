@@ -79,8 +79,9 @@ def test_kubectl_scale_and_an_hpa_drive_a_role_through_its_scale_target(start_op
     with Deletions(fleets.core, fleets.ns) as deletions:
         k8s_cluster.kubectl("scale", names.ROLE_SHORT_NAMES[0], "demo-context", "--replicas=3", ns)
         wait_for(lambda: len(ready_servers(fleets, "demo", "context")) == 3, timeout=60, what="three context servers")
-        fleet = fleets.wait_ready("demo")
-        assert fleet["status"]["context"]["desired"] == 3 and fleet["status"]["context"]["servers"] == "3/3"
+        fleets.wait_ready("demo")  # Ready throughout: the status catches up with the new servers on its next pass
+        wait_for(lambda: (lambda c: c.get("desired") == 3 and c.get("servers") == "3/3")(
+            fleets.get("demo")["status"].get("context", {})), timeout=30, what="status context 3/3, desired 3")
         last = wait_for(lambda: role_object(fleets, "demo-context").get("status", {}).get("lastScale"), timeout=30,
                         what="the scale to be recorded")
         assert (last["previous"], last["desired"], last["reason"]) == (1, 3, "ScaledExternally")
