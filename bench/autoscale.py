@@ -28,9 +28,7 @@ import math
 import random
 import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -41,7 +39,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from common import Background  # noqa: E402
+from common import Background, operator_cluster, wait  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "autoscale.json"
 PLOT = ROOT / "bench" / "results" / "autoscale.png"
@@ -352,55 +350,18 @@ def _round(v, digits: int = 3):
     return None if v is None else round(v, digits)
 
 
-def wait(check, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            result = check()
-            if result:
-                return result
-        except Exception:  # noqa: BLE001 - not yet
-            pass
-        time.sleep(0.3)
-    raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
-
-
 def run(args) -> dict:
-    from kubernetes import client, config
-
-    from adpfleet.cluster.controlplane import ControlPlane
-    from adpfleet.operator.resource import crd
-
     durations = args.phases
     rates = [(durations[0], args.trough_rps), (durations[1], args.trough_rps * args.factor),
              (durations[2], args.trough_rps)]
     bounds = [0.0, durations[0], durations[0] + durations[1], sum(durations)]
     schedule = arrivals(rates, args.seed)
-    state = Path(tempfile.mkdtemp(prefix="adpfleet-bench-autoscale-"))
-    plane = ControlPlane(state)
-    report = plane.up()
-    operator = None
-    try:
-        kubectl = [str(report.binaries.kubectl), f"--kubeconfig={plane.kubeconfig}"]
-        (state / "crd.yaml").write_text(crd.crd_yaml())
-        subprocess.run(kubectl + ["apply", "--server-side", "-f", str(state / "crd.yaml")], check=True,
-                       capture_output=True)
-        subprocess.run(kubectl + ["create", "namespace", NAMESPACE], check=True, capture_output=True)
-        api = config.new_client_from_config(str(plane.kubeconfig))
-        core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
-        wait(lambda: core.read_namespaced_service_account("default", NAMESPACE), 60, "the default service account")
-        port = _free_port()
-        operator = subprocess.Popen(
-            [str(Path(sys.executable).with_name("adpfleet")), "operator", "--namespace", NAMESPACE, "--http-host",
-             "127.0.0.1", "--http-port", str(port), "--log-format", "plain"],
-            stdout=open(state / "operator.log", "w"), stderr=subprocess.STDOUT,
-            env={"KUBECONFIG": str(plane.kubeconfig), "PATH": "/usr/bin:/bin", "HOME": str(state)})
-        wait(lambda: httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200, 60, "the operator")
+    with operator_cluster("adpfleet-bench-autoscale-", NAMESPACE) as cluster:
         arms = []
         peak = {r: args.peak_servers for r in ROLES}
         for arm in args.arms:
             started = time.monotonic()
-            arms.append(run_arm(arm, args, core, custom, schedule, bounds, f"http://127.0.0.1:{port}", peak))
+            arms.append(run_arm(arm, args, cluster.core, cluster.custom, schedule, bounds, cluster.operator_url, peak))
             if arm == "policy":  # the fixed fleet for the peak: the size the policy found for it, held throughout
                 peak = dict(arms[-1]["servers_at_peak"])
             arms[-1]["wall_s"] = round(time.monotonic() - started, 1)
@@ -413,24 +374,8 @@ def run(args) -> dict:
                            "targets": {"waitingPerRank": args.waiting_target},
                            "scale_up_window_s": args.up_window, "scale_down_window_s": args.down_window,
                            "max_batch_size": args.max_batch},
-                "peak_servers": peak, "arms": arms, "state_dir": str(state),
+                "peak_servers": peak, "arms": arms, "state_dir": str(cluster.state),
                 "arrivals_s": [round(t, 2) for t in schedule]}
-    finally:
-        if operator:
-            operator.terminate()
-            try:
-                operator.wait(30)
-            except subprocess.TimeoutExpired:
-                operator.kill()
-        plane.down()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---- report -------------------------------------------------------------------------------------

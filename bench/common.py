@@ -1,14 +1,22 @@
 """What every benchmark needs: the machine it ran on, its matmul peak, the RSS and CPU of the
 processes it measures, a readable table. torch is imported only by what needs it, so that the
-operator and cluster benchmarks run without it."""
+operator and cluster benchmarks run without it. The cluster benchmarks start their control plane and
+operator with `operator_cluster`."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import resource
+import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 
@@ -176,3 +184,72 @@ def _cell(v) -> str:
     if isinstance(v, float):
         return f"{v:,.1f}" if abs(v) >= 10 else f"{v:.2f}"
     return str(v)
+
+
+def wait(check, timeout: float, what: str, interval: float = 0.2):
+    """`check()`'s first truthy result, retried (exceptions included: "not yet") until `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            result = check()
+            if result:
+                return result
+        except Exception:  # noqa: BLE001 - not yet
+            pass
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
+
+
+@dataclass
+class OperatorCluster:
+    """A local control plane with the CRD installed, one namespace and an operator watching it."""
+    state: Path
+    kubectl: list[str]
+    core: object      # kubernetes CoreV1Api
+    custom: object    # kubernetes CustomObjectsApi
+    operator_url: str
+
+
+@contextlib.contextmanager
+def operator_cluster(prefix: str, namespace: str, agent_args: list[str] | None = None):
+    """Starts a fresh local control plane (state in a new temporary directory named `prefix`...),
+    applies the CRD, creates `namespace` and runs `adpfleet operator` for it until its /readyz
+    answers; yields an OperatorCluster and takes the operator and the plane down on the way out."""
+    import httpx
+    from kubernetes import client, config
+
+    from adpfleet.cluster.controlplane import ControlPlane
+    from adpfleet.operator.resource import crd
+
+    state = Path(tempfile.mkdtemp(prefix=prefix))
+    plane = ControlPlane(state) if agent_args is None else ControlPlane(state, agent_args=agent_args)
+    report = plane.up()
+    operator = None
+    try:
+        kubectl = [str(report.binaries.kubectl), f"--kubeconfig={plane.kubeconfig}"]
+        (state / "crd.yaml").write_text(crd.crd_yaml())
+        subprocess.run(kubectl + ["apply", "--server-side", "-f", str(state / "crd.yaml")], check=True,
+                       capture_output=True)
+        subprocess.run(kubectl + ["create", "namespace", namespace], check=True, capture_output=True)
+        api = config.new_client_from_config(str(plane.kubeconfig))
+        core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
+        wait(lambda: core.read_namespaced_service_account("default", namespace), 60, "the default service account")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        operator = subprocess.Popen(
+            [str(Path(sys.executable).with_name("adpfleet")), "operator", "--namespace", namespace, "--http-host",
+             "127.0.0.1", "--http-port", str(port), "--log-format", "plain"],
+            stdout=open(state / "operator.log", "w"), stderr=subprocess.STDOUT,
+            env={"KUBECONFIG": str(plane.kubeconfig), "PATH": "/usr/bin:/bin", "HOME": str(state)})
+        url = f"http://127.0.0.1:{port}"
+        wait(lambda: httpx.get(f"{url}/readyz", timeout=2).status_code == 200, 60, "the operator")
+        yield OperatorCluster(state, kubectl, core, custom, url)
+    finally:
+        if operator:
+            operator.terminate()
+            try:
+                operator.wait(30)
+            except subprocess.TimeoutExpired:
+                operator.kill()
+        plane.down()

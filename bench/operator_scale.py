@@ -332,7 +332,7 @@ def run(args) -> dict:
             "converge_requests_by_verb": by_verb(converge_requests),
             "converge_requests_by_resource": dict(Counter(f"{r.verb} {r.resource}" for r in converge_requests
                                                           if r.verb != "watch").most_common()),
-            "stall_detection": args.stall_detection,
+            "stall_detection": "on" if args.scrape else args.stall_detection,
             "steady_periods": args.steady_periods,
             "resync_seconds": args.resync_seconds,
             "steady_reconcile_passes": int(passes),

@@ -39,9 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -53,8 +51,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "operator"))  # the e2e tests' fleet and fault helpers
 sys.path.insert(0, str(ROOT / "bench"))
 
-from common import Background  # noqa: E402
-from stall_harness import free_port, inject, remediations, stall_fleet  # noqa: E402
+from common import Background, operator_cluster, wait  # noqa: E402
+from stall_harness import inject, remediations, stall_fleet  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "remediation.json"
 PLOT = ROOT / "docs" / "remediation-bench.png"
@@ -260,19 +258,6 @@ def router_retries(url: str) -> float:
                if line.startswith("adpfleet_router_retries") and not line.startswith("#"))
 
 
-def wait(check, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            result = check()
-            if result:
-                return result
-        except Exception:  # noqa: BLE001 - not yet
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
-
-
 class Bench:
     """The control plane, the operator, and what each fleet shape measured."""
 
@@ -418,32 +403,9 @@ def _minus(a, b):
 
 
 def run(args) -> dict:
-    from kubernetes import client, config
-
-    from adpfleet.cluster.controlplane import ControlPlane
-
-    state = Path(tempfile.mkdtemp(prefix="adpfleet-bench-remediation-"))
-    plane = ControlPlane(state, agent_args=["--backoff-initial=1", "--backoff-max=8"])
-    report = plane.up()
-    operator = None
-    try:
-        kubectl = [str(report.binaries.kubectl), f"--kubeconfig={plane.kubeconfig}"]
-        from adpfleet.operator.resource import crd
-        (state / "crd.yaml").write_text(crd.crd_yaml())
-        subprocess.run(kubectl + ["apply", "--server-side", "-f", str(state / "crd.yaml")], check=True,
-                       capture_output=True)
-        subprocess.run(kubectl + ["create", "namespace", NAMESPACE], check=True, capture_output=True)
-        api = config.new_client_from_config(str(plane.kubeconfig))
-        core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
-        wait(lambda: core.read_namespaced_service_account("default", NAMESPACE), 60, "the default service account")
-        port = free_port()
-        operator = subprocess.Popen(
-            [str(Path(sys.executable).with_name("adpfleet")), "operator", "--namespace", NAMESPACE, "--http-host",
-             "127.0.0.1", "--http-port", str(port), "--log-format", "plain"],
-            stdout=open(state / "operator.log", "w"), stderr=subprocess.STDOUT,
-            env={"KUBECONFIG": str(plane.kubeconfig), "PATH": "/usr/bin:/bin", "HOME": str(state)})
-        wait(lambda: httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200, 60, "the operator")
-        bench = Bench(args, core, custom)
+    with operator_cluster("adpfleet-bench-remediation-", NAMESPACE,
+                          agent_args=["--backoff-initial=1", "--backoff-max=8"]) as cluster:
+        bench = Bench(args, cluster.core, cluster.custom)
         shapes = []
         for n in args.shapes:
             t0 = time.time()
@@ -461,15 +423,7 @@ def run(args) -> dict:
         return {"window_s": args.window, "interval_s": args.interval, "clients": args.clients,
                 "streamed_clients": args.clients // 2, "baseline_s": args.baseline, "settle_s": SETTLE_S,
                 "detection_budget_s": budget, "shapes": shapes,
-                "faults": [row for shape in shapes for row in shape["faults"]], "state_dir": str(state)}
-    finally:
-        if operator:
-            operator.terminate()
-            try:
-                operator.wait(30)
-            except subprocess.TimeoutExpired:
-                operator.kill()
-        plane.down()
+                "faults": [row for shape in shapes for row in shape["faults"]], "state_dir": str(cluster.state)}
 
 
 def plot(result: dict, path: Path) -> None:
