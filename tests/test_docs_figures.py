@@ -139,3 +139,16 @@ def test_the_remediation_docs_cite_every_fault_row_of_bench_results_remediation_
         lines = set((ROOT / page).read_text().splitlines())
         missing = [line for line in wanted if line not in lines]
         assert missing == [], f"{page} lacks these rows of bench/results/remediation.json: {missing}"
+
+
+def test_operator_md_cites_the_multinode_run_of_bench_results_multinode_json():
+    import sys
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from multinode import doc_rows
+
+    result = json.loads((ROOT / "bench/results/multinode.json").read_text())
+    page = (ROOT / "docs/operator.md").read_text()
+    assert "bench/results/multinode.json" in page and result["greedy_identical"]
+    missing = [row for row in doc_rows(result) if row not in page]
+    assert missing == [], missing
