@@ -468,7 +468,8 @@ def test_a_real_idle_two_rank_server_is_parsed_per_rank_and_judged_idle():
 
 # ---- scraping over HTTP: every failure is a failed Scrape with its reason ------------------------
 
-def _scrape_from(handler, timeout=0.5):
+def _scrapes_from(handler, timeout=0.5, times=1):
+    """`times` scrapes, by one HttpScraper, of a local aiohttp server answering /metrics with `handler`."""
     import asyncio
 
     from aiohttp import web
@@ -482,10 +483,14 @@ def _scrape_from(handler, timeout=0.5):
         async with TestServer(app) as server:
             scraper = HttpScraper()
             try:
-                return await scraper(str(server.make_url("/metrics")), timeout)
+                return [await scraper(str(server.make_url("/metrics")), timeout) for _ in range(times)]
             finally:
                 await scraper.close()
     return asyncio.run(main())
+
+
+def _scrape_from(handler, timeout=0.5):
+    return _scrapes_from(handler, timeout)[0]
 
 
 def test_scrape_of_a_real_exposition():
@@ -533,12 +538,7 @@ def test_a_refused_connection_is_a_failed_scrape():
 
 
 def test_a_server_is_scraped_over_one_kept_alive_connection():
-    import asyncio
-
     from aiohttp import web
-    from aiohttp.test_utils import TestServer
-
-    from adpfleet.operator.adapters.scrape import HttpScraper
 
     peers = []
 
@@ -546,16 +546,7 @@ def test_a_server_is_scraped_over_one_kept_alive_connection():
         peers.append(request.transport.get_extra_info("peername"))
         return web.Response(text=render("context", [(0, RankStats()), (1, RankStats())]))
 
-    async def main():
-        app = web.Application()
-        app.router.add_get("/metrics", ok)
-        async with TestServer(app) as server:
-            scraper = HttpScraper()
-            try:
-                return [await scraper(str(server.make_url("/metrics")), 1.0) for _ in range(3)]
-            finally:
-                await scraper.close()
-    scrapes = asyncio.run(main())
+    scrapes = _scrapes_from(ok, timeout=1.0, times=3)
     assert all(s.ok for s in scrapes) and len(peers) == 3
     assert len(set(peers)) == 1, peers  # one connection, reused
 
