@@ -28,6 +28,12 @@ from adpfleet.runtime.metrics import RankStats
 
 log = logging.getLogger(__name__)
 
+# A dead group (a rank exited, erred or hung) cannot agree on a stop: the stop travels through the
+# fetch all-gather, which a missing peer never completes. Its ranks get this long to exit, then
+# are killed, so a server with a hung rank exits (and its pod restarts) without waiting out a
+# graceful stop that cannot happen.
+DEAD_GROUP_EXIT_S = 2.0
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -179,7 +185,7 @@ class RankGroup:
                 self.conns[rank].send(("stop",))
             except (BrokenPipeError, OSError):
                 pass
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + (min(timeout, DEAD_GROUP_EXIT_S) if self.dead else timeout)
         for rank in self.local_ranks:
             proc = self.procs[rank]
             proc.join(max(0.1, deadline - time.monotonic()))
