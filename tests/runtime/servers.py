@@ -22,6 +22,7 @@ import httpx
 from adpfleet.cluster.testing import WaitTimeout, wait_for
 
 ROLES = ("aggregated", "context", "generation")
+TEST_DRAIN_TIMEOUT_S = 2  # `adpfleet serve --drain-timeout` of a test's server, unless the test names one
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -84,7 +85,12 @@ class Server(Process):
         # A context server's KV listens on --port + 1 by default, which nothing reserved: any free
         # port instead, unless the test names one.
         kv = () if "--kv-port" in args else ("--kv-port", "0")
-        super().__init__([sys.executable, "-m", "adpfleet", "serve", "--host", host, "--port", str(port), *kv, *args],
+        # stop() (SIGTERM) drains first; a test that leaves requests in flight or KV held (a stalled,
+        # starved or faulted server) would have it wait out the default 25 s drain, past stop()'s own
+        # 15 s. A test of the drain names its own --drain-timeout.
+        drain = () if "--drain-timeout" in args else ("--drain-timeout", str(TEST_DRAIN_TIMEOUT_S))
+        super().__init__([sys.executable, "-m", "adpfleet", "serve", "--host", host, "--port", str(port), *kv, *drain,
+                          *args],
                          port, log_path, env, host, headers)
 
 

@@ -54,7 +54,7 @@ def test_a_frozen_rank_stops_every_ranks_iterations_while_health_still_answers(t
         assert httpx.get(s.url + "/health").status_code == 200  # alive, Ready, and stuck
         assert metric(s, "adpfleet_requests_running") > 0
     finally:
-        s.stop()
+        s.kill()  # a frozen rank never hears a stop: a SIGTERM would wait out the ranks' 20 s join
 
 
 def test_a_starved_rank_without_padding_vetoes_the_fleet(tmp_path):
