@@ -13,14 +13,47 @@ sys.path.insert(0, os.path.dirname(__file__))  # doc_commands.py: the docs' comm
 pytest_plugins = ["adpfleet.cluster.testing"]
 
 
-@pytest.fixture(scope="module")
+# The modules that use `server_trio` run one after another (pytest_collection_modifyitems), so the
+# trio starts once and stops after its last test (pytest_runtest_teardown) rather than idling on
+# (three idle servers of 2 ranks take about a third of a core) to the end of the session. These run
+# last among them: they leave KV held on the context server until its lease ends, which the others
+# would count (test_disagg: pulled KV is freed; test_fuzz_http: fuzzing frees none).
+TRIO_MODULES_LAST = ("test_router_real.py",)
+_trio: dict = {"servers": None, "last_user": None}
+
+
+@pytest.fixture(scope="session")
 def server_trio(tmp_path_factory):
     """Aggregated, context and generation servers (model tiny, 2 ADP ranks each, 64 KV blocks), shared
-    by a module: the disaggregation tests, the router in front of real servers, the fuzzing."""
+    by the disaggregation tests, the router in front of real servers, the fuzzing."""
     from servers import trio
 
     with trio(tmp_path_factory.mktemp("trio"), "--kv-lease", "30") as servers:
+        _trio["servers"] = servers
         yield servers
+
+
+def pytest_collection_modifyitems(session, config, items):
+    users = [i for i in items if "server_trio" in getattr(i, "fixturenames", ())]
+    if not users:
+        return
+    modules = list(dict.fromkeys(i.path for i in users))
+    modules.sort(key=lambda path: path.name in TRIO_MODULES_LAST)  # stable: collection order otherwise
+    grouped = [i for path in modules for i in items if i.path == path]
+    first = next(n for n, i in enumerate(items) if i.path in modules)
+    rest = [i for i in items if i.path not in modules]
+    items[:] = rest[:first] + grouped + rest[first:]
+
+
+def pytest_collection_finish(session):
+    users = [i for i in session.items if "server_trio" in getattr(i, "fixturenames", ())]
+    _trio["last_user"] = users[-1] if users else None
+
+
+def pytest_runtest_teardown(item, nextitem):
+    if item is _trio["last_user"] and _trio["servers"]:
+        for server in _trio["servers"].values():
+            server.stop()
 
 
 def pytest_addoption(parser):
