@@ -209,3 +209,12 @@ def test_a_deleted_server_takes_its_podgroup_with_it():
     assert deleted == [("delete_pod", "f-generation-1-0"), ("delete_pod", "f-generation-1-1"),
                        ("delete_custom", "scheduling.volcano.sh", "f-generation-1")]
 
+
+
+def test_the_charts_volcano_example_renders_podgroups_its_crd_accepts():
+    path = Path(__file__).resolve().parents[2] / "charts" / "adpfleet" / "examples" / "multinode-gang-volcano.yaml"
+    example = FleetSpec.model_validate(yaml.safe_load(path.read_text())["spec"])
+    group = server_template(FLEET, example, "generation").pod_group(1)
+    assert group["spec"] == {"minMember": 2, "queue": "inference",
+                             "minResources": {"cpu": "32", "memory": "400Gi", "nvidia.com/gpu": "8"}}
+    assert schema_problems(group) == []
