@@ -195,6 +195,9 @@ class Scrape:
     ranks: Mapping[int, RankSample] | None = None
     error: str | None = None
     refused: bool = False  # the connection could not be made: nothing listens at the address
+    # a server over several pods (one scrape per pod, merged): the pod each rank was scraped from.
+    # None for a one-pod server, whose ranks are all its pod's.
+    rank_pods: Mapping[int, str] | None = None
 
     @property
     def ok(self) -> bool:
