@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Protocol
 
 from adpfleet.operator.adapters.kube import KubeApi, now_rfc3339
-from adpfleet.operator.adapters.scrape import HttpScraper, Scrape, Scraper, metrics_url, timeout_for
+from adpfleet.operator.adapters.scrape import HttpScraper, Scrape, Scraper, scrape_pods, timeout_for
 from adpfleet.operator.decisions import groups, stall_status
 from adpfleet.operator.decisions.detection import (SampleWindows, StallVerdict, attribute, evidence_text, judge,
                                                    keep_seconds)
@@ -424,17 +424,8 @@ class StallController:
         await self.api.record_event(fleet.ref, type_, reason, message)
 
     async def _scrape(self, pod: ServerPod, timeout: float) -> Scrape:
-        """One scrape of a server: of every pod of a server over several pods, as one (each pod exports
-        its own ranks; a pod that cannot be scraped makes the server's scrape fail, naming it)."""
-        if not pod.members:
-            return await self._scraper(metrics_url(pod.ip), timeout)
-        parts = await asyncio.gather(*(self._scraper(metrics_url(m.ip), timeout) for m in pod.members))
-        failed = next(((m, part) for m, part in zip(pod.members, parts) if not part.ok), None)
-        if failed:
-            return replace(failed[1], error=f"pod {failed[0].name}: {failed[1].error}")
-        return Scrape(at=min(part.at for part in parts),
-                      ranks={r: sample for part in parts for r, sample in part.ranks.items()},
-                      rank_pods={r: m.name for m, part in zip(pod.members, parts) for r in part.ranks})
+        """One scrape of a server: of every pod of a server over several pods, as one."""
+        return await scrape_pods(self._scraper, [(p.name, p.ip) for p in pod.pods], timeout)
 
     # ---- the reconcile pass's StatusPart -----------------------------------------------------------
 

@@ -388,3 +388,30 @@ def test_an_alert_naming_a_pod_of_no_server_of_the_fleet_is_ignored():
     w.inbox.put(StallAlert("AdpfleetServerStalled", "prod", "llama", "llama-generation-0-2", "fp", "t", T0))
     run(w.ticks(1))
     assert w.api.deletes() == [] and w.api.events("AlertIgnored")
+
+
+def test_a_group_whose_progress_resumes_while_its_leader_drains_is_recovered_not_restarted():
+    w = group_world()
+    w.metrics["127.0.9.2"], w.metrics["127.0.9.3"] = frozen(0), frozen(1)
+    drain = w.api.set_drain
+
+    def progressing(rank):
+        state = {"tokens": 50}
+
+        def sample():
+            state["tokens"] += 10
+            return {rank: RankSample(iterations=state["tokens"] * 2, forward_steps=state["tokens"],
+                                     generation_tokens=state["tokens"], requests_running=2)}
+        return sample
+
+    async def drain_then_resume(namespace, name, uid, on):  # the stall ends as the leader is drained
+        if on:
+            w.metrics["127.0.9.2"], w.metrics["127.0.9.3"] = progressing(0), progressing(1)
+        return await drain(namespace, name, uid, on)
+    w.api.set_drain = drain_then_resume
+    run(w.ticks(8))
+    # watched on both pods' ranks, as it was judged: the progress is seen, nothing is deleted
+    assert w.api.deletes() == []
+    assert [c[:2] for c in w.api.calls if c[0] in ("drain", "undrain")] == [("drain", "llama-generation-0-0"),
+                                                                           ("undrain", "llama-generation-0-0")]
+    assert [r["outcome"] for r in w.records()] == ["Recovered"]
