@@ -58,7 +58,7 @@ def test_a_frozen_rank_on_a_worker_pod_is_hung_named_by_its_pod_and_the_whole_gr
                    json={"kind": "freeze", "rank": 1}, headers={"Authorization": f"Bearer {token}"}, timeout=10)
     assert r.status_code == 421 and "to its leader" in r.json()["error"]["message"], r.text
 
-    with Load(router_url(fleets), clients=3, deadline=180) as load:
+    with Load(router_url(fleets), clients=3, deadline=180, streaming=True) as load:
         wait_for(lambda: load.completed_since(time.time() - 30) >= 3, timeout=120, what="traffic through the router")
         t_fault = time.time()
         assert inject(fleets.core, before[LEADER], "freeze", 1) == {"injected": "freeze", "rank": 1}
@@ -94,6 +94,10 @@ def test_a_frozen_rank_on_a_worker_pod_is_hung_named_by_its_pod_and_the_whole_gr
     assert counts["completed"] > 0, counts
     assert f"on pod {WORKER}" in events.get("StallDetected", ""), events
     assert f"on pod {WORKER}" in events.get("RestartingServer", ""), events
+    retried = sum(1 for o in load.outcomes if o.attempts > 1)
     print(f"freeze -> hung decision: {detected:.1f} s (bound window {WINDOW} + 2 x {INTERVAL} = "
           f"{WINDOW + 2 * INTERVAL} s); freeze -> serving again {t_serving - t_fault:.1f} s; fleet Ready "
-          f"{t_ready - t0:.1f} s; load {counts}; wall {time.monotonic() - t0:.1f} s")
+          f"{t_ready - t0:.1f} s; load {counts}, {retried} retried by the router; wall {time.monotonic() - t0:.1f} s")
+    for o in load.outcomes:
+        if o.kind != "completed":
+            print(f"  {o.kind} ({'streamed' if o.streamed else 'whole'}, {o.attempts} attempt(s)): {o.detail}")
