@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from typing import Awaitable, Callable, Protocol
 
 from adpfleet.operator.adapters.kube import KubeApi
-from adpfleet.operator.adapters.scrape import Scrape, Scraper, metrics_url
+from adpfleet.operator.adapters.scrape import Scrape, Scraper, scrape_pods
+from adpfleet.operator.decisions import groups
 from adpfleet.operator.decisions.detection import SampleWindows
 from adpfleet.operator.decisions.history import Remediation, still_to_delete
 from adpfleet.operator.decisions.observed import FleetObservation, ServerPod
@@ -106,9 +107,13 @@ class Remediator:
                        stalled: bool, stalled_sample: Scrape | None) -> Outcome | str | None:
         """Drain and delete the pods of `group` that the record means. RECOVERED, an error text, or None."""
         ns = fleet.ref.namespace
-        current = {p.name: p for p in fleet.observe().pods if p.owner_uid == fleet.ref.uid}
+        obs = fleet.observe()
+        current = {p.name: p for p in obs.pods if p.owner_uid == fleet.ref.uid}
         victims = [current[n] for n in group if n in current and not current[n].terminating
                    and still_to_delete(record, current[n].created)]
+        # a server over several pods is watched on all its pods (its leader is the one drained and deleted)
+        servers = {s.name: s for role in names.ROLES for s in groups.servers(obs.role_pods(role))}
+        watched = [servers.get(v.name, v) for v in victims]
         for pod in victims:
             if not pod.draining:
                 out = await self.api.set_drain(ns, pod.name, pod.uid, True)
@@ -117,12 +122,12 @@ class Remediator:
         drain_timeout = float(spec.remediation.drain_timeout_seconds)
         if stalled:
             wait = min(drain_timeout, STALLED_DRAIN_GRACE_SECONDS)
-            if victims and stalled_sample is not None and await self._progressed(victims[0], stalled_sample, wait):
+            if victims and stalled_sample is not None and await self._progressed(watched[0], stalled_sample, wait):
                 for pod in victims:
                     await self.api.set_drain(ns, pod.name, pod.uid, False)
                 return Outcome.RECOVERED
         else:
-            await self._drained(victims, drain_timeout)
+            await self._drained(watched, drain_timeout)
         errors = []
         for pod in victims:
             grace = STALLED_DELETE_GRACE_SECONDS if stalled else None
@@ -139,18 +144,21 @@ class Remediator:
         """Whether the stalled server produced real tokens since `before`, watched for `wait` s."""
         deadline = time.monotonic() + wait
         while True:
-            now = await self.scraper(metrics_url(pod.ip), WATCH_SCRAPE_TIMEOUT)
+            now = await self._scrape(pod)
             if now.ok and set(now.ranks) == set(before.ranks) and now.tokens > before.tokens:
                 return True
             if time.monotonic() >= deadline:
                 return False
             await asyncio.sleep(min(WATCH_POLL_SECONDS, max(0.0, deadline - time.monotonic())))
 
+    async def _scrape(self, server: ServerPod) -> Scrape:
+        return await scrape_pods(self.scraper, [(p.name, p.ip) for p in server.pods], WATCH_SCRAPE_TIMEOUT)
+
     async def _drained(self, pods: list[ServerPod], timeout: float) -> None:
         """Until the (working) servers have finished their requests, or `timeout`."""
         deadline = time.monotonic() + timeout
         while pods and time.monotonic() < deadline:
-            samples = await asyncio.gather(*(self.scraper(metrics_url(p.ip), WATCH_SCRAPE_TIMEOUT) for p in pods))
+            samples = await asyncio.gather(*(self._scrape(p) for p in pods))
             if all(s.ok and s.total("requests_running") + s.total("requests_waiting") == 0 for s in samples):
                 return
             await asyncio.sleep(WATCH_POLL_SECONDS)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Protocol
 
 from adpfleet.operator.adapters.kube import KubeApi, now_rfc3339
-from adpfleet.operator.adapters.scrape import HttpScraper, Scrape, Scraper, metrics_url, timeout_for
+from adpfleet.operator.adapters.scrape import HttpScraper, Scrape, Scraper, scrape_pods, timeout_for
 from adpfleet.operator.decisions import groups, stall_status
 from adpfleet.operator.decisions.detection import (SampleWindows, StallVerdict, attribute, evidence_text, judge,
                                                    keep_seconds)
@@ -232,9 +232,10 @@ class StallController:
         sources = {}
         for alert in alerts:
             verdict = await self._recheck(fleet, alert, look)
-            if verdict is not None:
-                fleet.alert_verdicts[alert.pod] = (verdict, self.clock() + look.window)
-                sources[alert.pod] = alert.source
+            if verdict is not None:  # keyed by the server: an alert may name a worker pod of it
+                fleet.alert_verdicts[verdict.server] = (verdict, self.clock() + look.window)
+                sources[verdict.server] = alert.source if alert.pod == verdict.server else \
+                    f"{alert.source} on pod {alert.pod}"
         now = self.clock()
         judged = {p.name for p in look.judged}
         fleet.alert_verdicts = {s: (v, until) for s, (v, until) in fleet.alert_verdicts.items()
@@ -242,9 +243,11 @@ class StallController:
         return sources
 
     async def _recheck(self, fleet: FleetStall, alert: StallAlert, look: Look) -> StallVerdict | None:
-        """The alert's pod, scraped afresh: still no tokens with work pending? (the alert stands for
-        the window; these scrapes confirm it still holds now)."""
-        pod = next((p for p in look.judged if p.name == alert.pod), None)
+        """The alert's server, scraped afresh: still no tokens with work pending? (the alert stands for
+        the window; these scrapes confirm it still holds now). Prometheus scrapes every pod, so the
+        alert may name a worker pod of a server over several pods: its whole group is re-checked."""
+        pod = next((p for p in look.judged if p.name == alert.pod
+                    or any(m.name == alert.pod for m in p.members)), None)
         if pod is None:
             await self._event(fleet, "Normal", "AlertIgnored", f"{alert.source}: pod {alert.pod} is not a Ready "
                               f"server of this fleet (starting, being replaced, or gone)", alert.pod)
@@ -260,7 +263,8 @@ class StallController:
                         confirmations=1)
         if not verdict.stalled:
             self.metrics.alerts.labels("not_confirmed").inc()
-            await self._event(fleet, "Normal", "AlertNotConfirmed", f"{alert.source}: a fresh check of {pod.name} "
+            of = "" if alert.pod == pod.name else f" (the server of pod {alert.pod})"
+            await self._event(fleet, "Normal", "AlertNotConfirmed", f"{alert.source}: a fresh check of {pod.name}{of} "
                               f"does not confirm a stall: {verdict.summary()}", pod.name)
             return None
         self.metrics.alerts.labels("confirmed").inc()
@@ -420,16 +424,8 @@ class StallController:
         await self.api.record_event(fleet.ref, type_, reason, message)
 
     async def _scrape(self, pod: ServerPod, timeout: float) -> Scrape:
-        """One scrape of a server: of every pod of a server over several pods, as one (each pod exports
-        its own ranks; a pod that cannot be scraped makes the server's scrape fail, naming it)."""
-        if not pod.members:
-            return await self._scraper(metrics_url(pod.ip), timeout)
-        parts = await asyncio.gather(*(self._scraper(metrics_url(m.ip), timeout) for m in pod.members))
-        failed = next(((m, part) for m, part in zip(pod.members, parts) if not part.ok), None)
-        if failed:
-            return replace(failed[1], error=f"pod {failed[0].name}: {failed[1].error}")
-        return Scrape(at=min(part.at for part in parts),
-                      ranks={r: sample for part in parts for r, sample in part.ranks.items()})
+        """One scrape of a server: of every pod of a server over several pods, as one."""
+        return await scrape_pods(self._scraper, [(p.name, p.ip) for p in pod.pods], timeout)
 
     # ---- the reconcile pass's StatusPart -----------------------------------------------------------
 

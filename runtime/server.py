@@ -362,6 +362,14 @@ def build_worker_app(engine, role: str, options: ServerOptions | None = None) ->
                               "to its leader (node rank 0)", 421, kind="invalid_request_error",
                               code="misdirected_request")
 
+    if options.fault_injection:
+        @app.post("/faults")
+        async def faults_at_the_leader():  # the leader reaches every rank of the server over the group link
+            return error_response(f"this pod is worker {node_rank} of a server over several pods: POST /faults "
+                                  "to its leader (node rank 0), naming the rank (the server's global rank); the "
+                                  "leader sends it to the pod that runs it", 421, kind="invalid_request_error",
+                                  code="misdirected_request")
+
     return app
 
 

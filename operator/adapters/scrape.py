@@ -11,8 +11,8 @@ import asyncio
 import math
 import re
 import time
-from dataclasses import dataclass
-from typing import Awaitable, Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Awaitable, Callable, Mapping, Sequence
 
 import aiohttp
 
@@ -195,6 +195,9 @@ class Scrape:
     ranks: Mapping[int, RankSample] | None = None
     error: str | None = None
     refused: bool = False  # the connection could not be made: nothing listens at the address
+    # a server over several pods (one scrape per pod, merged): the pod each rank was scraped from.
+    # None for a one-pod server, whose ranks are all its pod's.
+    rank_pods: Mapping[int, str] | None = None
 
     @property
     def ok(self) -> bool:
@@ -257,6 +260,21 @@ async def _get(session: aiohttp.ClientSession, url: str) -> bytes | str:
 
 
 Scraper = Callable[[str, float], Awaitable[Scrape]]  # (url, timeout) -> Scrape: an HttpScraper, or a test's script
+
+
+async def scrape_pods(scraper: Scraper, pods: Sequence[tuple[str, str]], timeout: float) -> Scrape:
+    """One scrape of a server from its pods, (name, ip) each: of its one pod as it is, or of every pod
+    of a server over several pods as one (each pod exports its own ranks, numbered server-wide),
+    keeping the pod each rank came from; a pod that cannot be scraped fails the whole, naming it."""
+    if len(pods) == 1:
+        return await scraper(metrics_url(pods[0][1]), timeout)
+    parts = await asyncio.gather(*(scraper(metrics_url(ip), timeout) for _, ip in pods))
+    failed = next(((name, part) for (name, _), part in zip(pods, parts) if not part.ok), None)
+    if failed:
+        return replace(failed[1], error=f"pod {failed[0]}: {failed[1].error}")
+    return Scrape(at=min(part.at for part in parts),
+                  ranks={r: sample for part in parts for r, sample in part.ranks.items()},
+                  rank_pods={r: name for (name, _), part in zip(pods, parts) for r in part.ranks})
 
 
 class HttpScraper:

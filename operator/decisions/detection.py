@@ -57,6 +57,9 @@ class StallVerdict:
     ranks: tuple[int, ...] = ()      # the ranks involved (starving, holding KV, or not advancing)
     since: float | None = None       # stalled: the scrape from which nothing moved
     evidence: Mapping[str, object] = field(default_factory=dict)
+    # a server over several pods: the pod holding each involved rank (empty for a one-pod server,
+    # whose ranks are all in the pod `server` names)
+    pods: Mapping[int, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.state is ServerState.STALLED and self.signature is None:
@@ -70,8 +73,19 @@ class StallVerdict:
         """One line for Events, status and logs."""
         head = f"{self.server} ({self.role}) {self.state.value}"
         if self.signature:
-            head += f" [{self.signature.value}" + (f", ranks {','.join(map(str, self.ranks))}" if self.ranks else "") + "]"
+            head += f" [{self.signature.value}" + (f", {self.ranks_text()}" if self.ranks else "") + "]"
         return f"{head}: {self.reason}"
+
+    def ranks_text(self) -> str:
+        """The involved ranks, and for a server over several pods the pod holding them (a worker's
+        rank is found on the worker: `kubectl logs` of the leader does not show it):
+        "ranks 1,2" or "ranks 0 on pod mn-generation-0-0 and 1 on pod mn-generation-0-1"."""
+        if not self.pods:
+            return f"ranks {','.join(map(str, self.ranks))}"
+        by_pod: dict[str, list[int]] = {}
+        for r in self.ranks:
+            by_pod.setdefault(self.pods.get(r, "?"), []).append(r)
+        return "ranks " + " and ".join(f"{','.join(map(str, rs))} on pod {pod}" for pod, rs in by_pod.items())
 
 
 def judge(server: str, role: str, samples: Sequence[Scrape], *, window_seconds: float,
@@ -254,8 +268,9 @@ def _describe(server: str, role: str, state: ServerState, reason: str, stretch: 
     }
     if progress_times:
         evidence["seconds_since_last_progress"] = round(latest.at - max(progress_times), 1)
+    pods = {r: latest.rank_pods[r] for r in involved if r in latest.rank_pods} if latest.rank_pods else {}
     return StallVerdict(server, role, state, latest.at, f"{reason}; {how}", signature=signature,
-                        ranks=involved, since=base.at, evidence=evidence)
+                        ranks=involved, since=base.at, evidence=evidence, pods=pods)
 
 
 def _holds_pulled_kv(stretch: list[Scrape], involved: tuple[int, ...]) -> bool:

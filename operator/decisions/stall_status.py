@@ -113,7 +113,7 @@ def stall_conditions(verdicts: Sequence[StallVerdict], plan: Plan, previous: Map
 
 
 def _stall_line(v: StallVerdict) -> str:
-    ranks = f", ranks {','.join(map(str, v.ranks))}" if v.ranks else ""
+    ranks = f", {v.ranks_text()}" if v.ranks else ""
     return f"{v.server} ({v.role}) has work but produces no tokens ({v.signature.value}{ranks})"
 
 

@@ -33,7 +33,7 @@ from adpfleet.runtime.executor.kv_transfer import KVLayout, KVPuller
 from adpfleet.runtime.model.parallel import CALLS
 
 IDLE_WAIT_S = 0.02  # how long an idle rank waits for new requests before the next lockstep pass
-STATS_EVERY_S = 0.1
+STATS_EVERY_S = 0.1  # an idle rank's stats are sent this often (a busy rank's after every pass)
 
 
 @dataclass
@@ -206,7 +206,9 @@ def run_rank(spec: RankSpec, conn) -> None:
             if result.outputs:
                 conn.send(("out", result.outputs))
             now = time.monotonic()
-            if result.outputs or now - last_stats >= STATS_EVERY_S or result.stop:
+            # every pass with work: a rank about to block in a collective (a peer froze) leaves its
+            # true pass count behind, so the operator can tell which ranks stopped first (hung)
+            if result.outputs or busy or now - last_stats >= STATS_EVERY_S or result.stop:
                 conn.send(("stats", engine.stats))
                 last_stats = now
             if result.stop:

@@ -191,6 +191,25 @@ def test_vetoed_stall_names_the_starving_rank():
     assert "[vetoed, ranks 1]" in v.summary()
 
 
+GROUP = {0: "mn-generation-0-0", 1: "mn-generation-0-1"}  # a server over two pods: the pod of each rank
+
+
+def test_a_starving_rank_on_a_worker_pod_is_named_with_its_pod():
+    # the merged scrape of a two-pod server says which pod each rank came from (stall.py)
+    samples = [Scrape(at=s.at, ranks=s.ranks, rank_pods=GROUP) for s in series(vetoed_stall, 30)]
+    v = verdict(samples)
+    assert v.stalled and v.ranks == (1,) and v.pods == {1: "mn-generation-0-1"}
+    assert "[vetoed, ranks 1 on pod mn-generation-0-1]" in v.summary()
+
+
+def test_ranks_on_several_pods_are_named_with_each_pod_and_a_one_pod_server_with_none():
+    both = StallVerdict("mn-generation-0-0", "generation", ServerState.STALLED, 0.0, "r", Signature.HUNG,
+                        ranks=(0, 1, 2), pods={0: "mn-generation-0-0", 1: "mn-generation-0-0", 2: "mn-generation-0-1"})
+    assert both.ranks_text() == "ranks 0,1 on pod mn-generation-0-0 and 2 on pod mn-generation-0-1"
+    one = verdict(series(vetoed_stall, 30))  # no rank_pods: one pod, read exactly as before
+    assert one.pods == {} and "[vetoed, ranks 1]: " in one.summary()
+
+
 def test_hung_server_iterations_stop():
     def hung(k):
         it = 100 + 50 * min(k, 3)  # the loop stopped after the 4th scrape

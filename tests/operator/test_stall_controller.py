@@ -314,23 +314,104 @@ def test_a_server_left_drained_by_a_recovered_action_is_undrained():
     assert ("undrain", "llama-context-0", "llama-context-0-uid") in w.api.calls and w.api.deletes() == []
 
 
-def test_a_frozen_rank_on_a_worker_pod_makes_its_whole_group_hung_and_the_leader_is_restarted():
-    w = World()
+def group_world(**kw) -> World:
+    """The World with its generation server over two pods: leader llama-generation-0-0 (rank 0,
+    127.0.9.2) and worker llama-generation-0-1 (rank 1, 127.0.9.3)."""
+    w = World(**kw)
     leader = dataclasses.replace(w.pods.pop("llama-generation-0"), name="llama-generation-0-0", node_rank=0,
                                  pods_per_server=2)
     worker = dataclasses.replace(leader, name="llama-generation-0-1", uid="worker-uid", ip="127.0.9.3", node_rank=1)
     w.pods.update({leader.name: leader, worker.name: worker})
+    return w
 
-    def frozen(rank):  # the worker's rank froze; the leader's waits for it in the next collective
-        return lambda: {rank: RankSample(iterations=100, forward_steps=50, generation_tokens=50, requests_running=2)}
+
+def frozen(rank, iterations=100):  # a rank whose loop no longer advances, with requests on it
+    return lambda: {rank: RankSample(iterations=iterations, forward_steps=50, generation_tokens=50,
+                                     requests_running=2)}
+
+
+def stalled_condition(w) -> str:
+    return next(c for st in w.written for c in st["conditions"]
+                if c["type"] == "Stalled" and c["status"] == "True")["message"]
+
+
+def test_a_frozen_rank_on_a_worker_pod_makes_its_whole_group_hung_and_the_leader_is_restarted():
+    w = group_world()
+    # the worker's rank froze; the leader's waits for it in the next collective
     w.metrics["127.0.9.2"], w.metrics["127.0.9.3"] = frozen(0), frozen(1)
     run(w.ticks(8))
     assert [c[:2] for c in w.api.calls if c[0] != "event"] == [("drain", "llama-generation-0-0"),
                                                               ("delete", "llama-generation-0-0")]
     (record,) = w.records()
     assert record["signature"] == "hung" and record["targets"] == ["llama-generation-0-0"]
-    # the group is judged on both pods' scrapes: ranks 0 and 1 are in the verdict
-    stalled = next(c for st in w.written for c in st["conditions"] if c["type"] == "Stalled" and c["status"] == "True")
-    assert "llama-generation-0-0 (generation)" in stalled["message"] and "hung, ranks 0,1" in stalled["message"]
-    assert "llama-generation-0-1" not in stalled["message"]
+    # the group is judged on both pods' scrapes: ranks 0 and 1 are in the verdict, each with its pod
+    assert "llama-generation-0-0 (generation) has work but produces no tokens (hung, ranks 0 on pod " \
+           "llama-generation-0-0 and 1 on pod llama-generation-0-1)" in stalled_condition(w)
     (detected,) = w.api.events("StallDetected")  # one server, not two
+
+
+def test_status_events_and_the_record_name_the_worker_pod_that_holds_the_frozen_rank():
+    w = group_world()
+    # the worker's rank stopped a pass before the leader's (which then waited for it)
+    w.metrics["127.0.9.2"], w.metrics["127.0.9.3"] = frozen(0, 101), frozen(1, 100)
+    run(w.ticks(8))
+    named = "ranks 1 on pod llama-generation-0-1"
+    assert f"(hung, {named})" in stalled_condition(w)
+    (detected,) = w.api.events("StallDetected")
+    assert f"[hung, {named}]" in detected[2]
+    (restarting,) = w.api.events("RestartingServer")
+    assert named in restarting[2]
+    (record,) = w.records()
+    assert named in record["message"] and record["targets"] == ["llama-generation-0-0"]
+
+
+def test_an_alert_naming_a_worker_pod_rechecks_and_restarts_its_whole_server():
+    # Prometheus scrapes every pod: the alert carries the worker's pod label
+    w = group_world()
+    w.controller.detection = False
+    w.metrics["127.0.9.2"], w.metrics["127.0.9.3"] = frozen(0, 101), frozen(1, 100)
+    w.inbox.put(StallAlert("AdpfleetServerStalled", "prod", "llama", "llama-generation-0-1", "fp",
+                           "2024-01-01T00:00:00Z", T0))
+    run(w.ticks(1))
+    assert w.api.events("AlertIgnored") == []
+    assert [c[1] for c in w.api.deletes()] == ["llama-generation-0-0"]  # the leader: the group goes whole
+    (record,) = w.records()
+    assert record["server"] == "llama-generation-0-0" and record["signature"] == "hung"
+    assert "from alert AdpfleetServerStalled (fingerprint fp, since 2024-01-01T00:00:00Z) on pod " \
+           "llama-generation-0-1" in record["message"]
+    assert "ranks 1 on pod llama-generation-0-1" in record["message"]
+
+
+def test_an_alert_naming_a_pod_of_no_server_of_the_fleet_is_ignored():
+    w = group_world()
+    w.controller.detection = False
+    w.inbox.put(StallAlert("AdpfleetServerStalled", "prod", "llama", "llama-generation-0-2", "fp", "t", T0))
+    run(w.ticks(1))
+    assert w.api.deletes() == [] and w.api.events("AlertIgnored")
+
+
+def test_a_group_whose_progress_resumes_while_its_leader_drains_is_recovered_not_restarted():
+    w = group_world()
+    w.metrics["127.0.9.2"], w.metrics["127.0.9.3"] = frozen(0), frozen(1)
+    drain = w.api.set_drain
+
+    def progressing(rank):
+        state = {"tokens": 50}
+
+        def sample():
+            state["tokens"] += 10
+            return {rank: RankSample(iterations=state["tokens"] * 2, forward_steps=state["tokens"],
+                                     generation_tokens=state["tokens"], requests_running=2)}
+        return sample
+
+    async def drain_then_resume(namespace, name, uid, on):  # the stall ends as the leader is drained
+        if on:
+            w.metrics["127.0.9.2"], w.metrics["127.0.9.3"] = progressing(0), progressing(1)
+        return await drain(namespace, name, uid, on)
+    w.api.set_drain = drain_then_resume
+    run(w.ticks(8))
+    # watched on both pods' ranks, as it was judged: the progress is seen, nothing is deleted
+    assert w.api.deletes() == []
+    assert [c[:2] for c in w.api.calls if c[0] in ("drain", "undrain")] == [("drain", "llama-generation-0-0"),
+                                                                           ("undrain", "llama-generation-0-0")]
+    assert [r["outcome"] for r in w.records()] == ["Recovered"]

@@ -142,3 +142,19 @@ def test_the_cli_help_states_the_runtimes_defaults():
     assert f"(default {limits.DEFAULT_READ_TIMEOUT_S:g})" in text
     assert f"(default {limits.DEFAULT_MAX_WAITING_REQUESTS})" in text
     assert f"default {DEFAULT_REQUEST_TIMEOUT_S:g})" in text
+
+
+def test_a_worker_pod_guards_faults_and_sends_them_to_its_leader():
+    from types import SimpleNamespace
+
+    from adpfleet.runtime.server import ServerOptions, build_worker_app
+
+    engine = SimpleNamespace(group=SimpleNamespace(topology=SimpleNamespace(node_rank=1, nodes=2)),
+                             health=lambda: (True, "ok"))
+    worker = TestClient(build_worker_app(engine, "generation", ServerOptions(BOTH, fault_injection=True)))
+    assert worker.post("/faults", json={"kind": "freeze", "rank": 1}).status_code == 401
+    r = worker.post("/faults", json={"kind": "freeze", "rank": 1}, headers={"Authorization": "Bearer fleet-token"})
+    assert r.status_code == 421 and "to its leader (node rank 0)" in r.json()["error"]["message"]
+    # without fault injection there is no /faults at all, as on a leader
+    quiet = TestClient(build_worker_app(engine, "generation", ServerOptions(BOTH)))
+    assert quiet.post("/faults", json={}, headers={"Authorization": "Bearer fleet-token"}).status_code == 404
