@@ -40,9 +40,7 @@ import argparse
 import json
 import re
 import sys
-import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -52,7 +50,7 @@ sys.path.insert(0, str(ROOT / "tests" / "operator"))  # the e2e tests' fleet and
 sys.path.insert(0, str(ROOT / "bench"))
 
 from common import Background, operator_cluster, wait  # noqa: E402
-from stall_harness import inject, remediations, stall_fleet  # noqa: E402
+from stall_harness import Load, Outcome, inject, remediations, stall_fleet, tokens_per_second  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "remediation.json"
 PLOT = ROOT / "docs" / "remediation-bench.png"
@@ -63,118 +61,7 @@ SHAPES = (1, 2)  # servers per role
 SETTLE_S = 5.0   # an episode ends this long after progress was restored
 
 
-# ---- client load ------------------------------------------------------------------------------
-
-@dataclass
-class Outcome:
-    start: float
-    end: float
-    kind: str                 # completed | error (an error the client saw) | lost (no answer by the deadline)
-    streamed: bool
-    ttft: float | None = None  # streamed: seconds to the first event with text
-    attempts: int = 1         # X-Adpfleet-Attempts: > 1 when the router retried it on another server
-    queued: float = 0.0       # X-Adpfleet-Queued-Seconds: held in the router's queue for a usable server
-    tokens: int = 0
-    detail: str = ""          # what the client saw, for an error: http | stream_error_event | stream_cut | ...
-    after_tokens: bool = False  # an error that came after text had reached the client
-
-
-@dataclass
-class Load:
-    """`clients` threads sending 24-token completions through the router back to back, odd ones
-    streamed, each with a deadline; every request ends completed, error or lost."""
-    url: str
-    clients: int = 4
-    max_tokens: int = 24
-    deadline: float = 90.0
-    outcomes: list[Outcome] = field(default_factory=list)
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-    _threads: list[threading.Thread] = field(default_factory=list)
-
-    def __enter__(self) -> "Load":
-        for i in range(self.clients):
-            t = threading.Thread(target=self._client, args=(i,), daemon=True)
-            t.start()
-            self._threads.append(t)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(self.deadline + 10)
-
-    def _client(self, i: int) -> None:
-        n, streamed = 0, i % 2 == 1
-        with httpx.Client(timeout=httpx.Timeout(self.deadline, connect=5.0)) as http:
-            while not self._stop.is_set():
-                n += 1
-                body = {"prompt": f"client {i} request {n}: tell me about attention data parallelism " * 2,
-                        "max_tokens": self.max_tokens, "ignore_eos": True, "stream": streamed}
-                if streamed:
-                    body["stream_options"] = {"include_usage": True}
-                out = self._one(http, body, streamed)
-                with self._lock:
-                    self.outcomes.append(out)
-                if out.kind != "completed":
-                    time.sleep(1.0)  # a client backs off after an error
-
-    def _one(self, http: httpx.Client, body: dict, streamed: bool) -> Outcome:
-        start = time.time()
-        out = Outcome(start, start, "error", streamed)
-        try:
-            with http.stream("POST", self.url + "/v1/completions", json=body) as r:
-                out.attempts = int(r.headers.get("x-adpfleet-attempts", 1))
-                out.queued = float(r.headers.get("x-adpfleet-queued-seconds", 0))
-                if r.status_code != 200:
-                    r.read()
-                    out.detail = f"http {r.status_code}: {r.text[:160]}"
-                elif not streamed:
-                    r.read()
-                    answer = r.json()
-                    if "error" in answer:
-                        out.detail = f"error body: {str(answer['error'])[:160]}"
-                    else:
-                        out.kind, out.tokens = "completed", answer["usage"]["completion_tokens"]
-                else:
-                    done = False
-                    for line in r.iter_lines():
-                        if time.time() - start > self.deadline:
-                            raise httpx.ReadTimeout("the client's deadline passed mid-stream")
-                        if not line.startswith("data: "):
-                            continue
-                        data = line[6:]
-                        if data == "[DONE]":
-                            done = True
-                            break
-                        event = json.loads(data)
-                        if "error" in event:
-                            out.detail = f"stream_error_event: {str(event['error'].get('message'))[:160]}"
-                            out.after_tokens = out.ttft is not None
-                            break
-                        if event.get("choices") and out.ttft is None:  # the first event that carries output
-                            out.ttft = time.time() - start
-                        if event.get("usage"):
-                            out.tokens = event["usage"]["completion_tokens"]
-                    if done and not out.detail:
-                        out.kind = "completed"
-                    elif not out.detail:
-                        out.detail, out.after_tokens = "stream_cut: ended without [DONE]", out.ttft is not None
-        except httpx.TimeoutException as e:
-            out.kind, out.detail = "lost", f"no answer by the deadline ({type(e).__name__})"
-            out.after_tokens = out.ttft is not None
-        except httpx.HTTPError as e:  # connection refused / reset: an explicit failure
-            out.detail, out.after_tokens = f"connection: {type(e).__name__}: {e}", out.ttft is not None
-        out.end = time.time()
-        return out
-
-    def snapshot(self) -> list[Outcome]:
-        with self._lock:
-            return list(self.outcomes)
-
-    def completed_since(self, t: float) -> int:
-        return sum(1 for o in self.snapshot() if o.kind == "completed" and o.end >= t)
-
+# ---- what clients saw --------------------------------------------------------------------------
 
 def percentile(xs: list[float], q: float) -> float | None:
     if not xs:
@@ -199,15 +86,6 @@ def stats(outcomes: list[Outcome]) -> dict:
             "retried": sum(o.attempts > 1 for o in done), "held_in_queue": sum(o.queued >= 0.05 for o in done),
             "latency_p50_s": percentile(latency, 50), "latency_p99_s": percentile(latency, 99),
             "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99)}
-
-
-def tokens_per_second(outcomes: list[Outcome], start: float, end: float) -> list[tuple[float, float]]:
-    done = [o for o in outcomes if o.kind == "completed"]
-    series, t = [], start
-    while t < end:
-        series.append((round(t - start, 1), sum(o.tokens for o in done if t <= o.end < t + 1.0)))
-        t += 1.0
-    return series
 
 
 class PodWatch(Background):
@@ -312,7 +190,7 @@ class Bench:
         url = self.router_url(name)
         rows = []
         try:
-            with Load(url, clients=args.clients) as load:
+            with Load(url, clients=args.clients, streaming=True) as load:
                 wait(lambda: load.completed_since(time.time() - 5) >= 3, 120, "traffic flowing")
                 time.sleep(3)  # warm
                 b0 = time.time()

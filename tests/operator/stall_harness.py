@@ -57,23 +57,29 @@ def stall_fleet(name: str, *, mode: str = "Auto", window: int = 6, interval: int
 class Outcome:
     start: float
     end: float
-    kind: str          # completed | error (explicit: HTTP error or an error body) | lost (no answer by the deadline)
+    kind: str                 # completed | error (an error the client saw) | lost (no answer by the deadline)
+    streamed: bool = False
+    ttft: float | None = None  # streamed: seconds to the first event with text
+    attempts: int = 1         # X-Adpfleet-Attempts: > 1 when the router retried it on another server
+    queued: float = 0.0       # X-Adpfleet-Queued-Seconds: held in the router's queue for a usable server
     tokens: int = 0
-    detail: str = ""
+    detail: str = ""          # what the client saw, for an error: http | error body | stream_error_event | ...
+    after_tokens: bool = False  # an error that came after text had reached the client
 
 
 @dataclass
 class Load:
-    """`clients` threads sending completions to the router back to back, each with a deadline."""
+    """`clients` threads sending completions through the router back to back, each with a deadline;
+    every request ends completed, error or lost. With `streaming`, the odd clients stream."""
     url: str
     clients: int = 3
     max_tokens: int = 24
     deadline: float = 90.0
+    streaming: bool = False
     outcomes: list[Outcome] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _threads: list[threading.Thread] = field(default_factory=list)
-    in_flight: int = 0
 
     def __enter__(self) -> "Load":
         for i in range(self.clients):
@@ -91,51 +97,94 @@ class Load:
             t.join(self.deadline + 10)
 
     def _client(self, i: int) -> None:
-        n = 0
+        n, streamed = 0, self.streaming and i % 2 == 1
         with httpx.Client(timeout=httpx.Timeout(self.deadline, connect=5.0)) as http:
             while not self._stop.is_set():
                 n += 1
                 body = {"prompt": f"client {i} request {n}: tell me about attention data parallelism " * 2,
-                        "max_tokens": self.max_tokens, "ignore_eos": True}
-                start = time.time()
+                        "max_tokens": self.max_tokens, "ignore_eos": True, "stream": streamed}
+                if streamed:
+                    body["stream_options"] = {"include_usage": True}
+                out = self._one(http, body, streamed)
                 with self._lock:
-                    self.in_flight += 1
-                try:
-                    r = http.post(self.url + "/v1/completions", json=body)
-                    if r.status_code == 200 and "error" not in r.json():
-                        out = Outcome(start, time.time(), "completed", r.json()["usage"]["completion_tokens"])
-                    else:
-                        out = Outcome(start, time.time(), "error", detail=f"{r.status_code} {r.text[:200]}")
-                except httpx.TimeoutException as e:
-                    out = Outcome(start, time.time(), "lost", detail=f"{type(e).__name__}")
-                except httpx.HTTPError as e:  # connection refused / reset: the client saw an explicit failure
-                    out = Outcome(start, time.time(), "error", detail=f"{type(e).__name__}: {e}")
-                with self._lock:
-                    self.in_flight -= 1
                     self.outcomes.append(out)
                 if out.kind != "completed":
                     time.sleep(1.0)  # a client backs off after an error
 
-    def completed_since(self, t: float) -> int:
+    def _one(self, http: httpx.Client, body: dict, streamed: bool) -> Outcome:
+        start = time.time()
+        out = Outcome(start, start, "error", streamed)
+        try:
+            with http.stream("POST", self.url + "/v1/completions", json=body) as r:
+                out.attempts = int(r.headers.get("x-adpfleet-attempts", 1))
+                out.queued = float(r.headers.get("x-adpfleet-queued-seconds", 0))
+                if r.status_code != 200:
+                    r.read()
+                    out.detail = f"http {r.status_code}: {r.text[:160]}"
+                elif not streamed:
+                    r.read()
+                    answer = r.json()
+                    if "error" in answer:
+                        out.detail = f"error body: {str(answer['error'])[:160]}"
+                    else:
+                        out.kind, out.tokens = "completed", answer["usage"]["completion_tokens"]
+                else:
+                    self._read_stream(r, start, out)
+        except httpx.TimeoutException as e:
+            out.kind, out.detail = "lost", f"no answer by the deadline ({type(e).__name__})"
+            out.after_tokens = out.ttft is not None
+        except httpx.HTTPError as e:  # connection refused / reset: an explicit failure
+            out.detail, out.after_tokens = f"connection: {type(e).__name__}: {e}", out.ttft is not None
+        out.end = time.time()
+        return out
+
+    def _read_stream(self, r: httpx.Response, start: float, out: Outcome) -> None:
+        done = False
+        for line in r.iter_lines():
+            if time.time() - start > self.deadline:
+                raise httpx.ReadTimeout("the client's deadline passed mid-stream")
+            if not line.startswith("data: "):
+                continue
+            data = line[6:]
+            if data == "[DONE]":
+                done = True
+                break
+            event = json.loads(data)
+            if "error" in event:
+                out.detail = f"stream_error_event: {str(event['error'].get('message'))[:160]}"
+                out.after_tokens = out.ttft is not None
+                return
+            if event.get("choices") and out.ttft is None:  # the first event that carries output
+                out.ttft = time.time() - start
+            if event.get("usage"):
+                out.tokens = event["usage"]["completion_tokens"]
+        if done:
+            out.kind = "completed"
+        else:
+            out.detail, out.after_tokens = "stream_cut: ended without [DONE]", out.ttft is not None
+
+    def snapshot(self) -> list[Outcome]:
         with self._lock:
-            return sum(1 for o in self.outcomes if o.kind == "completed" and o.end >= t)
+            return list(self.outcomes)
+
+    def completed_since(self, t: float) -> int:
+        return sum(1 for o in self.snapshot() if o.kind == "completed" and o.end >= t)
 
     def counts(self) -> dict[str, int]:
-        with self._lock:
-            out = {"completed": 0, "error": 0, "lost": 0}
-            for o in self.outcomes:
-                out[o.kind] += 1
-            return out
+        out = {"completed": 0, "error": 0, "lost": 0}
+        for o in self.snapshot():
+            out[o.kind] += 1
+        return out
 
-    def tokens_per_second(self, start: float, end: float, bucket: float = 1.0) -> list[tuple[float, float]]:
-        with self._lock:
-            done = [o for o in self.outcomes if o.kind == "completed"]
-        series = []
-        t = start
-        while t < end:
-            series.append((t - start, sum(o.tokens for o in done if t <= o.end < t + bucket) / bucket))
-            t += bucket
-        return series
+
+def tokens_per_second(outcomes: list[Outcome], start: float, end: float) -> list[tuple[float, float]]:
+    """Tokens of the requests completed in each second from `start` to `end`."""
+    done = [o for o in outcomes if o.kind == "completed"]
+    series, t = [], start
+    while t < end:
+        series.append((round(t - start, 1), sum(o.tokens for o in done if t <= o.end < t + 1.0)))
+        t += 1.0
+    return series
 
 
 # ---- real Prometheus and Alertmanager ---------------------------------------------------------------
