@@ -6,8 +6,9 @@ first creates the fleet's internal token Secret (409: it exists). The operator n
 Secret: the kubelet resolves the ones the pods name (API key, internal token, model credentials),
 and a missing one shows in the pod's status (CreateContainerConfigError), which becomes the fleet's
 Degraded condition. The only requests a pass may make without changing anything are checking that
-the claims the model names exist, only when it is about to create server pods, and reading the log
-of a server's running download (its progress), only while one runs.
+the claims the model names exist and that the PodGroup API a role's gang scheduling names is served,
+only when it is about to create server pods, and reading the log of a server's running download (its
+progress), only while one runs.
 
 The pass is the status's one writer. Another controller that owns part of the status (the stall
 controller: Stalled, Remediating, recentRemediations) is composed in as a `StatusPart`: its
@@ -29,7 +30,7 @@ from pydantic import ValidationError
 
 from adpfleet.operator.adapters.kube import ApiResult, KubeApi, now_rfc3339
 from adpfleet.model_uri import parse_progress
-from adpfleet.operator.decisions import conditions, groups, security
+from adpfleet.operator.decisions import conditions, gang, groups, security
 from adpfleet.operator.decisions import scale_target
 from adpfleet.operator.decisions.conditions import MODEL_UNAVAILABLE, Problem
 from adpfleet.operator.decisions.desired import DesiredFleet, desired_fleet
@@ -48,7 +49,7 @@ from adpfleet.operator.telemetry import OperatorMetrics
 
 EXPECTATION_SECONDS = 60.0   # how long an action's effect may take to show up in the watch cache
 MIN_RECHECK_SECONDS = 1.0    # a pass that waits for a drain's timeout looks again no sooner than this
-CLAIM_RECHECK_SECONDS = 30.0   # a missing claim (it has no watch) is looked at again this often
+CLAIM_RECHECK_SECONDS = 30.0   # a missing claim or PodGroup API (neither has a watch) is looked at again this often
 PROGRESS_SECONDS = 5.0         # a running download's progress is read from its log this often (fetch-model logs it every 5 s)
 PROGRESS_LOG_LINES = 20        # ... from this many of its last lines
 MAX_BACKOFF_SECONDS = 300.0
@@ -96,6 +97,7 @@ class FleetMemory:
     failures: int = 0
     vacated: dict[str, tuple[int, ...]] = field(default_factory=dict)  # role -> slots to refill first
     members: dict[str, tuple[ServerPod, ...]] = field(default_factory=dict)  # a group's uid (its leader's) -> its pods
+    pod_groups: dict[str, frozenset[gang.PodGroupRef]] = field(default_factory=dict)  # a server's uid -> its PodGroups
 
 
 @dataclass(frozen=True)
@@ -173,9 +175,12 @@ class Reconciler:
         problems: list[Problem] = []
         requeue: float | None = None
         missing = await self._check_claims(spec, obs.namespace, plans)  # (problem, what creations wait for)
-        if missing:
-            problems.append(missing[0])
-            plans = _hold_creations(plans, missing[1])
+        holds = [(*missing, None)] if missing else []  # (problem, what creations wait for, roles held; None: all)
+        holds += await self._check_pod_group_apis(spec, plans)
+        for problem, waiting_for, roles in holds:
+            problems.append(problem)
+            plans = _hold_creations(plans, waiting_for, roles)
+        if holds:
             requeue = CLAIM_RECHECK_SECONDS
 
         # Router objects first (the ServiceAccount and Role before the Deployment that uses them),
@@ -219,8 +224,8 @@ class Reconciler:
         # created one pending), so it does not announce a state that is already gone.
         if actions:
             role_pods, plans = self._roles(obs, memory, desired, spec)
-            if missing:
-                plans = _hold_creations(plans, missing[1])
+            for _, waiting_for, roles in holds:
+                plans = _hold_creations(plans, waiting_for, roles)
             plans = [dataclasses.replace(p, actions=()) for p in plans]  # the next pass's business
         own_pods = {role: [p for p in role_pods[role] if p.owner_uid == obs.uid] for role in names.ROLES}
         live = [p for role in names.ROLES for p in own_pods[role] if not p.terminating]
@@ -274,6 +279,8 @@ class Reconciler:
         role_pods = {role: groups.servers(with_expectations(obs.role_pods(role), memory, now, desired, obs.uid, role) +
                                           [p for p in foreign if p.role == role]) for role in names.ROLES}
         memory.members = {p.uid: p.members for role in names.ROLES for p in role_pods[role] if p.members}
+        memory.pod_groups = {p.uid: refs for role in names.ROLES for p in role_pods[role]
+                             if (refs := frozenset(m.pod_group for m in p.pods if m.pod_group))}
         # servers a remediation is restarting are never a scale-down's choice
         views = [p.view for role in names.ROLES for p in obs.role_pods(role)]
         protected = frozenset(restarts_in_progress(history_from_status(obs.status), views, spec, wall))
@@ -304,6 +311,26 @@ class Reconciler:
                                                   f"does not exist in namespace {namespace}; create it"), \
                     f"PersistentVolumeClaim {claim}"
         return None
+
+    async def _check_pod_group_apis(self, spec: FleetSpec,
+                                    plans: list[RolePlan]) -> list[tuple[Problem, str, tuple[str, ...]]]:
+        """Per role about to create servers whose gang scheduling names a PodGroup API the API
+        server does not serve: the problem, and what its creations wait for. Its pods would wait
+        forever for a scheduler that is not there, and their PodGroup cannot be made."""
+        out = []
+        for plan in plans:
+            settings = spec.role(plan.role).gang_scheduling
+            if settings is None or not any(isinstance(a, CreateServer) for a in plan.actions):
+                continue
+            api = gang.api_of(settings)
+            outcome = await self.api.api_served(api.group, api.version, gang.POD_GROUP_PLURAL)
+            if outcome.code == 404:  # (unreadable: created, and the PodGroup's apply says what went wrong)
+                out.append((Problem(gang.POD_GROUP_API_MISSING,
+                                    f"spec.{plan.role}.gangScheduling: the API server does not serve {api.resource} "
+                                    f"({api.api_version} PodGroup, provider {api.provider}): {api.install}, or "
+                                    f"remove gangScheduling; no {plan.role} server is created until then"),
+                            f"the {api.api_version} PodGroup API", (plan.role,)))
+        return out
 
     async def _store_role_statuses(self, fleet: FleetRef, obs: FleetObservation, spec: FleetSpec, counts: dict,
                                    pending: dict[str, SetRoleReplicas], logger: logging.Logger) -> dict[str, dict]:
@@ -354,6 +381,14 @@ class Reconciler:
         if isinstance(action, UndrainServer):
             return await self.api.set_leaving(fleet.namespace, action.name, action.uid, None)
         if isinstance(action, CreateServer):  # all pods of a server over several pods, leader first
+            template = desired.servers[action.role]
+            group = template.pod_group(action.index)
+            if group is not None:  # its PodGroup first: the scheduler holds pods whose group is missing
+                api = gang.api_of(template.gang)
+                outcome = await self.api.apply_custom(api.group, api.version, gang.POD_GROUP_PLURAL, group)
+                if not outcome.ok:
+                    return dataclasses.replace(outcome, message=f"{gang.POD_GROUP_KIND} {group['metadata']['name']} "
+                                                                f"({api.api_version}): {outcome.message}")
             manifests = desired.servers[action.role].pods(action.index)
             for node_rank, manifest in enumerate(manifests):
                 outcome = await self.api.create_pod(manifest)
@@ -373,6 +408,13 @@ class Reconciler:
                     memory.deleted[uid] = (action, self.clock() + EXPECTATION_SECONDS)
                 elif outcome.ok:
                     outcome = result
+            for ref in sorted(memory.pod_groups.get(action.uid, ()), key=lambda r: (r.provider, r.name)):
+                # the server's PodGroup goes with it (a server made again in the slot gets a new one)
+                result = await self.api.delete_custom(ref.api.group, ref.api.version, gang.POD_GROUP_PLURAL,
+                                                      fleet.namespace, ref.name)
+                if not result.ok and outcome.ok:
+                    outcome = dataclasses.replace(result, message=f"{gang.POD_GROUP_KIND} {ref.name} "
+                                                                  f"({ref.api.api_version}): {result.message}")
             return outcome
         if isinstance(action, ApplyObject):
             return await self.api.apply(action.manifest)
@@ -445,11 +487,12 @@ def _claims_needed(model: ModelSource) -> list[tuple[str, str]]:
     return out
 
 
-def _hold_creations(plans: list[RolePlan], waiting_for: str) -> list[RolePlan]:
-    """The plans without their server creations, saying what they wait for."""
+def _hold_creations(plans: list[RolePlan], waiting_for: str, roles: tuple[str, ...] | None = None) -> list[RolePlan]:
+    """The plans (of `roles`; None: all) without their server creations, saying what they wait for."""
     return [dataclasses.replace(p, actions=tuple(a for a in p.actions if not isinstance(a, CreateServer)),
                                 waiting_for=waiting_for)
-            if any(isinstance(a, CreateServer) for a in p.actions) else p for p in plans]
+            if any(isinstance(a, CreateServer) for a in p.actions) and (roles is None or p.role in roles) else p
+            for p in plans]
 
 
 def _read_spec(obs: FleetObservation) -> tuple[FleetSpec | None, Problem | None]:

@@ -187,6 +187,30 @@ class KubeApi:
         return await self._call("delete", resource, getattr(getattr(self, api), delete), name, namespace,
                                 body=body, ok_codes=(404, 409))
 
+    # ---- another project's custom resources (gang scheduling's PodGroups): the API may be missing ----
+
+    async def api_served(self, group: str, version: str, plural: str) -> ApiResult:
+        """Whether the API server serves `plural` in `group`/`version` (discovery, which every
+        signed-in client may read): ok, or code 404 when that API is not installed."""
+        out = await self._call("get", "discovery", self.custom.get_api_resources, group, version, ok_codes=(404,))
+        if not out.ok or out.code == 404:
+            return ApiResult(False, out.code or 0, out.message)
+        served = {r.name for r in (getattr(out.body, "resources", None) or [])}
+        return ApiResult(True) if plural in served else ApiResult(False, 404, f"{group}/{version} has no {plural}")
+
+    async def apply_custom(self, group: str, version: str, plural: str, manifest: dict) -> ApiResult:
+        """Server-side apply of a namespaced custom object (created when missing)."""
+        meta = manifest["metadata"]
+        return await self._call("patch", f"{plural}.{group}", self.custom.patch_namespaced_custom_object, group,
+                                version, meta["namespace"], plural, meta["name"], manifest,
+                                field_manager=names.MANAGER, force=True,
+                                _content_type="application/apply-patch+yaml")
+
+    async def delete_custom(self, group: str, version: str, plural: str, namespace: str, name: str) -> ApiResult:
+        """Delete a namespaced custom object; already gone is done."""
+        return await self._call("delete", f"{plural}.{group}", self.custom.delete_namespaced_custom_object, group,
+                                version, namespace, plural, name, ok_codes=(404,))
+
     # ---- leader election (a coordination.k8s.io Lease) ----
 
     def _plain(self, out: ApiResult) -> dict | None:

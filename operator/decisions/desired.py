@@ -22,10 +22,11 @@ from dataclasses import dataclass
 from adpfleet.operator.decisions import security
 from adpfleet.operator.decisions.security import SecurityConfig
 from adpfleet.model_uri import CACHE_LIMIT_ENV, CACHE_MOUNT_PATH, PVC_MOUNT_ROOT, TERMINATION_LOG
+from adpfleet.operator.decisions import gang as gangs
 from adpfleet.operator.decisions import pod_template
 from adpfleet.operator.resource import names, quantity
 from adpfleet.operator.resource.names import FleetRef
-from adpfleet.operator.resource.models import FleetSpec, ModelSource, Resources, RouterSpec, ServerRole
+from adpfleet.operator.resource.models import FleetSpec, GangScheduling, ModelSource, Resources, RouterSpec, ServerRole
 
 
 def digest(obj) -> str:
@@ -270,11 +271,16 @@ class ServerTemplate:
     extra_annotations: dict
     template_hash: str
     pods_per_server: int = 1
+    gang: GangScheduling | None = None  # the role's gang scheduling (gang.py), None: off
 
     def pod(self, index: int) -> dict:
         """The pod of a one-pod server."""
         labels = {**self.extra_labels, **names.server_labels(self.fleet.name, self.role, index)}
         annotations = {**self.extra_annotations, names.ANNOTATION_TEMPLATE_HASH: self.template_hash}
+        if self.gang is not None:  # in the server's PodGroup, named after the server
+            group_labels, group_annotations = gangs.pod_markers(
+                self.gang, names.server_name(self.fleet.name, self.role, index))
+            labels, annotations = {**labels, **group_labels}, {**annotations, **group_annotations}
         return {
             "apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": names.server_name(self.fleet.name, self.role, index),
@@ -282,6 +288,12 @@ class ServerTemplate:
                          "ownerReferences": [self.fleet.owner_reference()]},
             "spec": self.pod_spec,
         }
+
+    def pod_group(self, index: int) -> dict | None:
+        """The PodGroup of server `index` (None without gang scheduling): applied before its pods."""
+        if self.gang is None:
+            return None
+        return gangs.pod_group(self.fleet, self.role, index, self.gang, self.pods(index))
 
     def pods(self, index: int) -> list[dict]:
         """Every pod of server `index`, leader first: created together, as one unit."""
@@ -319,10 +331,15 @@ def server_template(fleet: FleetRef, spec: FleetSpec, role: str) -> ServerTempla
     pod_spec = _server_pod_spec(fleet, spec, role)
     labels, annotations = _pod_metadata_extras(spec, spec.role(role).pod_template)
     pods_per_server = spec.role(role).pods_per_server
+    gang = spec.role(role).gang_scheduling
+    if gang is not None:  # (a pod template may not name a scheduler then: models.py)
+        pod_spec = {**pod_spec, "schedulerName": gangs.scheduler_name(gang)}
     hashed = {"spec": pod_spec, "labels": labels, "annotations": annotations}
     if pods_per_server > 1:  # a change of the split replaces the servers; a one-pod server's hash stays as it was
         hashed["podsPerServer"] = pods_per_server
-    return ServerTemplate(fleet, role, pod_spec, labels, annotations, digest(hashed), pods_per_server)
+    if gang is not None:  # so does a change of the PodGroups' settings: new groups get new PodGroups
+        hashed["gangScheduling"] = gang.to_kube()
+    return ServerTemplate(fleet, role, pod_spec, labels, annotations, digest(hashed), pods_per_server, gang)
 
 
 def group_services(fleet: FleetRef, spec: FleetSpec) -> list[dict]:

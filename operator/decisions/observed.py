@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from adpfleet.model_uri import REASONS, parse_fetched_revision, parse_termination_message, reason_of_exit_code
+from adpfleet.operator.decisions.gang import PodGroupRef, pod_group_of
 from adpfleet.operator.resource import names
 
 # Container states a server will not get out of by waiting: surfaced as Degraded with the reason.
@@ -45,6 +46,7 @@ class ServerPod:
     node_rank: int = 0        # a server over several pods: this pod's place in it (0 the leader)
     pods_per_server: int = 1  # ... and how many pods it has
     members: tuple["ServerPod", ...] = ()  # a server over several pods, seen as one (groups.py): its pods
+    pod_group: PodGroupRef | None = None  # gang scheduling: the server's PodGroup the pod is in (gang.py)
 
     @property
     def pods(self) -> tuple["ServerPod", ...]:
@@ -126,6 +128,7 @@ def server_pod(body: dict) -> ServerPod:
     if status.get("phase") == "Failed":
         problem = f"Failed: {status.get('reason', '')} {status.get('message', '')}".strip()
     index = _int(labels.get(names.LABEL_INDEX), -1)
+    role = labels.get(names.LABEL_ROLE, "")
     return ServerPod(
         name=meta.get("name", ""), uid=meta.get("uid", ""), role=labels.get(names.LABEL_ROLE, ""), index=index,
         template_hash=annotations.get(names.ANNOTATION_TEMPLATE_HASH, ""), owner_uid=controller_uid(meta),
@@ -137,7 +140,8 @@ def server_pod(body: dict) -> ServerPod:
         draining=annotations.get(names.ANNOTATION_DRAIN) == "true",
         leaving_since=_epoch(annotations.get(names.ANNOTATION_SCALE_DOWN)), model=model, model_failure=model_failure,
         model_revision=model_revision, node_rank=_int(labels.get(names.LABEL_NODE_RANK), 0),
-        pods_per_server=max(1, _int(annotations.get(names.ANNOTATION_PODS_PER_SERVER), 1)))
+        pods_per_server=max(1, _int(annotations.get(names.ANNOTATION_PODS_PER_SERVER), 1)),
+        pod_group=pod_group_of(labels, annotations, names.server_name(labels.get(names.LABEL_FLEET, ""), role, index)))
 
 
 def _int(text, default: int) -> int:

@@ -530,6 +530,42 @@ class RouterPodTemplate(PodTemplate):
     cel_rules: ClassVar = _template_rules(names.ROUTER_OWNS)
 
 
+GangProvider = Literal["Volcano", "Coscheduling"]
+
+
+class GangScheduling(KubeModel):
+    """Gang scheduling of this role's servers by a scheduler that schedules a PodGroup all or nothing
+    (docs/operator.md, "Gang scheduling"); off when absent. The operator creates one PodGroup per
+    server, named after it (`<fleet>-<role>-<index>`), with minMember = podsPerServer, and points the
+    server's pods at it and at the scheduler."""
+    provider: GangProvider = Field(description="Volcano: a scheduling.volcano.sh/v1beta1 PodGroup (with the "
+                                               "group's summed requests as minResources) and the pods' annotation "
+                                               "scheduling.k8s.io/group-name. Coscheduling: the scheduler-plugins "
+                                               "Coscheduling plugin's scheduling.x-k8s.io/v1alpha1 PodGroup and "
+                                               "the pods' label scheduling.x-k8s.io/pod-group.")
+    scheduler_name: str | None = Field(None, min_length=1, max_length=253, pattern=DNS_SUBDOMAIN,
+                                       description="The pods' schedulerName; default: 'volcano' (Volcano), "
+                                                   "'scheduler-plugins-scheduler' (Coscheduling: the name its "
+                                                   "second-scheduler chart installs).")
+    schedule_timeout_seconds: int | None = Field(None, ge=1, le=86_400,
+                                                 description="Coscheduling only: how long the group's pods may "
+                                                             "wait for each other before the plugin gives the "
+                                                             "group up and retries it (the PodGroup's "
+                                                             "scheduleTimeoutSeconds); default: the plugin's "
+                                                             "permitWaitingTimeSeconds.")
+    queue: str | None = Field(None, min_length=1, max_length=253, pattern=DNS_SUBDOMAIN,
+                              description="Volcano only: the Queue the PodGroups are placed in; default: "
+                                          "Volcano's 'default' queue.")
+    cel_rules: ClassVar = (
+        CelRule("!has(self.scheduleTimeoutSeconds) || self.provider == 'Coscheduling'",
+                "scheduleTimeoutSeconds is the Coscheduling PodGroup's (Volcano's PodGroup has none)",
+                ".scheduleTimeoutSeconds", lambda g: g.schedule_timeout_seconds is None or g.provider == "Coscheduling"),
+        CelRule("!has(self.queue) || self.provider == 'Volcano'",
+                "queue is the Volcano PodGroup's (Coscheduling has no queues)",
+                ".queue", lambda g: g.queue is None or g.provider == "Volcano"),
+    )
+
+
 class DisruptionBudget(KubeModel):
     """The PodDisruptionBudget of this role's pods: how many an eviction (a node drain) may take at once."""
     enabled: bool = Field(True, description="false: no budget (evictions are not limited).")
@@ -568,6 +604,7 @@ class ServerRole(KubeModel):
     pod_template: ServerPodTemplate | None = Field(None, description=" ".join(ServerPodTemplate.__doc__.split()))
     disruption_budget: DisruptionBudget = Field(default_factory=DisruptionBudget,
                                                 description="The role's PodDisruptionBudget.")
+    gang_scheduling: GangScheduling | None = Field(None, description=" ".join(GangScheduling.__doc__.split()))
     cel_rules: ClassVar = (
         CelRule("self.gpusPerServer % self.adpRanks == 0",
                 "gpusPerServer must be a multiple of adpRanks (each ADP rank drives whole GPUs)",
@@ -587,6 +624,10 @@ class ServerRole(KubeModel):
                 f"c.env.all(e, !self.env.exists(x, x.name == e.name)))",
                 "podTemplate: an environment variable is set both in env and in the server container's env",
                 ".podTemplate.spec.containers", lambda r: _env_once(r)),
+        CelRule("!has(self.gangScheduling) || !has(self.podTemplate) || !has(self.podTemplate.spec.schedulerName)",
+                "podTemplate.spec.schedulerName: with gangScheduling the scheduler is gangScheduling.schedulerName",
+                ".podTemplate.spec.schedulerName", lambda r: r.gang_scheduling is None or r.pod_template is None
+                or "schedulerName" not in r.pod_template.spec),
     )
 
     @model_validator(mode="after")
