@@ -219,12 +219,26 @@ def pod_ready(pod) -> bool:
 
 # ---- watching a roll ----
 
+@dataclass(frozen=True)
+class PodState:
+    """One pod as an event left it: enough to tell which server (and which pod of it) it is, what
+    it was built from, and whether it is Ready or being deleted."""
+    name: str
+    uid: str
+    index: str       # the server's slot (adpfleet.io/index)
+    node_rank: int   # its place in a server over several pods (0: the leader, or a one-pod server)
+    template_hash: str
+    ready: bool
+    deleting: bool
+
+
 @dataclass
 class RoleSample:
     time: float
     live: int        # pods not being deleted
     ready: int       # of those, Ready
     names: tuple
+    pods: tuple[PodState, ...] = ()  # every pod of the role, the ones being deleted included
 
 
 @dataclass
@@ -291,4 +305,12 @@ class PodTimeline:
         for role, items in by_role.items():
             live = [p for p in items if p.metadata.deletion_timestamp is None]
             self.samples.setdefault(role, []).append(RoleSample(
-                now, len(live), sum(pod_ready(p) for p in live), tuple(sorted(p.metadata.name for p in live))))
+                now, len(live), sum(pod_ready(p) for p in live), tuple(sorted(p.metadata.name for p in live)),
+                tuple(sorted((_pod_state(p) for p in items), key=lambda s: s.name))))
+
+
+def _pod_state(pod) -> PodState:
+    labels, annotations = pod.metadata.labels or {}, pod.metadata.annotations or {}
+    return PodState(pod.metadata.name, pod.metadata.uid, labels.get(names.LABEL_INDEX, ""),
+                    int(labels.get(names.LABEL_NODE_RANK, "0")), annotations.get(names.ANNOTATION_TEMPLATE_HASH, ""),
+                    pod_ready(pod), pod.metadata.deletion_timestamp is not None)

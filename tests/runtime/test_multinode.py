@@ -1,5 +1,6 @@
 """A server whose ranks span several pods, on loopback: one leader process and one worker process
-with one rank each make one 2-rank server (docs/adp.md, servers over several pods)."""
+with one rank each make one 2-rank server, and with two ranks each one 4-rank server (docs/adp.md,
+servers over several pods). Every rank runs one intra-op thread (the engine's default)."""
 
 import concurrent.futures
 import time
@@ -15,9 +16,9 @@ PROMPTS = [f"the quick brown fox {i}" for i in range(6)]
 TIMEOUT = "15"  # the collective timeout: a pod that loses its group exits within it
 
 
-def two_pods(tmp_path, *extra: str) -> tuple[Server, Server]:
+def two_pods(tmp_path, *extra: str, dp: int = 2) -> tuple[Server, Server]:
     group_port = free_port()
-    common = ("--model", "tiny", "--dp", "2", "--nodes", "2", "--group-port", str(group_port),
+    common = ("--model", "tiny", "--dp", str(dp), "--nodes", "2", "--group-port", str(group_port),
               "--collective-timeout", TIMEOUT, *extra)
     leader = Server(*common, "--node-rank", "0", log_path=tmp_path / "leader.log")
     worker = Server(*common, "--node-rank", "1", log_path=tmp_path / "worker.log",
@@ -68,6 +69,33 @@ def test_two_pods_of_one_rank_answer_token_identically_to_one_pod_of_two_ranks(g
     worker_tokens = samples(worker.url, "adpfleet_generation_tokens_total")
     assert list(leader_tokens) == ['adpfleet_generation_tokens_total{role="aggregated",rank="0",node_rank="0"}']
     assert list(worker_tokens) == ['adpfleet_generation_tokens_total{role="aggregated",rank="1",node_rank="1"}']
+    assert min(*leader_tokens.values(), *worker_tokens.values()) > 0
+
+
+def test_two_pods_of_two_ranks_answer_token_identically_to_one_pod_of_four_ranks(tmp_path):
+    """The reference is a one-pod server of the same 4 ranks, not the 2-rank answers above: the MLP
+    is sharded over the ranks, so its sums, and with them a greedy choice, may change with their count."""
+    leader, worker = two_pods(tmp_path, dp=4)
+    try:
+        leader.wait_healthy()
+        worker.wait_healthy()
+        split = greedy(leader.url)
+        leader_tokens = samples(leader.url, "adpfleet_generation_tokens_total")
+        worker_tokens = samples(worker.url, "adpfleet_generation_tokens_total")
+    finally:
+        worker.stop()
+        leader.stop()
+    single = Server("--model", "tiny", "--dp", "4", log_path=tmp_path / "single.log")
+    try:
+        single.wait_healthy()
+        assert greedy(single.url) == split
+    finally:
+        single.stop()
+    # each pod runs its half of the ranks, and every rank served some of the requests
+    assert list(leader_tokens) == [f'adpfleet_generation_tokens_total{{role="aggregated",rank="{r}",node_rank="0"}}'
+                                   for r in (0, 1)]
+    assert list(worker_tokens) == [f'adpfleet_generation_tokens_total{{role="aggregated",rank="{r}",node_rank="1"}}'
+                                   for r in (2, 3)]
     assert min(*leader_tokens.values(), *worker_tokens.values()) > 0
 
 
