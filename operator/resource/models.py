@@ -575,7 +575,7 @@ class DisruptionBudget(KubeModel):
 
 class ServerRole(KubeModel):
     """One role of the fleet: its servers are identical pods, each one engine with `adpRanks` ranks."""
-    servers: int = Field(1, ge=1, le=256, description="Servers (pods) of this role.")
+    servers: int = Field(1, ge=1, le=256, description="Servers of this role (each of `podsPerServer` pods).")
     adp_ranks: int = Field(1, ge=1, le=64, description="Attention-data-parallel ranks per server (`--dp`).")
     gpus_per_server: int = Field(0, ge=0, le=64, description="GPUs each server requests; a multiple of adpRanks "
                                                              "(every rank drives whole GPUs).")
