@@ -171,6 +171,14 @@ class Fleets:
     def live_pods(self, fleet: str, role: str | None = None) -> list:
         return [p for p in self.pods(fleet, role) if p.metadata.deletion_timestamp is None]
 
+    def router_url(self, fleet: str) -> str:
+        """The base URL of one of the fleet's Ready routers (a pod IP: the test runs on the node)."""
+        pods = self.core.list_namespaced_pod(self.ns, label_selector=",".join(
+            f"{k}={v}" for k, v in names.router_selector(fleet).items())).items
+        ready = [p for p in pods if pod_ready(p) and p.metadata.deletion_timestamp is None]
+        assert ready, f"no Ready router pod of {fleet}"
+        return f"http://{ready[0].status.pod_ip}:{names.ROUTER_HTTP_PORT}"
+
     def events(self, reason: str | None = None) -> list:
         items = self.core.list_namespaced_event(self.ns, field_selector=f"involvedObject.kind={names.KIND}").items
         return [e for e in items if reason is None or e.reason == reason]

@@ -9,7 +9,6 @@ import pytest
 
 from adpfleet.cluster.apiproxy import CountingProxy
 from adpfleet.cluster.testing import wait_for
-from adpfleet.operator.resource import names
 
 from operator_harness import PodTimeline, pod_ready
 from specs import fleet_manifest
@@ -25,12 +24,7 @@ def real_role(servers: int, ranks: int, kv_blocks: int = 64) -> dict:
 
 
 def router_client(fleets, fleet: str) -> openai.OpenAI:
-    pods = fleets.core.list_namespaced_pod(
-        fleets.ns, label_selector=f"{names.LABEL_INSTANCE}={fleet},{names.LABEL_COMPONENT}=router").items
-    ready = [p for p in pods if pod_ready(p)]
-    assert ready, "no ready router pod"
-    return openai.OpenAI(base_url=f"http://{ready[0].status.pod_ip}:{names.ROUTER_HTTP_PORT}/v1",
-                         api_key="unused", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=fleets.router_url(fleet) + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def complete(fleets, fleet: str) -> openai.types.Completion:

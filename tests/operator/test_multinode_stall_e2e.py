@@ -31,14 +31,6 @@ def group(fleets) -> dict[str, object]:
     return {p.metadata.name: p for p in fleets.live_pods(FLEET, "generation")}
 
 
-def router_url(fleets) -> str:
-    pods = fleets.core.list_namespaced_pod(fleets.ns, label_selector=",".join(
-        f"{k}={v}" for k, v in names.router_selector(FLEET).items())).items
-    ready = [p for p in pods if pod_ready(p) and p.metadata.deletion_timestamp is None]
-    assert ready, "no Ready router pod"
-    return f"http://{ready[0].status.pod_ip}:{names.ROUTER_HTTP_PORT}"
-
-
 def test_a_frozen_rank_on_a_worker_pod_is_hung_named_by_its_pod_and_the_whole_group_is_recreated(
         start_operator, fleets):
     t0 = time.monotonic()
@@ -58,7 +50,7 @@ def test_a_frozen_rank_on_a_worker_pod_is_hung_named_by_its_pod_and_the_whole_gr
                    json={"kind": "freeze", "rank": 1}, headers={"Authorization": f"Bearer {token}"}, timeout=10)
     assert r.status_code == 421 and "to its leader" in r.json()["error"]["message"], r.text
 
-    with Load(router_url(fleets), clients=3, deadline=180, streaming=True) as load:
+    with Load(fleets.router_url(FLEET), clients=3, deadline=180, streaming=True) as load:
         wait_for(lambda: load.completed_since(time.time() - 30) >= 3, timeout=120, what="traffic through the router")
         t_fault = time.time()
         assert inject(fleets.core, before[LEADER], "freeze", 1) == {"injected": "freeze", "rank": 1}

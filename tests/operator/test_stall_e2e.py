@@ -83,14 +83,6 @@ def start_op(holder, *extra: str) -> OperatorProcess:
     return op
 
 
-def router_url(fleets: Fleets) -> str:
-    pods = fleets.core.list_namespaced_pod(fleets.ns, label_selector=",".join(
-        f"{k}={v}" for k, v in names.router_selector(FLEET).items())).items
-    ready = [p for p in pods if pod_ready(p) and p.metadata.deletion_timestamp is None]
-    assert ready, "no Ready router pod"
-    return f"http://{ready[0].status.pod_ip}:{names.ROUTER_HTTP_PORT}"
-
-
 def server(fleets: Fleets, role: str):
     pods = fleets.live_pods(FLEET, role)
     assert len(pods) == 1, [p.metadata.name for p in pods]
@@ -139,7 +131,7 @@ def test_a_healthy_busy_fleet_and_an_idle_fleet_get_no_actions(env):
     fleets, holder, _ = env
     uids = {p.metadata.uid for p in fleets.live_pods(FLEET)}
     start = time.time()
-    with Load(router_url(fleets), clients=3) as load:
+    with Load(fleets.router_url(FLEET), clients=3) as load:
         wait_flowing(load)
         time.sleep(3 * WINDOW)  # busy for three windows
     assert_none_lost(load)
@@ -170,7 +162,7 @@ def test_auto_detects_the_fault_and_restarts_the_right_server_under_load(env, fa
     wait_healthy_fleet(fleets)
     victim = server(fleets, role)
     other = server(fleets, "generation" if role == "context" else "context")
-    with PodTimeline(fleets.cluster, fleets.ns, FLEET) as timeline, Load(router_url(fleets), clients=4) as load:
+    with PodTimeline(fleets.cluster, fleets.ns, FLEET) as timeline, Load(fleets.router_url(FLEET), clients=4) as load:
         wait_flowing(load)
         wait_restarts_settled(fleets)
         t_fault = time.time()
@@ -200,7 +192,7 @@ def test_dry_run_reports_the_stall_and_deletes_nothing(env):
     wait_healthy_fleet(fleets)
     fleets.patch_spec(FLEET, {"remediation": {"mode": "DryRun"}})
     victim = server(fleets, "context")
-    with Load(router_url(fleets), clients=3) as load:
+    with Load(fleets.router_url(FLEET), clients=3) as load:
         wait_flowing(load)
         t_fault = time.time()
         inject_as_documented(fleets.cluster, victim, "starve", 1)  # docs/remediation.md's commands, as a user runs them
@@ -226,14 +218,14 @@ def test_dry_run_reports_the_stall_and_deletes_nothing(env):
 def test_an_exhausted_budget_degrades_the_fleet_and_only_emits_events(env):
     fleets, holder, _ = env
     wait_healthy_fleet(fleets)
-    with Load(router_url(fleets), clients=3) as load:  # progress resolves the earlier tests' restarts
+    with Load(fleets.router_url(FLEET), clients=3) as load:  # progress resolves the earlier tests' restarts
         wait_flowing(load)
         wait_restarts_settled(fleets)
     used = sum(1 for r in remediations(fleets.get(FLEET)) if r["action"].startswith("Restart")
                and r["outcome"] in ("Succeeded", "Resolved", "Failed", "Pending"))
     fleets.patch_spec(FLEET, {"remediation": {"budgetPerHour": used + 1}})  # room for one more action
     victim = server(fleets, "context")
-    with Load(router_url(fleets), clients=3) as load:
+    with Load(fleets.router_url(FLEET), clients=3) as load:
         wait_flowing(load)
         inject(fleets.core, victim, "starve", 1)
         wait_for(lambda: server(fleets, "context").metadata.uid != victim.metadata.uid, timeout=120,
@@ -272,7 +264,7 @@ def test_a_leader_killed_mid_remediation_is_replaced_by_the_standby_without_a_du
     standby = elected_op(holder, "standby")
     assert standby.role() == "standby"
     victim = server(fleets, "context")
-    with PodTimeline(fleets.cluster, fleets.ns, FLEET) as timeline, Load(router_url(fleets), clients=3) as load:
+    with PodTimeline(fleets.cluster, fleets.ns, FLEET) as timeline, Load(fleets.router_url(FLEET), clients=3) as load:
         wait_flowing(load)
         wait_restarts_settled(fleets)
         t_fault = time.time()
@@ -318,7 +310,7 @@ def test_the_alert_path_remediates_with_the_operators_own_detection_off(env):
         # A request caught on the starved server is answered by its replacement: after the rule's
         # 1 m without tokens and its 15 s `for`, Alertmanager, the operator's re-check, the drain and
         # the restart — well over the 90 s the other tests' clients wait. Still every one answered.
-        with Load(router_url(fleets), clients=3, deadline=240) as load:
+        with Load(fleets.router_url(FLEET), clients=3, deadline=240) as load:
             wait_flowing(load)
             time.sleep(5)
             t_fault = time.time()
@@ -385,7 +377,7 @@ def test_two_sided_transfer_faults_restart_only_the_server_at_fault(env):
         assert others() == before, f"{kind} on {pod.metadata.name}: another server was restarted"
         return since
 
-    with Load(router_url(fleets), clients=4) as load:
+    with Load(fleets.router_url(FLEET), clients=4) as load:
         t_freeze = fault(frozen, "freeze", "hung")  # the context server keeps the KV held for it
         t_wedge = fault(ctx, "stop-serving-kv", "transfer")
         wait_flowing(load)

@@ -101,14 +101,6 @@ class Chains:
         return list(self.streams)
 
 
-def router_url(fleets) -> str:
-    pods = fleets.core.list_namespaced_pod(fleets.ns, label_selector=",".join(
-        f"{k}={v}" for k, v in names.router_selector(FLEET).items())).items
-    ready = [p for p in pods if pod_ready(p) and p.metadata.deletion_timestamp is None]
-    assert ready, "no Ready router pod"
-    return f"http://{ready[0].status.pod_ip}:{names.ROUTER_HTTP_PORT}"
-
-
 def running(pod) -> float:
     """Requests the server runs (also while it drains: /metrics stays up)."""
     try:
@@ -169,7 +161,7 @@ def test_streams_survive_their_servers_scale_down_deletion_roll_and_eviction_and
     op = start_operator()
     fleets.apply(fleet_manifest(FLEET, context=role(1), generation=role(2)))
     fleets.wait_ready(FLEET, timeout=SERVER_START)
-    url = router_url(fleets)
+    url = fleets.router_url(FLEET)
 
     # Prometheus' conventions (a gauge does not end in _total, a counter does, ...) on all three.
     server = fleets.live_pods(FLEET, "generation")[0]
