@@ -1,8 +1,9 @@
-"""A frozen rank on the worker pod of a server over several pods, under traffic, on the local cluster
-(#17): the operator scrapes both pods, judges the group as one server, calls it `hung` within the
-stall window and two scrape intervals of the freeze, names the worker pod in the Stalled condition
-and its Events, and recreates the whole group; the fleet serves again and every request through the
-router is answered. One fleet, short windows: each server start costs a torch import per process."""
+"""A frozen rank on the worker pod of a server over several pods (2 pods x 2 ranks, #17's larger
+shape), under traffic, on the local cluster: the operator scrapes both pods, judges the group as
+one server, calls it `hung` within the stall window and two scrape intervals of the freeze, names
+the worker pod in the Stalled condition and its Events, and recreates the whole group; the fleet
+serves again and every request through the router is answered. One fleet, short windows: each
+server start costs a torch import per process."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def test_a_frozen_rank_on_a_worker_pod_is_hung_named_by_its_pod_and_the_whole_gr
     t0 = time.monotonic()
     start_operator()
     manifest = stall_fleet(FLEET, window=WINDOW, interval=INTERVAL, context_ranks=1)
-    manifest["spec"]["generation"].update(adpRanks=2, podsPerServer=2)  # rank 0 on the leader, rank 1 on the worker
+    manifest["spec"]["generation"].update(adpRanks=4, podsPerServer=2)  # ranks 0-1 on the leader, 2-3 on the worker
     fleets.apply(manifest)
     fleets.wait_ready(FLEET, timeout=SERVER_START)
     t_ready = time.monotonic()
@@ -47,13 +48,13 @@ def test_a_frozen_rank_on_a_worker_pod_is_hung_named_by_its_pod_and_the_whole_gr
     secret = fleets.core.read_namespaced_secret(f"{FLEET}-internal-token", fleets.ns)
     token = base64.b64decode(secret.data["token"]).decode()
     r = httpx.post(f"http://{before[WORKER].status.pod_ip}:{names.SERVER_HTTP_PORT}/faults",
-                   json={"kind": "freeze", "rank": 1}, headers={"Authorization": f"Bearer {token}"}, timeout=10)
+                   json={"kind": "freeze", "rank": 3}, headers={"Authorization": f"Bearer {token}"}, timeout=10)
     assert r.status_code == 421 and "to its leader" in r.json()["error"]["message"], r.text
 
     with Load(fleets.router_url(FLEET), clients=3, deadline=180, streaming=True) as load:
         wait_for(lambda: load.completed_since(time.time() - 30) >= 3, timeout=120, what="traffic through the router")
         t_fault = time.time()
-        assert inject(fleets.core, before[LEADER], "freeze", 1) == {"injected": "freeze", "rank": 1}
+        assert inject(fleets.core, before[LEADER], "freeze", 3) == {"injected": "freeze", "rank": 3}
 
         def decided():  # the record and the Stalled condition come in the same status write
             fleet = fleets.get(FLEET)
