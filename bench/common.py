@@ -187,17 +187,11 @@ def _cell(v) -> str:
 
 
 def wait(check, timeout: float, what: str, interval: float = 0.2):
-    """`check()`'s first truthy result, retried (exceptions included: "not yet") until `timeout`."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            result = check()
-            if result:
-                return result
-        except Exception:  # noqa: BLE001 - not yet
-            pass
-        time.sleep(interval)
-    raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
+    """`check()`'s first truthy result, retried (exceptions included: "not yet") until `timeout`:
+    the tests' wait_for, called positionally as the benchmarks do."""
+    from adpfleet.cluster.testing import wait_for
+
+    return wait_for(check, timeout=timeout, what=what, interval=interval)
 
 
 @dataclass

@@ -389,7 +389,7 @@ class Reconciler:
                 if not outcome.ok:
                     return dataclasses.replace(outcome, message=f"{gang.POD_GROUP_KIND} {group['metadata']['name']} "
                                                                 f"({api.api_version}): {outcome.message}")
-            manifests = desired.servers[action.role].pods(action.index)
+            manifests = template.pods(action.index)
             for node_rank, manifest in enumerate(manifests):
                 outcome = await self.api.create_pod(manifest)
                 if not outcome.ok:  # a partial group is broken: the next pass replaces it whole

@@ -246,8 +246,7 @@ class StallController:
         """The alert's server, scraped afresh: still no tokens with work pending? (the alert stands for
         the window; these scrapes confirm it still holds now). Prometheus scrapes every pod, so the
         alert may name a worker pod of a server over several pods: its whole group is re-checked."""
-        pod = next((p for p in look.judged if p.name == alert.pod
-                    or any(m.name == alert.pod for m in p.members)), None)
+        pod = next((p for p in look.judged if any(m.name == alert.pod for m in p.pods)), None)
         if pod is None:
             await self._event(fleet, "Normal", "AlertIgnored", f"{alert.source}: pod {alert.pod} is not a Ready "
                               f"server of this fleet (starting, being replaced, or gone)", alert.pod)

@@ -130,7 +130,7 @@ def server_pod(body: dict) -> ServerPod:
     index = _int(labels.get(names.LABEL_INDEX), -1)
     role = labels.get(names.LABEL_ROLE, "")
     return ServerPod(
-        name=meta.get("name", ""), uid=meta.get("uid", ""), role=labels.get(names.LABEL_ROLE, ""), index=index,
+        name=meta.get("name", ""), uid=meta.get("uid", ""), role=role, index=index,
         template_hash=annotations.get(names.ANNOTATION_TEMPLATE_HASH, ""), owner_uid=controller_uid(meta),
         phase=status.get("phase", "Pending"),
         ready=(conditions.get("Ready") or {}).get("status") == "True",
