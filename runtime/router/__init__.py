@@ -9,7 +9,7 @@ One request, top to bottom (`app.py` → `pipeline.py`):
    (the KV handle); the generation server gets the client's body plus those params, pulls the KV
    and answers the whole request, which the router relays (SSE for streams);
    aggregated: the one server answers directly;
-4. a failure before any token reached the client is retried on other servers (`policy.py` says
+4. a failure before any token reached the client is retried on other servers (`retry.py` says
    which failures are retryable: never a 4xx); after that the stream ends with an explicit error
    event; every request ends within its deadline.
 

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from adpfleet.runtime.router.discovery import KubeDiscovery, static_endpoints
 from adpfleet.runtime.router.metrics import CONTENT_TYPE, RouterMetrics
 from adpfleet.runtime.router.pipeline import Answer, Relay, Router
-from adpfleet.runtime.router.policy import error_body
+from adpfleet.runtime.router.retry import error_body
 from adpfleet.runtime.router.pool import ROLES, ServerPool
 from adpfleet.runtime.router.queue import RequestQueue
 from adpfleet.runtime.serving.auth import BearerAuth, Credentials

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from adpfleet.runtime.router.policy import REASONS
+from adpfleet.runtime.router.retry import REASONS
 from adpfleet.runtime.router.pool import Endpoint
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

@@ -21,8 +21,8 @@ import httpx
 from adpfleet.runtime.executor.kv_endpoint import parse_endpoint
 from adpfleet.runtime.router import sse
 from adpfleet.runtime.router.metrics import RouterMetrics
-from adpfleet.runtime.router.policy import (Failure, error_body, failure_from_status, final_error, is_client_error,
-                                             retry_after, servers_to_avoid, should_retry)
+from adpfleet.runtime.router.retry import (Failure, error_body, failure_from_status, final_error, is_client_error,
+                                            retry_after, servers_to_avoid, should_retry)
 from adpfleet.runtime.router.pool import Endpoint, ServerPool
 from adpfleet.runtime.router.queue import RequestQueue
 from adpfleet.runtime.serving.limits import RETRY_AFTER_S

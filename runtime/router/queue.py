@@ -6,7 +6,7 @@ at most `max_size` requests wait at a time, each request for at most `timeout_s`
 many of its attempts had to wait). Every waiter looks at the pool again whenever it changed
 (discovery, a health probe) or a failed server's cool-down ends; all waiters that find a server
 go on together and the pool's least-loaded selection spreads them. What the client gets when
-waiting fails — a 503 with Retry-After — is `policy.final_error`'s business.
+waiting fails — a 503 with Retry-After — is `retry.final_error`'s business.
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from adpfleet.runtime.router import sse
 from adpfleet.runtime.router.discovery import KubeDiscovery, PodSet, endpoint_from_pod, static_endpoints
-from adpfleet.runtime.router.policy import (Failure, failure_from_status, final_error, is_client_error, retry_after,
-                                             servers_to_avoid, should_retry)
+from adpfleet.runtime.router.retry import (Failure, failure_from_status, final_error, is_client_error, retry_after,
+                                            servers_to_avoid, should_retry)
 from adpfleet.runtime.router.pool import Endpoint, ServerPool, normalize_url
 
 G1, G2, G3 = (Endpoint("generation", f"http://10.0.0.{i}:8000") for i in (1, 2, 3))
