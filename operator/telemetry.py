@@ -18,6 +18,7 @@ from typing import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from adpfleet.operator.resource.names import FleetKey
 from adpfleet.operator.resource.vocabulary import ServerState
 
 
@@ -96,16 +97,6 @@ class OperatorMetrics:
         self.leader_transitions = Counter("adpfleet_operator_leader_acquisitions_total",
                                           "Times this replica became the leader.", registry=r)
 
-    def write_count(self) -> float:
-        """API requests that change something (create, patch, delete), summed over resources."""
-        total = 0.0
-        for metric in self.api_requests.collect():
-            for sample in metric.samples:
-                if sample.name.endswith("_total") and sample.labels.get("verb") in ("create", "patch", "delete",
-                                                                                        "update"):
-                    total += sample.value
-        return total
-
 
 class StallMetrics:
     """The stall controller's part of the operator's /metrics (docs/remediation.md lists them)."""
@@ -134,7 +125,7 @@ class StallMetrics:
         self.halted = Gauge("adpfleet_operator_remediation_halted", "1 while escalation has halted the fleet's "
                             "remediation.", ["fleet_namespace", "fleet"], registry=r)
 
-    def set_fleet(self, key: tuple[str, str], states: Iterable[ServerState], budget_exhausted: bool,
+    def set_fleet(self, key: FleetKey, states: Iterable[ServerState], budget_exhausted: bool,
                   halted: bool) -> None:
         """The fleet's gauges: servers per state (every state, zeros included), budget, halt."""
         counts = {state: 0 for state in ServerState}
@@ -145,7 +136,7 @@ class StallMetrics:
         self.budget_exhausted.labels(*key).set(1 if budget_exhausted else 0)
         self.halted.labels(*key).set(1 if halted else 0)
 
-    def forget(self, key: tuple[str, str]) -> None:
+    def forget(self, key: FleetKey) -> None:
         """Drop a fleet's gauges (it is gone, or no longer ours)."""
         for gauge in (self.budget_exhausted, self.halted):
             try:
@@ -172,7 +163,7 @@ class ScalingMetrics:
         self.decisions = Counter("adpfleet_operator_scaling_decisions_total", "Changes the autoscaling policy "
                                  "decided, by role and reason.", ["role", "reason"], registry=r)
 
-    def forget(self, key: tuple[str, str], roles: Iterable[str], signals: Iterable[str]) -> None:
+    def forget(self, key: FleetKey, roles: Iterable[str], signals: Iterable[str]) -> None:
         for role in roles:
             for gauge, extra in ((self.desired, ()),) + tuple((self.signal, (s,)) for s in signals):
                 try:

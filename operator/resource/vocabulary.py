@@ -117,11 +117,3 @@ class ScaleReason(str, enum.Enum):
     SPEC_CHANGED = "SpecChanged"              # the fleet's spec.<role>.servers changed
     SCALED_EXTERNALLY = "ScaledExternally"    # kubectl scale, an HPA, KEDA: the InferenceFleetRole's replicas
 
-    @property
-    def direction(self) -> str:
-        """`up` for the reasons that add servers; `down` for those that remove them; `set` otherwise."""
-        if self in (ScaleReason.BELOW_TARGETS, ScaleReason.ABOVE_MAXIMUM):
-            return "down"
-        if self in (ScaleReason.SPEC_CHANGED, ScaleReason.SCALED_EXTERNALLY):
-            return "set"
-        return "up"

@@ -45,16 +45,8 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor | None = None  # int32 [num_decodes], this pass's query tokens included
 
     @property
-    def num_reqs(self) -> int:
-        return self.num_prefills + self.num_decodes
-
-    @property
     def num_tokens(self) -> int:
         return self.num_prefill_tokens + self.num_decode_tokens
-
-    @property
-    def num_padding_tokens(self) -> int:
-        return self.num_tokens - self.num_actual_tokens
 
 
 def dummy_decode(decode_query_len: int) -> SeqChunk:

@@ -1,6 +1,6 @@
 """Liveness comes from the reconcile loops' heartbeats."""
 
-from adpfleet.operator.telemetry import Heartbeats, OperatorMetrics
+from adpfleet.operator.telemetry import Heartbeats
 
 
 class Clock:
@@ -38,11 +38,3 @@ def test_a_loop_silent_longer_than_its_resync_period_makes_the_operator_unhealth
     assert "has not run for 421 s" in beats.problems()[0]
     beats.forget(("ns", "f"))  # the fleet was deleted: its loop ended on purpose
     assert beats.problems() == []
-
-
-def test_write_count_sums_only_changing_verbs():
-    metrics = OperatorMetrics()
-    metrics.api_requests.labels("create", "pods", "200").inc(3)
-    metrics.api_requests.labels("patch", "inferencefleets/status", "200").inc()
-    metrics.api_requests.labels("get", "secrets", "404").inc(5)
-    assert metrics.write_count() == 4
