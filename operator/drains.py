@@ -18,10 +18,10 @@ from typing import Callable
 
 from adpfleet.operator.adapters.scrape import Scrape, Scraper, metrics_url
 from adpfleet.operator.decisions.observed import ServerPod
+from adpfleet.operator.resource.names import FleetKey
 
 log = logging.getLogger("adpfleet.operator.drains")
 
-Key = tuple[str, str]
 POLL_SECONDS = 0.5      # how often a leaving server is looked at
 SCRAPE_TIMEOUT = 2.0
 
@@ -35,13 +35,13 @@ def drained(sample: Scrape) -> bool:
 
 
 class DrainWatch:
-    def __init__(self, scraper: Scraper, wake: Callable[[Key], None]):
+    def __init__(self, scraper: Scraper, wake: Callable[[FleetKey], None]):
         self.scraper = scraper
         self.wake = wake
         self._done: dict[str, str] = {}               # uid whose drain finished -> its (key, role) group
         self._tasks: dict[str, tuple[str, asyncio.Task]] = {}  # uid -> (group, its watch)
 
-    def finished(self, key: Key, leaving: list[ServerPod], role: str = "") -> frozenset[str]:
+    def finished(self, key: FleetKey, leaving: list[ServerPod], role: str = "") -> frozenset[str]:
         """See reconciler.DrainPart. Called per role with all of its leaving servers: a server no
         longer among them (deleted, or wanted again) is forgotten."""
         group = f"{key[0]}/{key[1]}/{role}"
@@ -57,7 +57,7 @@ class DrainWatch:
                 self._tasks[pod.uid] = (group, asyncio.ensure_future(self._watch(key, pod, group)))
         return frozenset(p.uid for p in leaving if p.uid in self._done)
 
-    async def _watch(self, key: Key, pod: ServerPod, group: str) -> None:
+    async def _watch(self, key: FleetKey, pod: ServerPod, group: str) -> None:
         try:
             while True:
                 sample = await self.scraper(metrics_url(pod.ip), SCRAPE_TIMEOUT)

@@ -8,6 +8,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
+from adpfleet.operator.resource.names import FleetKey
+
 INBOX_LIMIT = 1_000  # queued alerts over all fleets
 
 
@@ -39,9 +41,9 @@ class AlertInbox:
 
     def __init__(self, limit: int = INBOX_LIMIT):
         self.limit = limit
-        self._queues: dict[tuple[str, str], deque[StallAlert]] = {}
+        self._queues: dict[FleetKey, deque[StallAlert]] = {}
         self._size = 0
-        self.on_put: Callable[[tuple[str, str]], None] | None = None  # wakes the fleet's stall loop
+        self.on_put: Callable[[FleetKey], None] | None = None  # wakes the fleet's stall loop
 
     def room(self) -> int:
         return self.limit - self._size

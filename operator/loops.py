@@ -19,11 +19,10 @@ from typing import Any, Callable
 
 from adpfleet.operator.decisions.observed import FleetObservation
 from adpfleet.operator.reconciler import FleetMemory, MAX_BACKOFF_SECONDS, Reconciler
+from adpfleet.operator.resource.names import FleetKey
 from adpfleet.operator.telemetry import Heartbeats, OperatorMetrics
 
 log = logging.getLogger("adpfleet.operator.loops")
-
-Key = tuple[str, str]  # (namespace, fleet name)
 
 
 class FleetLoops:
@@ -34,14 +33,14 @@ class FleetLoops:
         self.heartbeats = heartbeats
         self.resync_seconds = resync_seconds
         self.settle_seconds = settle_seconds
-        self._wakeups: dict[Key, asyncio.Event] = {}
+        self._wakeups: dict[FleetKey, asyncio.Event] = {}
 
-    def wake(self, key: Key) -> None:
+    def wake(self, key: FleetKey) -> None:
         event = self._wakeups.get(key)
         if event is not None:
             event.set()
 
-    async def run(self, key: Key, observe: Callable[[], FleetObservation], stopped: Any,
+    async def run(self, key: FleetKey, observe: Callable[[], FleetObservation], stopped: Any,
                   logger: logging.Logger) -> None:
         """The fleet's loop until kopf stops it (fleet deleted, operator exiting)."""
         wake = self._wakeups[key] = asyncio.Event()
@@ -59,7 +58,7 @@ class FleetLoops:
             self.heartbeats.forget(key)
             self.metrics.fleets.dec()
 
-    async def _one_pass(self, key: Key, observe, memory: FleetMemory, logger: logging.Logger) -> float | None:
+    async def _one_pass(self, key: FleetKey, observe, memory: FleetMemory, logger: logging.Logger) -> float | None:
         self.heartbeats.started(key)
         start = time.monotonic()
         try:

@@ -37,14 +37,15 @@ from adpfleet.operator.decisions.desired import DesiredFleet, desired_fleet
 from adpfleet.operator.decisions.history import history_from_status, restarts_in_progress
 from adpfleet.operator.decisions.model_status import CLAIM_NOT_FOUND, model_report
 from adpfleet.operator.decisions.observed import FETCHING, FleetObservation, ServerPod
-from adpfleet.operator.decisions.rollout import (Action, ApplyObject, CreateServer, DeleteObject, DeleteServer,
+from adpfleet.operator.decisions.rollout import (ApplyObject, ChildAction, CreateServer, DeleteObject, DeleteServer,
                                                  Drain, DrainServer, RolePlan, UndrainServer, Wording, plan_objects,
                                                  plan_role, vacancies)
 from adpfleet.operator.decisions.scale_target import CreateRoleObject, SetRoleReplicas
 from adpfleet.operator.decisions.security import SecurityConfig
 from adpfleet.operator.resource import names
 from adpfleet.operator.resource.models import FleetSpec, ModelSource, fleet_name_problem
-from adpfleet.operator.resource.names import FleetRef
+from adpfleet.operator.resource.names import FleetKey, FleetRef
+from adpfleet.operator.resource.vocabulary import ConditionType, Reason
 from adpfleet.operator.telemetry import OperatorMetrics
 
 EXPECTATION_SECONDS = 60.0   # how long an action's effect may take to show up in the watch cache
@@ -54,23 +55,23 @@ PROGRESS_SECONDS = 5.0         # a running download's progress is read from its 
 PROGRESS_LOG_LINES = 20        # ... from this many of its last lines
 MAX_BACKOFF_SECONDS = 300.0
 
-Key = tuple[str, str]  # (namespace, fleet name)
+PassAction = ChildAction | CreateRoleObject | SetRoleReplicas  # what a pass may do
 
 
 class StatusPart(Protocol):
     """A share of the fleet's status that another controller owns; the pass writes it."""
 
-    def overlay(self, key: Key, obs: FleetObservation, status: dict) -> dict:
+    def overlay(self, key: FleetKey, obs: FleetObservation, status: dict) -> dict:
         """`status` with this part laid over it."""
 
-    def stored(self, key: Key, status: dict) -> None:
+    def stored(self, key: FleetKey, status: dict) -> None:
         """The API server now holds `status` (the pass wrote it, or found it already there)."""
 
 
 class DrainPart(Protocol):
     """Knows which servers a scale-down drained have finished their requests (it scrapes them)."""
 
-    def finished(self, key: Key, leaving: list[ServerPod], role: str) -> frozenset[str]:
+    def finished(self, key: FleetKey, leaving: list[ServerPod], role: str) -> frozenset[str]:
         """The uids among `leaving` (all of `role`'s) that have nothing in flight; watches the others."""
 
 
@@ -155,7 +156,7 @@ class Reconciler:
 
         spec, invalid = _read_spec(obs)
         if spec is not None and self.security.require_api_key and spec.auth.api_key_secret is None:
-            spec, invalid = None, Problem("InvalidSpec", "spec.auth.apiKeySecret is required: this operator runs "
+            spec, invalid = None, Problem(Reason.INVALID_SPEC, "spec.auth.apiKeySecret is required: this operator runs "
                                                          "with --require-api-key (the chart's security.requireApiKey)")
         if spec is None:
             status = conditions.fleet_status(obs, {}, None, [], None, [invalid], now_rfc3339())
@@ -185,7 +186,7 @@ class Reconciler:
 
         # Router objects first (the ServiceAccount and Role before the Deployment that uses them),
         # then deletions (they free names and capacity), then creations.
-        actions: list[Action] = list(objects_plan.actions) + scale_actions
+        actions: list[PassAction] = list(objects_plan.actions) + scale_actions
         actions += [a for p in plans for a in p.actions if isinstance(a, (DrainServer, UndrainServer))]
         actions += [a for p in plans for a in p.actions if isinstance(a, DeleteServer)]
         actions += [a for p in plans for a in p.actions if isinstance(a, CreateServer)]
@@ -371,7 +372,7 @@ class Reconciler:
                                                              PROGRESS_LOG_LINES) for name in fetching))
         return {name: found for name, text in zip(fetching, logs) if (found := parse_progress(text or ""))}
 
-    async def _act(self, fleet: FleetRef, desired: DesiredFleet, action: Action, memory: FleetMemory) -> ApiResult:
+    async def _act(self, fleet: FleetRef, desired: DesiredFleet, action: PassAction, memory: FleetMemory) -> ApiResult:
         if isinstance(action, CreateRoleObject):
             return await self.api.create_role_object(action.manifest)
         if isinstance(action, SetRoleReplicas):
@@ -457,15 +458,15 @@ class Reconciler:
 
     async def _condition_event(self, fleet: FleetRef, type_: str, cond: dict, before: dict) -> None:
         had = {c.get("type"): c for c in before.get("conditions") or []}.get(type_)
-        if type_ == "Degraded" and cond["status"] == "True":
+        if type_ == ConditionType.DEGRADED and cond["status"] == "True":
             await self.api.record_event(fleet, "Warning", cond["reason"], cond["message"])
-        elif type_ == "Degraded" and had and had.get("status") == "True":
+        elif type_ == ConditionType.DEGRADED and had and had.get("status") == "True":
             await self.api.record_event(fleet, "Normal", "Recovered", f"no longer degraded ({had.get('reason')})")
-        elif type_ == "Ready" and had and had.get("status") == cond["status"]:
+        elif type_ == ConditionType.READY and had and had.get("status") == cond["status"]:
             return  # the same readiness for another reason (all servers Ready, or the minimum)
-        elif type_ == "Ready" and cond["status"] == "True":
+        elif type_ == ConditionType.READY and cond["status"] == "True":
             await self.api.record_event(fleet, "Normal", "FleetReady", cond["message"])
-        elif type_ == "Ready" and had and had.get("status") == "True":
+        elif type_ == ConditionType.READY and had and had.get("status") == "True":
             await self.api.record_event(fleet, "Warning", "FleetNotReady", cond["message"])
 
 
@@ -500,11 +501,11 @@ def _read_spec(obs: FleetObservation) -> tuple[FleetSpec | None, Problem | None]
     catches a CRD older than the operator (or one installed without its validation)."""
     problem = fleet_name_problem(obs.name)
     if problem:
-        return None, Problem("InvalidSpec", problem)
+        return None, Problem(Reason.INVALID_SPEC, problem)
     try:
         return FleetSpec.model_validate(obs.spec or {}), None
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(x) for x in first["loc"])
-        return None, Problem("InvalidSpec", f"spec.{where}: {first['msg']}" + (
+        return None, Problem(Reason.INVALID_SPEC, f"spec.{where}: {first['msg']}" + (
             f" (+{exc.error_count() - 1} more)" if exc.error_count() > 1 else ""))

@@ -29,11 +29,10 @@ from adpfleet.operator.decisions.history import Remediation, still_to_delete
 from adpfleet.operator.decisions.observed import FleetObservation, ServerPod
 from adpfleet.operator.resource import names
 from adpfleet.operator.resource.models import FleetSpec
-from adpfleet.operator.resource.names import FleetRef
+from adpfleet.operator.resource.names import FleetKey, FleetRef
 from adpfleet.operator.resource.vocabulary import Outcome
 from adpfleet.operator.telemetry import StallMetrics
 
-Key = tuple[str, str]
 PERSIST_TIMEOUT_SECONDS = 15.0  # how long an action waits for its Pending record to reach the API
 PERSIST_WAKE_SECONDS = 2.0      # ... waking the reconcile loop again this often meanwhile
 STALLED_DRAIN_GRACE_SECONDS = 2.0  # a stalled server finishes nothing: drained this long, then restarted
@@ -53,7 +52,7 @@ class ActingFleet(Protocol):
     persisted_changed: asyncio.Event        # set when the reconcile pass stored the status
 
 
-Publish = Callable[[Key, ActingFleet, FleetObservation], None]  # wake the reconcile pass if the status changed
+Publish = Callable[[FleetKey, ActingFleet, FleetObservation], None]  # wake the reconcile pass if the status changed
 EventSink = Callable[..., Awaitable[None]]  # (fleet, type, reason, message, server, force=) -> an Event
 
 
@@ -63,11 +62,11 @@ class Remediator:
     api: KubeApi
     scraper: Scraper
     metrics: StallMetrics
-    wake_reconcile: Callable[[Key], None]
+    wake_reconcile: Callable[[FleetKey], None]
     publish: Publish
     event: EventSink
 
-    async def execute(self, key: Key, fleet: ActingFleet, record: Remediation, spec: FleetSpec, batch: int, *,
+    async def execute(self, key: FleetKey, fleet: ActingFleet, record: Remediation, spec: FleetSpec, batch: int, *,
                       persisted: bool, stalled_sample: Scrape | None) -> None:
         """Carry `record` out, each step idempotent; rolling actions a batch at a time."""
         try:
@@ -175,7 +174,7 @@ class Remediator:
                 return
             await asyncio.sleep(WATCH_POLL_SECONDS)
 
-    async def _persist(self, key: Key, fleet: ActingFleet, record: Remediation) -> bool:
+    async def _persist(self, key: FleetKey, fleet: ActingFleet, record: Remediation) -> bool:
         """Until the record is in the API server (the reconcile pass writes it), or the timeout."""
         want = (record.key(), record.outcome)
         deadline = time.monotonic() + PERSIST_TIMEOUT_SECONDS
@@ -192,7 +191,7 @@ class Remediator:
                 pass
         return True
 
-    async def _finish(self, key: Key, fleet: ActingFleet, record: Remediation, outcome: Outcome,
+    async def _finish(self, key: FleetKey, fleet: ActingFleet, record: Remediation, outcome: Outcome,
                       message: str) -> None:
         done = record.ended(outcome, message)
         fleet.local[done.key()] = done

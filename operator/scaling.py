@@ -29,12 +29,11 @@ from adpfleet.operator.decisions.observed import FleetObservation
 from adpfleet.operator.decisions.scale_target import SetRoleReplicas
 from adpfleet.operator.resource import names
 from adpfleet.operator.resource.models import FleetSpec
-from adpfleet.operator.resource.names import FleetRef
+from adpfleet.operator.resource.names import FleetKey, FleetRef
 from adpfleet.operator.telemetry import ScalingMetrics
 
 log = logging.getLogger("adpfleet.operator.scaling")
 
-Key = tuple[str, str]
 SIGNALS = tuple(autoscaling.SIGNALS) + ("running_per_rank", "transfer_share")
 KEEP_SLACK_SECONDS = 10.0  # history kept beyond the longest window: the scrape just older than it
 
@@ -48,32 +47,33 @@ class RoleMemory:
 
 
 @dataclass
-class FleetMemory:
+class FleetScaling:
+    """One fleet's memory between ticks (the reconcile loop's is reconciler.FleetMemory)."""
     roles: dict[str, RoleMemory] = field(default_factory=lambda: {r: RoleMemory() for r in names.ROLES})
     before: dict[str, Scrape] = field(default_factory=dict)  # the previous tick's scrapes (histogram means)
 
 
 class ScalingController:
-    def __init__(self, api: KubeApi, metrics: ScalingMetrics, wake_reconcile: Callable[[Key], None], *,
+    def __init__(self, api: KubeApi, metrics: ScalingMetrics, wake_reconcile: Callable[[FleetKey], None], *,
                  clock: Callable[[], float] = time.time):
         self.api = api
         self.metrics = metrics
         self.wake_reconcile = wake_reconcile
         self.clock = clock
-        self.fleets: dict[Key, FleetMemory] = {}
+        self.fleets: dict[FleetKey, FleetScaling] = {}
 
     # ---- stall.ScrapeListener ----
 
     def wanted(self, spec: FleetSpec) -> bool:
         return any(spec.role(role).autoscaling.enabled for role in names.ROLES)
 
-    def forget(self, key: Key) -> None:
+    def forget(self, key: FleetKey) -> None:
         if self.fleets.pop(key, None) is not None:
             self.metrics.forget(key, names.ROLES, SIGNALS)
 
-    async def observe(self, key: Key, ref: FleetRef, obs: FleetObservation, spec: FleetSpec,
+    async def observe(self, key: FleetKey, ref: FleetRef, obs: FleetObservation, spec: FleetSpec,
                       scrapes: dict[str, Scrape]) -> None:
-        memory = self.fleets.setdefault(key, FleetMemory())
+        memory = self.fleets.setdefault(key, FleetScaling())
         now = self.clock()
         loads = {}
         for role in names.ROLES:
@@ -126,7 +126,7 @@ class ScalingController:
             memory.settled = (current, now)
         return memory.settled[1]
 
-    async def _apply(self, key: Key, ref: FleetRef, obs: FleetObservation, role: str,
+    async def _apply(self, key: FleetKey, ref: FleetRef, obs: FleetObservation, role: str,
                      decision: ScaleDecision) -> None:
         obj = obs.role_object(role)
         if obj is None or obj.terminating:
@@ -144,7 +144,7 @@ class ScalingController:
         memory.settled, memory.applied = None, decision.desired  # until the change has taken effect
         self.wake_reconcile(key)
 
-    def _show(self, key: Key, role: str, load: RoleLoad) -> None:
+    def _show(self, key: FleetKey, role: str, load: RoleLoad) -> None:
         for name in SIGNALS:
             value = getattr(load, name)
             if value is not None:

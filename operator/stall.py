@@ -39,10 +39,10 @@ from adpfleet.operator.decisions.observed import FleetObservation, ServerPod
 from adpfleet.operator.decisions.remediation import Decision, Plan, decide
 from adpfleet.operator.inbox import AlertInbox, StallAlert
 from adpfleet.operator.loops import sleep_until
-from adpfleet.operator.remediator import Key, Remediator
+from adpfleet.operator.remediator import Remediator
 from adpfleet.operator.resource import names
 from adpfleet.operator.resource.models import FleetSpec
-from adpfleet.operator.resource.names import FleetRef
+from adpfleet.operator.resource.names import FleetKey, FleetRef
 from adpfleet.operator.resource.vocabulary import Action, Choice, Outcome, RemediationMode, ServerState
 from adpfleet.operator.telemetry import StallMetrics
 
@@ -61,11 +61,11 @@ class ScrapeListener(Protocol):
     def wanted(self, spec: FleetSpec) -> bool:
         """Whether this fleet needs scrapes for it (the servers are scraped when it or detection does)."""
 
-    async def observe(self, key: Key, ref: FleetRef, obs: FleetObservation, spec: FleetSpec,
+    async def observe(self, key: FleetKey, ref: FleetRef, obs: FleetObservation, spec: FleetSpec,
                       scrapes: dict[str, Scrape]) -> None:
         """This tick's scrapes of the fleet's serving servers (pod name -> Scrape)."""
 
-    def forget(self, key: Key) -> None:
+    def forget(self, key: FleetKey) -> None:
         """The fleet is gone (or no longer needs scrapes)."""
 
 
@@ -118,7 +118,7 @@ class Look:
 
 class StallController:
     def __init__(self, api: KubeApi, metrics: StallMetrics, inbox: AlertInbox,
-                 wake_reconcile: Callable[[Key], None], *, detection: bool = True,
+                 wake_reconcile: Callable[[FleetKey], None], *, detection: bool = True,
                  clock: Callable[[], float] = time.time, scraper: Scraper | None = None,
                  listener: ScrapeListener | None = None):
         self.api = api
@@ -127,7 +127,7 @@ class StallController:
         self.wake_reconcile = wake_reconcile
         self.detection = detection
         self.clock = clock
-        self.fleets: dict[Key, FleetStall] = {}
+        self.fleets: dict[FleetKey, FleetStall] = {}
         inbox.on_put = self._alert_arrived
         self._owned_scraper = None if scraper is not None else HttpScraper(clock)
         self._scraper: Scraper = scraper or self._owned_scraper  # tests script the servers' /metrics
@@ -138,14 +138,14 @@ class StallController:
     def fleet_known(self, namespace: str, name: str) -> bool:
         return (namespace, name) in self.fleets
 
-    def _alert_arrived(self, key: Key) -> None:
+    def _alert_arrived(self, key: FleetKey) -> None:
         fleet = self.fleets.get(key)
         if fleet is not None:
             fleet.wake.set()
 
     # ---- the loop (a kopf daemon per fleet) ------------------------------------------------------
 
-    async def run(self, key: Key, ref: FleetRef, observe: Callable[[], FleetObservation], stopped,
+    async def run(self, key: FleetKey, ref: FleetRef, observe: Callable[[], FleetObservation], stopped,
                   logger: logging.Logger) -> None:
         fleet = self.fleets[key] = FleetStall(ref, observe, logger, started=self.clock())
         try:
@@ -168,7 +168,7 @@ class StallController:
             if self.listener is not None:
                 self.listener.forget(key)
 
-    async def tick(self, key: Key, fleet: FleetStall) -> float:
+    async def tick(self, key: FleetKey, fleet: FleetStall) -> float:
         """One pass of the diagram above; the seconds until the next."""
         look = _look(fleet.observe(), fleet)
         if look is None:
@@ -288,7 +288,7 @@ class StallController:
                 fleet.unreachable_since.pop(server, None)
                 fleet.unreachable_reported.discard(server)
 
-    async def _count_stalls(self, key: Key, fleet: FleetStall, look: Look) -> None:
+    async def _count_stalls(self, key: FleetKey, fleet: FleetStall, look: Look) -> None:
         """Stall episodes: a metric, a log line and an Event when one begins (once per stalled server
         incarnation); why the last one ended, for the Stalled condition."""
         fleet.episodes, began, ended = stall_status.follow_stalls(fleet.episodes, fleet.all_verdicts(), look.pods)
@@ -316,7 +316,7 @@ class StallController:
                             self.clock(), source=sources)
         return fleet.plan
 
-    async def _carry_out(self, key: Key, fleet: FleetStall, look: Look, plan: Plan) -> None:
+    async def _carry_out(self, key: FleetKey, fleet: FleetStall, look: Look, plan: Plan) -> None:
         now = self.clock()
         for d in plan.decisions:
             await self._carry_out_one(key, fleet, d, look.spec, now)
@@ -326,7 +326,7 @@ class StallController:
                                                                         look.spec, now),
                                  budget_used=budget_used(after, now))
 
-    async def _carry_out_one(self, key: Key, fleet: FleetStall, d: Decision, spec: FleetSpec, now: float) -> None:
+    async def _carry_out_one(self, key: FleetKey, fleet: FleetStall, d: Decision, spec: FleetSpec, now: float) -> None:
         if d.choice is Choice.SKIP:
             if not d.quiet:
                 self.metrics.remediations.labels(d.action.value, d.reason).inc()
@@ -342,7 +342,7 @@ class StallController:
         self._spawn(fleet, self.remediator.execute(key, fleet, record, spec, d.batch, persisted=False,
                                                    stalled_sample=self._latest(fleet, d.verdict.server)))
 
-    async def _stand_down(self, key: Key, fleet: FleetStall, look: Look, alerts: list[StallAlert]) -> None:
+    async def _stand_down(self, key: FleetKey, fleet: FleetStall, look: Look, alerts: list[StallAlert]) -> None:
         """mode Disabled: nothing is judged, alerts are acknowledged with an Event."""
         fleet.windows.retain(())
         fleet.verdicts, fleet.alert_verdicts = {}, {}
@@ -352,7 +352,7 @@ class StallController:
         fleet.plan = Plan(mode=RemediationMode.DISABLED)
         self._publish(key, fleet, look.obs)
 
-    async def _finish_left_over(self, key: Key, fleet: FleetStall, look: Look) -> None:
+    async def _finish_left_over(self, key: FleetKey, fleet: FleetStall, look: Look) -> None:
         """What an operator that died midway left: once per operator, finish the actions recorded as
         Pending (only pods older than the decision are deleted, so nothing is done twice) and fail
         the ones too old to finish; every tick, undrain servers an action left drained although it
@@ -386,7 +386,7 @@ class StallController:
 
     # ---- reporting -------------------------------------------------------------------------------
 
-    def _report(self, key: Key, fleet: FleetStall, look: Look, sources: dict[str, str]) -> None:
+    def _report(self, key: FleetKey, fleet: FleetStall, look: Look, sources: dict[str, str]) -> None:
         """The fleet's gauges, and a wake-up of the reconcile loop when the status should change."""
         states = {s: v.state for s, v in fleet.verdicts.items()}
         states.update({s: v.state for s, (v, _) in fleet.alert_verdicts.items()})
@@ -403,7 +403,7 @@ class StallController:
                 del fleet.local[k]
         return with_records(stored, fleet.local.values())
 
-    def _publish(self, key: Key, fleet: FleetStall, obs: FleetObservation) -> None:
+    def _publish(self, key: FleetKey, fleet: FleetStall, obs: FleetObservation) -> None:
         """Wake the reconcile pass when what this controller owns in the status changed."""
         out = self.overlay(key, obs, {"conditions": []})
         view = (tuple((c["type"], c["status"], c["reason"], c["message"]) for c in out["conditions"]),
@@ -428,7 +428,7 @@ class StallController:
 
     # ---- the reconcile pass's StatusPart -----------------------------------------------------------
 
-    def overlay(self, key: Key, obs: FleetObservation, status: dict) -> dict:
+    def overlay(self, key: FleetKey, obs: FleetObservation, status: dict) -> dict:
         """`status` (computed by the reconcile pass) with what this controller owns laid over it."""
         fleet = self.fleets.get(key)
         if fleet is None:
@@ -439,7 +439,7 @@ class StallController:
                                     self._history(fleet, obs), now_rfc3339(), generation=obs.generation,
                                     ended=fleet.stall_ended, settling=settling)
 
-    def stored(self, key: Key, status: dict) -> None:
+    def stored(self, key: FleetKey, status: dict) -> None:
         """The reconcile pass wrote `status` (or found it already stored)."""
         fleet = self.fleets.get(key)
         if fleet is None:

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 from adpfleet.operator.decisions.observed import FleetObservation, OwnedObject, ServerPod
 from adpfleet.operator.decisions.rollout import RolePlan
+from adpfleet.operator.resource.vocabulary import RECONCILE_CONDITIONS, ConditionType, Reason
 
-OWNED_CONDITIONS = ("Ready", "Progressing", "Degraded")
 MODEL_DOWNLOADING = "ModelDownloading"  # Progressing: servers wait for their model's download
 MODEL_UNAVAILABLE = "ModelUnavailable"  # Degraded: the model cannot be had (model_status.py says why)
 
@@ -64,7 +64,7 @@ def pod_problems(pods: list[ServerPod], secret_fields: dict[str, str] | None = N
     return out
 
 
-def condition(type_: str, status: bool | str, reason: str, message: str, generation: int,
+def condition(type_: ConditionType, status: bool | str, reason: str, message: str, generation: int,
               previous: dict[str, dict], now: str) -> dict:
     value = status if isinstance(status, str) else ("True" if status else "False")
     before = previous.get(type_)
@@ -92,20 +92,20 @@ def fleet_status(obs: FleetObservation, counts: dict[str, dict], router: dict | 
     router_dark = bool(router and router["desired"] and not router["ready"])
     summary = ", ".join(f"{role} {c['ready']}/{c['desired']}" for role, c in counts.items()) + " ready" + (
         f", router {router['ready']}/{router['desired']}" if router and router["desired"] else "")
-    invalid = next((p for p in problems if p.reason == "InvalidSpec"), None)
+    invalid = next((p for p in problems if p.reason == Reason.INVALID_SPEC), None)
     if invalid:
-        ready = condition("Ready", False, "InvalidSpec", invalid.message, gen, previous, now)
+        ready = condition(ConditionType.READY, False, Reason.INVALID_SPEC, invalid.message, gen, previous, now)
     elif dark or router_dark:
-        ready = condition("Ready", False, "ServersNotReady" if dark else "RouterNotReady",
+        ready = condition(ConditionType.READY, False, "ServersNotReady" if dark else "RouterNotReady",
                           f"no Ready {' or '.join(dark + ['router'] * router_dark)} server: {summary}",
                           gen, previous, now)
     else:
-        ready = condition("Ready", True, "MinimumServersReady" if lagging else "AllServersReady", summary,
+        ready = condition(ConditionType.READY, True, "MinimumServersReady" if lagging else "AllServersReady", summary,
                           gen, previous, now)
 
     moving = [p for p in plans if not p.converged]
     if invalid:
-        progressing = condition("Progressing", False, "InvalidSpec", "nothing is changed until the spec is fixed",
+        progressing = condition(ConditionType.PROGRESSING, False, Reason.INVALID_SPEC, "nothing is changed until the spec is fixed",
                                 gen, previous, now)
     elif moving or objects_waiting or lagging or downloading:
         reason = MODEL_DOWNLOADING if downloading else next(
@@ -116,21 +116,21 @@ def fleet_status(obs: FleetObservation, counts: dict[str, dict], router: dict | 
             parts.append(f"waiting for {objects_waiting}")
         if router and router["ready"] < router["desired"] and not parts:
             parts.append(f"router {router['ready']}/{router['desired']} ready")
-        progressing = condition("Progressing", True, reason, "; ".join(parts) or ", ".join(lagging),
+        progressing = condition(ConditionType.PROGRESSING, True, reason, "; ".join(parts) or ", ".join(lagging),
                                 gen, previous, now)
     else:
-        progressing = condition("Progressing", False, "Complete", "every server runs the current spec",
+        progressing = condition(ConditionType.PROGRESSING, False, "Complete", "every server runs the current spec",
                                 gen, previous, now)
 
     if problems:
         first = problems[0]
         more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
-        degraded = condition("Degraded", True, first.reason,
+        degraded = condition(ConditionType.DEGRADED, True, first.reason,
                              "; ".join(p.message for p in problems[:5]) + more, gen, previous, now)
     else:
-        degraded = condition("Degraded", False, "AsExpected", "no problems seen", gen, previous, now)
+        degraded = condition(ConditionType.DEGRADED, False, "AsExpected", "no problems seen", gen, previous, now)
 
-    kept = [c for t, c in previous.items() if t not in OWNED_CONDITIONS]  # Stalled, Remediating
+    kept = [c for t, c in previous.items() if t not in RECONCILE_CONDITIONS]  # Stalled, Remediating
     conditions = [ready, progressing, degraded] + kept
     status = {"observedGeneration": gen, "conditions": conditions}
     status.update({role: c for role, c in counts.items()})
@@ -151,7 +151,7 @@ def transitions(before: dict, after: dict) -> list[tuple[str, dict]]:
     old = {c.get("type"): c for c in (before or {}).get("conditions") or []}
     out = []
     for c in after.get("conditions") or []:
-        if c["type"] not in OWNED_CONDITIONS:
+        if c["type"] not in RECONCILE_CONDITIONS:
             continue
         prev = old.get(c["type"])
         if prev is None or prev.get("status") != c["status"] or prev.get("reason") != c["reason"]:

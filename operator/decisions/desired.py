@@ -66,7 +66,8 @@ CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem
 SCRATCH_VOLUMES = [{"name": names.SCRATCH_VOLUME, "emptyDir": {}}, {"name": names.SHM_VOLUME, "emptyDir": {"medium": "Memory"}}]
 SCRATCH_MOUNTS = [{"name": names.SCRATCH_VOLUME, "mountPath": names.SCRATCH_DIR},
                   {"name": names.SHM_VOLUME, "mountPath": names.SHM_DIR}]
-SCRATCH_ENV = [{"name": var, "value": names.SCRATCH_DIR} for var in names.SCRATCH_ENV]
+# the EnvVars of names.SCRATCH_ENV
+SCRATCH_ENV_VARS = [{"name": var, "value": names.SCRATCH_DIR} for var in names.SCRATCH_ENV]
 
 
 # A container that cannot have its model (or crashes) says why where Kubernetes shows it: the JSON
@@ -159,7 +160,7 @@ def _fetch_container(spec: FleetSpec, role: str) -> dict | None:
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["adpfleet"],
         "args": ["fetch-model", *model_args(spec.model)],
-        "env": _downward_env() + SCRATCH_ENV + _source_env(spec.model) + [e.to_kube() for e in r.env],
+        "env": _downward_env() + SCRATCH_ENV_VARS + _source_env(spec.model) + [e.to_kube() for e in r.env],
         "resources": _resource_requirements(r.resources),  # no GPUs: a download needs none
         "securityContext": CONTAINER_SECURITY,
         "volumeMounts": [SCRATCH_MOUNTS[0]] + _model_mounts(spec.model, fetching=True),
@@ -205,7 +206,7 @@ def server_args(spec: FleetSpec, role: str) -> list[str]:
 
 def _server_container(spec: FleetSpec, role: str) -> dict:
     r = spec.role(role)
-    env = _downward_env() + SCRATCH_ENV + [{"name": names.THREADS_ENV, "value": str(r.engine.threads_per_rank)}]
+    env = _downward_env() + SCRATCH_ENV_VARS + [{"name": names.THREADS_ENV, "value": str(r.engine.threads_per_rank)}]
     env += [e.to_kube() for e in r.env]
     ports = [{"name": "http", "containerPort": names.SERVER_HTTP_PORT, "protocol": "TCP"}]
     if role == "context":  # context servers serve KV-cache transfers to generation servers
@@ -392,7 +393,7 @@ def router_objects(fleet: FleetRef, spec: FleetSpec) -> list[dict]:
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["adpfleet"],
         "args": router_args(fleet, spec.router),
-        "env": _downward_env() + SCRATCH_ENV,
+        "env": _downward_env() + SCRATCH_ENV_VARS,
         "ports": [{"name": "http", "containerPort": names.ROUTER_HTTP_PORT, "protocol": "TCP"}],
         # Ready while it listens, not only while servers are usable: it holds requests it cannot place
         # yet (--queue-size), which is what a client should get while a role has no Ready server

@@ -47,7 +47,7 @@ from adpfleet.operator.decisions.detection import StallVerdict, evidence_text
 from adpfleet.operator.decisions.history import (Remediation, budget_used, restarts_in_progress, rfc3339)
 from adpfleet.operator.decisions.observed import ServerView
 from adpfleet.operator.resource.models import HISTORY_LIMIT, FleetSpec
-from adpfleet.operator.resource.vocabulary import Action, Choice, Outcome, RemediationMode, SkipReason
+from adpfleet.operator.resource.vocabulary import Action, Choice, Outcome, Reason, RemediationMode, SkipReason
 
 PEER_ROLES = {"context": ("generation",), "generation": ("context",)}  # whom a server's progress waits on
 
@@ -85,7 +85,7 @@ class Decision:
     @property
     def event_reason(self) -> str:
         if self.choice is Choice.SKIP:
-            return "RemediationBudgetExhausted" if self.reason == SkipReason.BUDGET_EXHAUSTED else \
+            return Reason.BUDGET_EXHAUSTED if self.reason == SkipReason.BUDGET_EXHAUSTED else \
                 "RemediationSkipped"
         if self.choice is Choice.DRY_RUN:
             return "RemediationDryRun"

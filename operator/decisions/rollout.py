@@ -117,7 +117,8 @@ class UndrainServer:
         return f"{self.role} server {self.name}"
 
 
-Action = CreateServer | DeleteServer | DrainServer | UndrainServer | ApplyObject | DeleteObject
+# What a pass does to one of the fleet's children (remediation's actions are vocabulary.Action).
+ChildAction = CreateServer | DeleteServer | DrainServer | UndrainServer | ApplyObject | DeleteObject
 
 
 @dataclass(frozen=True)
@@ -138,7 +139,7 @@ class Drain:
 @dataclass(frozen=True)
 class RolePlan:
     role: str
-    actions: tuple[Action, ...] = ()
+    actions: tuple[ChildAction, ...] = ()
     waiting_for: str | None = None   # why nothing (more) can be done now, for Progressing's message
     phase: str | None = None         # Scaling | RollingUpdate | Replacing | None when converged
     recheck_at: float | None = None  # when waiting ends by itself (a drain's timeout), wall-clock seconds
@@ -188,7 +189,7 @@ def plan_role(role: str, desired: int, template_hash: str, pods: list[ServerPod]
     missing = desired - len(live)
     if missing > 0:
         kept = sorted(leaving, key=lambda p: (p.template_hash != template_hash, not p.ready, p.index))[:missing]
-        actions: tuple[Action, ...] = tuple(UndrainServer(role, p.name, p.uid, "scale up: wanted again") for p in kept)
+        actions: tuple[ChildAction, ...] = tuple(UndrainServer(role, p.name, p.uid, "scale up: wanted again") for p in kept)
         wanted = missing - len(kept)
         refill = [i for i in vacated if i not in taken]
         slots = (refill + [i for i in _free_slots(taken, wanted) if i not in refill])[:wanted]
@@ -256,7 +257,7 @@ def _free_slots(taken: set[int], count: int) -> list[int]:
 
 @dataclass(frozen=True)
 class ObjectsPlan:
-    actions: tuple[Action, ...] = ()
+    actions: tuple[ChildAction, ...] = ()
     waiting_for: str | None = None
 
 
@@ -264,7 +265,7 @@ def plan_objects(desired: list[dict], observed: list[OwnedObject], fleet_uid: st
     """Apply what is missing or changed, delete what is no longer wanted; an object of the same
     name left by an earlier fleet of the same name is waited for (the garbage collector removes it)."""
     seen = {(o.kind, o.name): o for o in observed}
-    actions: list[Action] = []
+    actions: list[ChildAction] = []
     waiting = []
     wanted = set()
     for manifest in desired:

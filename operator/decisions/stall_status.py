@@ -16,9 +16,8 @@ from adpfleet.operator.decisions.detection import StallVerdict
 from adpfleet.operator.decisions.history import Remediation
 from adpfleet.operator.decisions.observed import ServerPod
 from adpfleet.operator.decisions.remediation import Plan
-from adpfleet.operator.resource.vocabulary import RemediationMode, ServerState
+from adpfleet.operator.resource.vocabulary import STALL_CONDITIONS, ConditionType, Reason, RemediationMode, ServerState
 
-OWNED_CONDITIONS = ("Stalled", "Remediating")
 STALLED_LISTED = 5  # stalled servers named in the Stalled condition's message; the rest are counted
 NO_STALL = "no server has had work without progress for a stall window"
 
@@ -75,14 +74,14 @@ def stall_conditions(verdicts: Sequence[StallVerdict], plan: Plan, previous: Map
     message of a Stalled condition turning False); `settling`: the controller has not judged a
     whole window yet (just started), so a stored Stalled=True stands until it has."""
     stalled = [v for v in verdicts if v.stalled]
-    before = previous.get("Stalled") or {}
+    before = previous.get(ConditionType.STALLED) or {}
     if plan.mode is RemediationMode.DISABLED:
-        stalled_c = condition("Stalled", "Unknown", "DetectionDisabled", "remediation.mode is Disabled",
+        stalled_c = condition(ConditionType.STALLED, "Unknown", "DetectionDisabled", "remediation.mode is Disabled",
                               generation, previous, now)
     elif stalled:
         signatures = sorted({v.signature.value for v in stalled})
         more = f" (+{len(stalled) - STALLED_LISTED} more)" if len(stalled) > STALLED_LISTED else ""
-        stalled_c = condition("Stalled", True, "NoProgress",
+        stalled_c = condition(ConditionType.STALLED, True, "NoProgress",
                               "; ".join(_stall_line(v) for v in stalled[:STALLED_LISTED]) + more
                               + f" [{','.join(signatures)}]", generation, previous, now)
     elif settling and before.get("status") == "True":
@@ -94,21 +93,21 @@ def stall_conditions(verdicts: Sequence[StallVerdict], plan: Plan, previous: Map
             message = before.get("message") or NO_STALL  # said when it turned False; kept until the next stall
         else:
             message = NO_STALL
-        stalled_c = condition("Stalled", False, "NoStallDetected", message, generation, previous, now)
+        stalled_c = condition(ConditionType.STALLED, False, "NoStallDetected", message, generation, previous, now)
     acting = plan.actions
     if plan.in_progress or acting:
         names = sorted(set(plan.in_progress) | {t for d in acting for t in d.targets})
-        remediating = condition("Remediating", True, "Restarting", "restarting " + ", ".join(names),
+        remediating = condition(ConditionType.REMEDIATING, True, "Restarting", "restarting " + ", ".join(names),
                                 generation, previous, now)
     elif plan.halted:
-        remediating = condition("Remediating", False, "Halted", "remediation halted by escalation; see Degraded",
+        remediating = condition(ConditionType.REMEDIATING, False, "Halted", "remediation halted by escalation; see Degraded",
                                 generation, previous, now)
     elif plan.budget_exhausted:
-        remediating = condition("Remediating", False, "RemediationBudgetExhausted",
+        remediating = condition(ConditionType.REMEDIATING, False, Reason.BUDGET_EXHAUSTED,
                                 f"{plan.budget_used} of {plan.budget} remediations used in the last hour",
                                 generation, previous, now)
     else:
-        remediating = condition("Remediating", False, "Idle", "no remediation underway", generation, previous, now)
+        remediating = condition(ConditionType.REMEDIATING, False, "Idle", "no remediation underway", generation, previous, now)
     return [stalled_c, remediating]
 
 
@@ -120,10 +119,10 @@ def _stall_line(v: StallVerdict) -> str:
 def degraded_problem(plan: Plan) -> tuple[str, str] | None:
     """(reason, message) for the Degraded condition, or None."""
     if plan.halted:
-        return "RemediationHalted", "a server kept stalling after escalation; remediation is halted (see " \
+        return Reason.REMEDIATION_HALTED, "a server kept stalling after escalation; remediation is halted (see " \
                                     "recentRemediations and docs/remediation.md)"
     if plan.budget_exhausted:
-        return "RemediationBudgetExhausted", f"{plan.budget_used} of {plan.budget} remediations used in the last " \
+        return Reason.BUDGET_EXHAUSTED, f"{plan.budget_used} of {plan.budget} remediations used in the last " \
                                              f"hour; stalls are reported as Events only"
     return None
 
@@ -137,12 +136,12 @@ def overlay(status: dict, stored: Mapping | None, verdicts: Sequence[StallVerdic
     previous = {c.get("type"): c for c in (stored or {}).get("conditions") or []}
     generation = status.get("observedGeneration", generation) or 0
     mine = stall_conditions(verdicts, plan, previous, generation, now, ended=ended, settling=settling)
-    conditions = [c for c in status.get("conditions") or [] if c.get("type") not in OWNED_CONDITIONS]
+    conditions = [c for c in status.get("conditions") or [] if c.get("type") not in STALL_CONDITIONS]
     problem = degraded_problem(plan)
     if problem:
         for i, c in enumerate(conditions):
-            if c.get("type") == "Degraded" and c.get("status") != "True":
-                conditions[i] = condition("Degraded", True, problem[0], problem[1], generation, previous, now)
+            if c.get("type") == ConditionType.DEGRADED and c.get("status") != "True":
+                conditions[i] = condition(ConditionType.DEGRADED, True, problem[0], problem[1], generation, previous, now)
     out = {**status, "conditions": conditions + mine}
     if history:
         out["recentRemediations"] = [r.to_status() for r in history]

@@ -97,12 +97,19 @@ DEFAULT_CONTAINER_ANNOTATION = "kubectl.kubernetes.io/default-container"  # `kub
 MAX_FLEET_NAME = 40  # "<fleet>-generation-<index>" and "<fleet>-router" must stay valid DNS labels
 
 
+FleetKey = tuple[str, str]  # (namespace, fleet name): how the operator's loops, inbox and metrics index a fleet
+
+
 @dataclass(frozen=True)
 class FleetRef:
     """One InferenceFleet, as its children and Events point at it."""
     name: str
     namespace: str
     uid: str
+
+    @property
+    def key(self) -> FleetKey:
+        return self.namespace, self.name
 
     def owner_reference(self) -> dict:
         return {"apiVersion": API_VERSION, "kind": KIND, "name": self.name, "uid": self.uid,

@@ -1,8 +1,9 @@
-"""The words of stall detection and remediation, each defined once (docs/remediation.md).
+"""The words of stall detection and remediation, each defined once (docs/remediation.md), and the
+status words more than one module says (condition types, shared reasons).
 
-The CRD's enums (`spec.remediation`, `status.recentRemediations`), the decisions
-(`decisions/detection.py`, `decisions/remediation.py`), the Events and the operator's metric
-labels all use these members. A new signature, action or outcome is one line here plus the rule
+The CRD's enums (`spec.remediation`, `status.recentRemediations`, `status.conditions[].type`), the
+decisions (`decisions/detection.py`, `decisions/remediation.py`, `decisions/conditions.py`), the
+Events and the operator's metric labels all use these members. A new signature, action or outcome is one line here plus the rule
 that produces it; `adpfleet crds` then carries it into the CRD. Torch-free and dependency-free, so
 every floor may import it.
 """
@@ -50,7 +51,7 @@ class Action(str, enum.Enum):
     @property
     def event_reason(self) -> str:
         """The Event that announces the action (`RestartingServer`, ..., `RemediationHalted`)."""
-        return "RemediationHalted" if self is Action.HALT else "Restarting" + self.value.removeprefix("Restart")
+        return Reason.REMEDIATION_HALTED if self is Action.HALT else "Restarting" + self.value.removeprefix("Restart")
 
 
 class Outcome(str, enum.Enum):
@@ -97,6 +98,29 @@ class SkipReason(str, enum.Enum):
     LAST_READY_SERVER = "LastReadyServer"
 
 
+class ConditionType(enum.StrEnum):
+    """`status.conditions[].type`. A StrEnum (as `Reason`): the members go into status dicts, Events
+    and log lines as they are."""
+    READY = "Ready"              # the fleet serves: every role has a Ready server, and so does the router
+    PROGRESSING = "Progressing"  # it is moving towards its spec
+    DEGRADED = "Degraded"        # something needs a person (or time)
+    STALLED = "Stalled"          # a server has work and makes no progress
+    REMEDIATING = "Remediating"  # a restart is underway
+
+
+# Who writes which condition: the reconcile pass computes these (decisions/conditions.py) ...
+RECONCILE_CONDITIONS = (ConditionType.READY, ConditionType.PROGRESSING, ConditionType.DEGRADED)
+# ... and lays the stall controller's over them (decisions/stall_status.py), which may also set Degraded.
+STALL_CONDITIONS = (ConditionType.STALLED, ConditionType.REMEDIATING)
+
+
+class Reason(enum.StrEnum):
+    """Condition and Event reasons said in more than one place (the others are spelled where they are made)."""
+    INVALID_SPEC = "InvalidSpec"                     # Ready, Progressing: the spec cannot be used (and Degraded)
+    BUDGET_EXHAUSTED = "RemediationBudgetExhausted"  # Degraded, Remediating, and the Event of the skip
+    REMEDIATION_HALTED = "RemediationHalted"         # Degraded, and the Event of the escalation's Halt
+
+
 class RemediationMode(str, enum.Enum):
     """`spec.remediation.mode`."""
     AUTO = "Auto"          # drain and restart stalled servers
@@ -116,4 +140,3 @@ class ScaleReason(str, enum.Enum):
     ABOVE_MAXIMUM = "AboveMaximum"            # lowered to autoscaling.maxServers
     SPEC_CHANGED = "SpecChanged"              # the fleet's spec.<role>.servers changed
     SCALED_EXTERNALLY = "ScaledExternally"    # kubectl scale, an HPA, KEDA: the InferenceFleetRole's replicas
-
