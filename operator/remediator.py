@@ -9,8 +9,8 @@ the `Remediator` carries it out, each step idempotent:
 
 An action starts only once its Pending record is in the API server, so an operator restarted
 mid-action finds it there and finishes it (`persisted=True`: deleting only pods older than the
-decision) instead of acting twice. The remediator owns no state: it reads and writes the fleet's
-in-memory state it is handed, and reaches the reconcile loop through the hooks it is given.
+decision) instead of acting twice. The remediator owns no state: it reads and writes the rooms of
+the fleet's in-memory state it is handed, and reaches the reconcile loop through the hooks it is given.
 """
 
 from __future__ import annotations
@@ -19,22 +19,23 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Protocol
+from typing import Callable, Protocol
 
 from adpfleet.operator.adapters.kube import KubeApi
-from adpfleet.operator.adapters.scrape import Scrape, Scraper, scrape_pods
+from adpfleet.operator.adapters.scrape import Scrape, Scraper
 from adpfleet.operator.decisions import groups
-from adpfleet.operator.decisions.detection import SampleWindows
 from adpfleet.operator.decisions.history import Remediation, still_to_delete
 from adpfleet.operator.decisions.observed import FleetObservation, ServerPod
 from adpfleet.operator.resource import names
 from adpfleet.operator.resource.models import FleetSpec
 from adpfleet.operator.resource.names import FleetKey, FleetRef
 from adpfleet.operator.resource.vocabulary import Outcome
+from adpfleet.operator.stall_detection import OwnDetection, scrape_server
+from adpfleet.operator.stall_events import FleetEvents
+from adpfleet.operator.stall_share import StatusShare
 from adpfleet.operator.telemetry import StallMetrics
 
 PERSIST_TIMEOUT_SECONDS = 15.0  # how long an action waits for its Pending record to reach the API
-PERSIST_WAKE_SECONDS = 2.0      # ... waking the reconcile loop again this often meanwhile
 STALLED_DRAIN_GRACE_SECONDS = 2.0  # a stalled server finishes nothing: drained this long, then restarted
 STALLED_DELETE_GRACE_SECONDS = 5   # its pod's termination grace (a working peer keeps its own)
 WATCH_SCRAPE_TIMEOUT = 2.0      # a scrape while draining (progress made? requests finished?)
@@ -46,14 +47,12 @@ class ActingFleet(Protocol):
     ref: FleetRef
     observe: Callable[[], FleetObservation]
     logger: logging.Logger
-    windows: SampleWindows                  # a deleted server's scrapes are forgotten
-    local: dict[tuple, Remediation]         # records not yet seen in the cached status
-    persisted: set[tuple]                   # (record key, outcome) known to be in the API
-    persisted_changed: asyncio.Event        # set when the reconcile pass stored the status
+    detection: OwnDetection  # a deleted server's scrapes are forgotten
+    share: StatusShare       # the records, and which of them the API server holds
+    events: FleetEvents
 
 
 Publish = Callable[[FleetKey, ActingFleet, FleetObservation], None]  # wake the reconcile pass if the status changed
-EventSink = Callable[..., Awaitable[None]]  # (fleet, type, reason, message, server, force=) -> an Event
 
 
 @dataclass(frozen=True)
@@ -64,14 +63,13 @@ class Remediator:
     metrics: StallMetrics
     wake_reconcile: Callable[[FleetKey], None]
     publish: Publish
-    event: EventSink
 
     async def execute(self, key: FleetKey, fleet: ActingFleet, record: Remediation, spec: FleetSpec, batch: int, *,
                       persisted: bool, stalled_sample: Scrape | None) -> None:
         """Carry `record` out, each step idempotent; rolling actions a batch at a time."""
         try:
             if not persisted and not await self._persist(key, fleet, record):
-                fleet.local.pop(record.key(), None)
+                fleet.share.drop(record)
                 self.publish(key, fleet, fleet.observe())
                 fleet.logger.warning("not acting on %s: its record did not reach the API server within %.0f s",
                                      record.server, PERSIST_TIMEOUT_SECONDS)
@@ -134,7 +132,7 @@ class Remediator:
             if not out.ok:
                 errors.append(f"could not delete {pod.name}: {out.message}")
             else:
-                fleet.windows.reset(pod.name)
+                fleet.detection.windows.reset(pod.name)
                 fleet.logger.info("deleted %s (%s)", pod.name, record.action.value)
         self.wake_reconcile((ns, fleet.ref.name))
         return "; ".join(errors) or None
@@ -151,7 +149,7 @@ class Remediator:
             await asyncio.sleep(min(WATCH_POLL_SECONDS, max(0.0, deadline - time.monotonic())))
 
     async def _scrape(self, server: ServerPod) -> Scrape:
-        return await scrape_pods(self.scraper, [(p.name, p.ip) for p in server.pods], WATCH_SCRAPE_TIMEOUT)
+        return await scrape_server(self.scraper, server, WATCH_SCRAPE_TIMEOUT)
 
     async def _drained(self, pods: list[ServerPod], timeout: float) -> None:
         """Until the (working) servers have finished their requests, or `timeout`."""
@@ -176,27 +174,15 @@ class Remediator:
 
     async def _persist(self, key: FleetKey, fleet: ActingFleet, record: Remediation) -> bool:
         """Until the record is in the API server (the reconcile pass writes it), or the timeout."""
-        want = (record.key(), record.outcome)
-        deadline = time.monotonic() + PERSIST_TIMEOUT_SECONDS
         self.publish(key, fleet, fleet.observe())
-        while want not in fleet.persisted:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            fleet.persisted_changed.clear()
-            self.wake_reconcile(key)
-            try:
-                await asyncio.wait_for(fleet.persisted_changed.wait(), timeout=min(left, PERSIST_WAKE_SECONDS))
-            except asyncio.TimeoutError:
-                pass
-        return True
+        return await fleet.share.until_stored(record, PERSIST_TIMEOUT_SECONDS, lambda: self.wake_reconcile(key))
 
     async def _finish(self, key: FleetKey, fleet: ActingFleet, record: Remediation, outcome: Outcome,
                       message: str) -> None:
         done = record.ended(outcome, message)
-        fleet.local[done.key()] = done
+        fleet.share.note(done)
         self.metrics.remediations.labels(record.action.value, outcome.value).inc()
         kind, reason = outcome.event
-        await self.event(fleet, kind, reason, f"{record.action.value} {', '.join(record.targets)}: "
-                         f"{outcome.value}. {message}", record.server, force=True)
+        await fleet.events.say(self.api, kind, reason, f"{record.action.value} {', '.join(record.targets)}: "
+                               f"{outcome.value}. {message}", record.server, force=True)
         self.publish(key, fleet, fleet.observe())

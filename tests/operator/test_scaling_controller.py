@@ -145,7 +145,7 @@ def test_a_server_being_scaled_down_is_neither_judged_nor_counted_in_the_load():
     w.pods.append(pod("llama-generation-1", "generation", "127.0.9.3", leaving_since=T0))
     w.waiting["127.0.9.3"] = 50.0
     asyncio.run(w.ticks(3))
-    assert "127.0.9.3" not in w.scraped and "llama-generation-1" not in w.fleet.verdicts
+    assert "127.0.9.3" not in w.scraped and "llama-generation-1" not in w.fleet.detection.verdicts
 
 
 # ---- the drain watch ----------------------------------------------------------------------------
