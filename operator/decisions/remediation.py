@@ -50,6 +50,7 @@ from adpfleet.operator.resource.models import HISTORY_LIMIT, FleetSpec
 from adpfleet.operator.resource.vocabulary import Action, Choice, Outcome, Reason, RemediationMode, SkipReason
 
 PEER_ROLES = {"context": ("generation",), "generation": ("context",)}  # whom a server's progress waits on
+Hold = tuple[SkipReason, str]  # a rule that holds an action back: why, and the message
 
 
 @dataclass(frozen=True)
@@ -116,105 +117,132 @@ def decide(verdicts: Sequence[StallVerdict], history: Sequence[Remediation], spe
     """The decisions for the stalled servers among `verdicts` (see the module docstring). `source`
     says where each verdict came from ("scrape": the operator's own detection; or per server, e.g.
     the alert that asked for a re-check); it goes into the messages."""
-    policy = spec.remediation
-    if policy.mode is RemediationMode.DISABLED:
+    if spec.remediation.mode is RemediationMode.DISABLED:  # rule 1
         return Plan(mode=RemediationMode.DISABLED)
-    by_name = {s.name: s for s in servers}
-    in_progress = restarts_in_progress(history, servers, spec, now)
-    used = budget_used(history, now)
-    halted = any(r.action is Action.HALT and r.outcome is Outcome.HALTED
-                 and now - r.time < policy.escalation.window_seconds for r in history)
-    dry_run = policy.mode is RemediationMode.DRY_RUN or policy.budget_per_hour == 0
-    budget = min(policy.budget_per_hour, HISTORY_LIMIT)  # counted from the history, which holds this many
     stalled = sorted((v for v in verdicts if v.stalled), key=lambda v: (v.role, v.server))
-    stalled_names = {v.server for v in stalled}
-    planned: list[Decision] = []
-    planned_targets: dict[str, int] = {}  # role -> servers this pass will restart
-
-    def role_of(name: str) -> str:
-        return by_name[name].role if name in by_name else ""
-
-    def wholly_stalled(role: str) -> bool:
-        live = [s for s in servers if s.role == role and not s.terminating]
-        return bool(live) and all(s.name in stalled_names for s in live)
-
+    rules = _Rules(spec, history, servers, now, frozenset(v.server for v in stalled))
     for v in stalled:
-        origin = source.get(v.server, "scrape") if isinstance(source, Mapping) else source
+        rules.add(rules.decision(v, source.get(v.server, "scrape") if isinstance(source, Mapping) else source))
+    return rules.plan()
 
-        def skip(reason: SkipReason, message: str, action: Action = Action.RESTART_SERVER, targets=(v.server,), level=0,
-                 quiet: bool = False):
-            planned.append(Decision(v, action, tuple(targets), Choice.SKIP, reason.value, message, level, origin,
-                                    quiet=quiet or reason is SkipReason.IN_PROGRESS))
 
-        if halted:
-            skip(SkipReason.HALTED, f"{v.summary()}; remediation of this fleet is halted by escalation")
-            continue
-        if v.server in in_progress:
-            skip(SkipReason.IN_PROGRESS, f"{v.server} is being restarted ({in_progress[v.server].action} at "
-                               f"{rfc3339(in_progress[v.server].time)})")
-            continue
+class _Rules:
+    """The rules applied to one fleet's stalled servers in turn: what they read of the fleet and its
+    history, and what this pass has planned so far (later servers see the earlier ones' actions)."""
+
+    def __init__(self, spec: FleetSpec, history: Sequence[Remediation], servers: Sequence[ServerView], now: float,
+                 stalled: frozenset[str]):
+        self.spec, self.policy, self.history, self.servers, self.now = spec, spec.remediation, history, servers, now
+        self.stalled = stalled
+        self.by_name = {s.name: s for s in servers}
+        self.in_progress = restarts_in_progress(history, servers, spec, now)
+        self.used = budget_used(history, now)
+        self.halted = any(r.action is Action.HALT and r.outcome is Outcome.HALTED
+                          and now - r.time < self.policy.escalation.window_seconds for r in history)
+        self.dry_run = self.policy.mode is RemediationMode.DRY_RUN or self.policy.budget_per_hour == 0
+        self.budget = min(self.policy.budget_per_hour, HISTORY_LIMIT)  # counted from the history, which holds this many
+        self.planned: list[Decision] = []
+        self.planned_targets: dict[str, int] = {}  # role -> servers this pass will restart
+
+    def decision(self, v: StallVerdict, origin: str) -> Decision:
+        """The first rule that applies to `v`'s stall (the numbers are the module docstring's)."""
+        held = self._held(v)  # 2-4
+        if held:
+            return self._skip(v, origin, *held)
+        level = sum(1 for r in self.history if r.server == v.server and r.action.restarts and r.outcome.unresolved
+                    and self.now - r.time < self.policy.escalation.window_seconds)
+        action, targets = _ladder(v, level, self.spec, self.servers)  # 5
+        if action is not Action.HALT:
+            busy = tuple(t for t in targets if t in self.in_progress)
+            targets = tuple(t for t in targets if t not in self.in_progress)  # being restarted already
+            if not targets:
+                return self._skip(v, origin, SkipReason.IN_PROGRESS, f"{', '.join(busy)} already being restarted",
+                                  action=action, targets=busy, level=level)
+        message = self._message(v, origin, action, targets, level)
+        if self.dry_run:  # 6
+            return Decision(v, action, targets, Choice.DRY_RUN, Choice.DRY_RUN.value, "would " + message, level,
+                            origin)
+        if action is Action.HALT:
+            self.halted = True
+            return Decision(v, action, (), Choice.ACT, action.value, message, level, origin)
+        limit, batch = self._limit(v, action, targets)  # 7-9
+        if limit:
+            return self._skip(v, origin, *limit, action=action, targets=targets, level=level)
+        return Decision(v, action, targets, Choice.ACT, action.value, message, level, origin, batch)  # 10
+
+    def add(self, d: Decision) -> None:
+        self.planned.append(d)
+        if d.choice is Choice.ACT:
+            for t in (d.targets[:d.batch] if d.rolling else d.targets):
+                self.planned_targets[self.role_of(t)] = self.planned_targets.get(self.role_of(t), 0) + 1
+
+    def plan(self) -> Plan:
+        return Plan(decisions=tuple(self.planned), mode=self.policy.mode, budget=self.budget, budget_used=self.used,
+                    halted=self.halted, in_progress=self.in_progress)
+
+    def _held(self, v: StallVerdict) -> tuple[SkipReason, str, bool] | None:
+        """Rules 2-4, which hold whatever the action would be: (why, message, quiet)."""
+        if self.halted:
+            return SkipReason.HALTED, f"{v.summary()}; remediation of this fleet is halted by escalation", False
+        if v.server in self.in_progress:
+            return SkipReason.IN_PROGRESS, f"{v.server} is being restarted ({self.in_progress[v.server].action} at " \
+                                           f"{rfc3339(self.in_progress[v.server].time)})", False
         # A dry run is not a remediation: it cools down only the next dry run (reported once per
         # cooldown, quietly in between), never an action once the mode is Auto.
-        last = next((r for r in history if (v.server == r.server or v.server in r.targets)
-                     and (dry_run or r.outcome is not Outcome.DRY_RUN)), None)
-        if last is not None and now - last.time < policy.cooldown_seconds:
-            skip(SkipReason.COOLDOWN, f"{v.summary()}; {v.server} was remediated {now - last.time:.0f} s ago "
-                             f"({last.action.value}, {last.outcome.value}), cooldown {policy.cooldown_seconds} s",
-                 quiet=last.outcome is Outcome.DRY_RUN)
-            continue
-        level = sum(1 for r in history if r.server == v.server and r.action.restarts and r.outcome.unresolved
-                    and now - r.time < policy.escalation.window_seconds)
-        action, targets = _ladder(v, level, spec, servers)
-        if action is not Action.HALT:
-            busy = tuple(t for t in targets if t in in_progress)
-            targets = tuple(t for t in targets if t not in in_progress)  # being restarted already
-            if not targets:
-                skip(SkipReason.IN_PROGRESS, f"{', '.join(busy)} already being restarted", action, busy, level)
-                continue
+        last = next((r for r in self.history if (v.server == r.server or v.server in r.targets)
+                     and (self.dry_run or r.outcome is not Outcome.DRY_RUN)), None)
+        if last is not None and self.now - last.time < self.policy.cooldown_seconds:
+            return SkipReason.COOLDOWN, f"{v.summary()}; {v.server} was remediated {self.now - last.time:.0f} s ago " \
+                f"({last.action.value}, {last.outcome.value}), cooldown {self.policy.cooldown_seconds} s", \
+                last.outcome is Outcome.DRY_RUN
+        return None
+
+    def _limit(self, v: StallVerdict, action: Action, targets: tuple[str, ...]) -> tuple[Hold | None, int]:
+        """Rules 7-9, and a target another stall restarts in this pass: (what holds the action, or
+        None; how many targets a rolling action restarts at once)."""
+        limit = self.policy.max_concurrent_per_role
+        taken = self.used + sum(1 for d in self.planned if d.choice is Choice.ACT)
+        if taken >= self.budget:
+            return (SkipReason.BUDGET_EXHAUSTED, f"{v.summary()}; {taken} of {self.budget} remediations used in the "
+                                                 f"last hour"), 1
+        overlap = sorted(set(targets) & {t for d in self.planned if d.choice is Choice.ACT for t in d.targets})
+        if overlap:
+            return (SkipReason.IN_PROGRESS, f"{', '.join(overlap)} restarted for another stalled server in this "
+                                            f"pass"), 1
+        over = _over_concurrency(targets, self.role_of, self.in_progress, self.planned_targets, limit, action.rolling)
+        if over:
+            return (SkipReason.CONCURRENCY_LIMIT, f"{v.summary()}; {over}"), 1
+        lonely, batch = _last_ready(targets, v, self.servers, self.in_progress, self.wholly_stalled, action.rolling,
+                                    limit)
+        if lonely:
+            return (SkipReason.LAST_READY_SERVER, f"{v.summary()}; {lonely}"), 1
+        if action.rolling:  # no more at once than the room the role has left
+            role = self.role_of(targets[0])
+            room = limit - self.planned_targets.get(role, 0) - sum(
+                1 for name in self.in_progress if self.role_of(name) == role)
+            batch = max(1, min(batch, room))
+        return None, batch
+
+    def _message(self, v: StallVerdict, origin: str, action: Action, targets: tuple[str, ...], level: int) -> str:
         evidence = f"{v.summary()}; evidence: {evidence_text(v.evidence)}"
         what = f"{action.value} {', '.join(targets)}" if targets else action.value
         if origin != "scrape":
             evidence = f"from {origin}: {evidence}"
-        message = f"{what} (remediation {level + 1} of {v.server} within {policy.escalation.window_seconds} s): " \
-                  f"{evidence}"
-        if dry_run:
-            planned.append(Decision(v, action, targets, Choice.DRY_RUN, Choice.DRY_RUN.value, "would " + message, level, origin))
-            continue
-        if action is Action.HALT:
-            planned.append(Decision(v, action, (), Choice.ACT, action.value, message, level, origin))
-            halted = True
-            continue
-        taken = used + sum(1 for d in planned if d.choice is Choice.ACT)
-        if taken >= budget:
-            skip(SkipReason.BUDGET_EXHAUSTED, f"{v.summary()}; {taken} of {budget} remediations used in the "
-                                    f"last hour", action, targets, level)
-            continue
-        overlap = sorted(set(targets) & {t for d in planned if d.choice is Choice.ACT for t in d.targets})
-        if overlap:
-            skip(SkipReason.IN_PROGRESS, f"{', '.join(overlap)} restarted for another stalled server in this pass",
-                 action, targets, level)
-            continue
-        rolling = action.rolling
-        over = _over_concurrency(targets, role_of, in_progress, planned_targets, policy.max_concurrent_per_role,
-                                 rolling)
-        if over:
-            skip(SkipReason.CONCURRENCY_LIMIT, f"{v.summary()}; {over}", action, targets, level)
-            continue
-        lonely, batch = _last_ready(targets, v, servers, in_progress, wholly_stalled, rolling,
-                                    policy.max_concurrent_per_role)
-        if lonely:
-            skip(SkipReason.LAST_READY_SERVER, f"{v.summary()}; {lonely}", action, targets, level)
-            continue
-        if rolling:  # no more at once than the room the role has left
-            role = role_of(targets[0])
-            room = policy.max_concurrent_per_role - planned_targets.get(role, 0) - sum(
-                1 for name in in_progress if role_of(name) == role)
-            batch = max(1, min(batch, room))
-        planned.append(Decision(v, action, targets, Choice.ACT, action.value, message, level, origin, batch))
-        for t in (targets[:batch] if rolling else targets):
-            planned_targets[role_of(t)] = planned_targets.get(role_of(t), 0) + 1
-    return Plan(decisions=tuple(planned), mode=policy.mode, budget=budget, budget_used=used,
-                halted=halted, in_progress=in_progress)
+        return f"{what} (remediation {level + 1} of {v.server} within {self.policy.escalation.window_seconds} s): " \
+               f"{evidence}"
+
+    def _skip(self, v: StallVerdict, origin: str, reason: SkipReason, message: str, quiet: bool = False, *,
+              action: Action = Action.RESTART_SERVER, targets: tuple[str, ...] | None = None,
+              level: int = 0) -> Decision:
+        return Decision(v, action, tuple(targets) if targets is not None else (v.server,), Choice.SKIP, reason.value,
+                        message, level, origin, quiet=quiet or reason is SkipReason.IN_PROGRESS)
+
+    def role_of(self, name: str) -> str:
+        return self.by_name[name].role if name in self.by_name else ""
+
+    def wholly_stalled(self, role: str) -> bool:
+        live = [s for s in self.servers if s.role == role and not s.terminating]
+        return bool(live) and all(s.name in self.stalled for s in live)
 
 
 def _ladder(v: StallVerdict, level: int, spec: FleetSpec, servers: Sequence[ServerView]) -> tuple[Action, tuple]:
