@@ -171,67 +171,134 @@ def vacancies(previous: tuple[int, ...], desired: int, pods: list[ServerPod]) ->
 
 def plan_role(role: str, desired: int, template_hash: str, pods: list[ServerPod], drain: Drain = Drain(),
               vacated: tuple[int, ...] = ()) -> RolePlan:
-    """The next actions for one role; `vacated`: slots to refill first (see `vacancies`)."""
-    finished = [p for p in pods if p.finished and not p.terminating]
-    if finished:
-        return RolePlan(role, tuple(DeleteServer(role, p.name, p.uid, f"pod {p.phase.lower()}: {p.problem or ''}".strip())
-                                    for p in finished), phase="Replacing")
+    """The next actions for one role: the first of the module docstring's rules that applies;
+    `vacated`: slots to refill first (see `vacancies`)."""
+    view = _RolePods(role, template_hash, pods)
+    return (_replace_finished(view) or _scale_up(view, desired, vacated) or _finish_drains(view, drain)
+            or _scale_down(view, desired, drain) or _settle(view) or _roll(view, desired))
 
-    alive = [p for p in pods if not p.terminating]
-    leaving = [p for p in alive if p.leaving]
-    live = [p for p in alive if not p.leaving]  # the role's servers; the leaving ones are on their way out
-    terminating = [p for p in pods if p.terminating]
-    current = [p for p in live if p.template_hash == template_hash]
-    outdated = [p for p in live if p.template_hash != template_hash]
-    taken = {p.index for p in alive}
-    held = {p.index: p for p in terminating}
 
-    missing = desired - len(live)
-    if missing > 0:
-        kept = sorted(leaving, key=lambda p: (p.template_hash != template_hash, not p.ready, p.index))[:missing]
-        actions: tuple[ChildAction, ...] = tuple(UndrainServer(role, p.name, p.uid, "scale up: wanted again") for p in kept)
-        wanted = missing - len(kept)
-        refill = [i for i in vacated if i not in taken]
-        slots = (refill + [i for i in _free_slots(taken, wanted) if i not in refill])[:wanted]
-        creatable = [i for i in slots if i not in held]
-        waiting = [held[i].name for i in slots if i in held]
-        actions += tuple(CreateServer(role, i, "replace a deleted server" if i in refill or waiting else "scale up")
-                         for i in creatable)
-        return RolePlan(role, actions, f"{', '.join(waiting)} to terminate" if waiting else None, "Scaling")
+@dataclass(frozen=True)
+class _RolePods:
+    """One role's pods, sorted the ways the rules read them."""
+    role: str
+    template_hash: str
+    pods: list[ServerPod]
 
-    if leaving:
-        gone = [p for p in leaving if drain.done(p)]
-        draining = [p for p in leaving if not drain.done(p)]
-        return RolePlan(role, tuple(DeleteServer(role, p.name, p.uid, "scale down: drained") for p in gone),
-                        f"{', '.join(p.name for p in draining)} to drain" if draining else None, "Scaling",
-                        min((p.leaving_since + drain.timeout for p in draining), default=None))
+    @property
+    def alive(self) -> list[ServerPod]:
+        return [p for p in self.pods if not p.terminating]
 
-    excess = len(live) - desired - (1 if outdated else 0)  # a roll may hold one surge pod
-    if excess > 0:
-        candidates = [p for p in live if p.name not in drain.protected]
-        victims = sorted(candidates, key=lambda p: _removal_order(p, template_hash))[:excess]
-        actions = tuple(DrainServer(role, p.name, p.uid, "scale down") if p.ready and drain.timeout > 0
-                        else DeleteServer(role, p.name, p.uid, "scale down") for p in victims)
-        protected = sorted(p.name for p in live if p.name in drain.protected)
-        return RolePlan(role, actions, f"{', '.join(protected)} to be remediated" if len(victims) < excess else None,
-                        phase="Scaling")
+    @property
+    def leaving(self) -> list[ServerPod]:
+        return [p for p in self.alive if p.leaving]
 
-    if not outdated:
-        if terminating:
-            return RolePlan(role, (), f"{', '.join(p.name for p in terminating)} to terminate", "Scaling")
-        not_ready = [p.name for p in current if not p.ready]
-        return RolePlan(role, (), f"{', '.join(not_ready)} to become ready" if not_ready else None,
-                        "Scaling" if not_ready else None)
+    @property
+    def live(self) -> list[ServerPod]:
+        """The role's servers; the leaving ones are on their way out."""
+        return [p for p in self.alive if not p.leaving]
 
-    # Rolling: one server at a time.
-    if terminating:
-        return RolePlan(role, (), f"{', '.join(p.name for p in terminating)} to terminate", "RollingUpdate")
+    @property
+    def terminating(self) -> list[ServerPod]:
+        return [p for p in self.pods if p.terminating]
+
+    @property
+    def current(self) -> list[ServerPod]:
+        return [p for p in self.live if p.template_hash == self.template_hash]
+
+    @property
+    def outdated(self) -> list[ServerPod]:
+        return [p for p in self.live if p.template_hash != self.template_hash]
+
+    @property
+    def taken(self) -> set[int]:
+        return {p.index for p in self.alive}
+
+    def removal_order(self, pods: list[ServerPod]) -> list[ServerPod]:
+        """The first pods are the first to go."""
+        return sorted(pods, key=lambda p: _removal_order(p, self.template_hash))
+
+    def waiting(self, pods: list[ServerPod], what: str, phase: str) -> RolePlan:
+        return RolePlan(self.role, (), f"{', '.join(p.name for p in pods)} {what}", phase)
+
+
+def _replace_finished(view: _RolePods) -> RolePlan | None:
+    """Rule 1: a finished pod is deleted."""
+    finished = [p for p in view.pods if p.finished and not p.terminating]
+    if not finished:
+        return None
+    return RolePlan(view.role, tuple(DeleteServer(view.role, p.name, p.uid, f"pod {p.phase.lower()}: "
+                                                  f"{p.problem or ''}".strip()) for p in finished), phase="Replacing")
+
+
+def _scale_up(view: _RolePods, desired: int, vacated: tuple[int, ...]) -> RolePlan | None:
+    """Rule 2: draining servers taken back first, then the free slots filled, vacated ones first."""
+    missing = desired - len(view.live)
+    if missing <= 0:
+        return None
+    role, template_hash = view.role, view.template_hash
+    kept = sorted(view.leaving, key=lambda p: (p.template_hash != template_hash, not p.ready, p.index))[:missing]
+    actions: tuple[ChildAction, ...] = tuple(UndrainServer(role, p.name, p.uid, "scale up: wanted again")
+                                             for p in kept)
+    wanted = missing - len(kept)
+    taken, held = view.taken, {p.index: p for p in view.terminating}
+    refill = [i for i in vacated if i not in taken]
+    slots = (refill + [i for i in _free_slots(taken, wanted) if i not in refill])[:wanted]
+    creatable = [i for i in slots if i not in held]
+    waiting = [held[i].name for i in slots if i in held]
+    actions += tuple(CreateServer(role, i, "replace a deleted server" if i in refill or waiting else "scale up")
+                     for i in creatable)
+    return RolePlan(role, actions, f"{', '.join(waiting)} to terminate" if waiting else None, "Scaling")
+
+
+def _finish_drains(view: _RolePods, drain: Drain) -> RolePlan | None:
+    """Rule 3: the servers a scale-down drained are deleted once drained."""
+    leaving = view.leaving
+    if not leaving:
+        return None
+    gone = [p for p in leaving if drain.done(p)]
+    draining = [p for p in leaving if not drain.done(p)]
+    return RolePlan(view.role, tuple(DeleteServer(view.role, p.name, p.uid, "scale down: drained") for p in gone),
+                    f"{', '.join(p.name for p in draining)} to drain" if draining else None, "Scaling",
+                    min((p.leaving_since + drain.timeout for p in draining), default=None))
+
+
+def _scale_down(view: _RolePods, desired: int, drain: Drain) -> RolePlan | None:
+    """Rule 4: the excess goes, Ready ones drained first; never a server under remediation."""
+    live = view.live
+    excess = len(live) - desired - (1 if view.outdated else 0)  # a roll may hold one surge pod
+    if excess <= 0:
+        return None
+    role = view.role
+    victims = view.removal_order([p for p in live if p.name not in drain.protected])[:excess]
+    actions = tuple(DrainServer(role, p.name, p.uid, "scale down") if p.ready and drain.timeout > 0
+                    else DeleteServer(role, p.name, p.uid, "scale down") for p in victims)
+    protected = sorted(p.name for p in live if p.name in drain.protected)
+    return RolePlan(role, actions, f"{', '.join(protected)} to be remediated" if len(victims) < excess else None,
+                    phase="Scaling")
+
+
+def _settle(view: _RolePods) -> RolePlan | None:
+    """Every server runs the current template: waiting for the terminating to go and the new to be Ready."""
+    if view.outdated:
+        return None
+    if view.terminating:
+        return view.waiting(view.terminating, "to terminate", "Scaling")
+    not_ready = [p for p in view.current if not p.ready]
+    return view.waiting(not_ready, "to become ready", "Scaling") if not_ready else RolePlan(view.role)
+
+
+def _roll(view: _RolePods, desired: int) -> RolePlan:
+    """Rule 5: one server at a time, new before old."""
+    role, live = view.role, view.live
+    if view.terminating:
+        return view.waiting(view.terminating, "to terminate", "RollingUpdate")
     if len(live) <= desired:  # no surge pod yet: start the next replacement, new before old
-        slot = _free_slots(taken, 1)[0]
+        slot = _free_slots(view.taken, 1)[0]
         return RolePlan(role, (CreateServer(role, slot, "rolling update: new server before the old one"),),
                         phase="RollingUpdate")
-    pending = [p for p in current if not p.ready]
-    victim = sorted(outdated, key=lambda p: _removal_order(p, template_hash))[0]
+    pending = [p for p in view.current if not p.ready]
+    victim = view.removal_order(view.outdated)[0]
     if not pending:
         return RolePlan(role, (DeleteServer(role, victim.name, victim.uid, "rolling update: replaced"),),
                         phase="RollingUpdate")
@@ -243,7 +310,7 @@ def plan_role(role: str, desired: int, template_hash: str, pods: list[ServerPod]
                                             f"rolling update: making room for {stuck[0].name}"),),
                         phase="RollingUpdate")
     what = "room to schedule" if stuck else "to become ready"
-    return RolePlan(role, (), f"{', '.join(p.name for p in pending)} {what}", "RollingUpdate")
+    return view.waiting(pending, what, "RollingUpdate")
 
 
 def _free_slots(taken: set[int], count: int) -> list[int]:
