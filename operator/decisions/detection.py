@@ -204,27 +204,59 @@ def _no_progress(base: Scrape, last: Scrape) -> str:
 def _describe(server: str, role: str, state: ServerState, reason: str, stretch: list[Scrape],
               latest: Scrape) -> StallVerdict:
     """Signature, ranks involved and evidence of a no-progress stretch (oldest..latest)."""
-    base = stretch[0]
-    prev = stretch[-2] if len(stretch) >= 2 else base
-    ranks = sorted(latest.ranks)
+    moved = _Moved.over(stretch, latest)
+    signature, involved, how = _signature(moved, latest, hung=len(stretch) >= 2 and moved.stopped)
+    if signature is Signature.TRANSFER and not _holds_pulled_kv(stretch, involved):
+        # Every held block waits for a pull that no generation server has begun: the generation
+        # side is not taking its work. Its stall, not this server's (attribute() names it).
+        state = ServerState.BLOCKED
+        waiting = sum(latest.ranks[r].kv_transfers_awaiting_pull for r in involved)
+        how = f"{waiting:.0f} KV blocks held for pulls no generation server has begun"
+    pods = {r: latest.rank_pods[r] for r in involved if r in latest.rank_pods} if latest.rank_pods else {}
+    return StallVerdict(server, role, state, latest.at, f"{reason}; {how}", signature=signature,
+                        ranks=involved, since=stretch[0].at, evidence=_evidence(moved, stretch, latest), pods=pods)
 
-    def delta(attr: str, a: Scrape = base) -> dict[int, float]:
-        return {r: getattr(latest.ranks[r], attr) - getattr(a.ranks[r], attr) for r in ranks if r in a.ranks}
 
-    iterations_recent = delta("iterations", prev)
-    iterations = delta("iterations")
-    vetoed = delta("forward_vetoed")
-    steps = delta("forward_steps")
-    empty = delta("empty_batch_iterations")
-    held = {r: latest.ranks[r].kv_transfers_in_flight for r in ranks}
-    held_before = {r: base.ranks[r].kv_transfers_in_flight for r in ranks if r in base.ranks}
+@dataclass(frozen=True)
+class _Moved:
+    """How each rank's counters moved over a stretch (from its oldest scrape; `iterations_recent`:
+    over its last interval), and the KV held for transfers at its start and end."""
+    ranks: list[int]
+    iterations_recent: dict[int, float]
+    iterations: dict[int, float]
+    vetoed: dict[int, float]
+    steps: dict[int, float]
+    empty: dict[int, float]
+    held: dict[int, float]
+    held_before: dict[int, float]
 
-    if len(stretch) >= 2 and max(iterations_recent.values(), default=0) <= 0:
-        signature = Signature.HUNG
+    @classmethod
+    def over(cls, stretch: list[Scrape], latest: Scrape) -> "_Moved":
+        base = stretch[0]
+        prev = stretch[-2] if len(stretch) >= 2 else base
+        ranks = sorted(latest.ranks)
+
+        def delta(attr: str, a: Scrape = base) -> dict[int, float]:
+            return {r: getattr(latest.ranks[r], attr) - getattr(a.ranks[r], attr) for r in ranks if r in a.ranks}
+        return cls(ranks, delta("iterations", prev), delta("iterations"), delta("forward_vetoed"),
+                   delta("forward_steps"), delta("empty_batch_iterations"),
+                   {r: latest.ranks[r].kv_transfers_in_flight for r in ranks},
+                   {r: base.ranks[r].kv_transfers_in_flight for r in ranks if r in base.ranks})
+
+    @property
+    def stopped(self) -> bool:
+        """No rank's loop advanced in the last interval."""
+        return max(self.iterations_recent.values(), default=0) <= 0
+
+
+def _signature(moved: _Moved, latest: Scrape, *, hung: bool) -> tuple[Signature, tuple[int, ...], str]:
+    """(signature, ranks involved, how the stretch shows it), in the module docstring's order."""
+    ranks, vetoed, empty, held = moved.ranks, moved.vetoed, moved.empty, moved.held
+    if hung:
         low = min(latest.ranks[r].iterations for r in ranks)
-        involved = tuple(r for r in ranks if latest.ranks[r].iterations == low)
-        how = "no rank's loop advanced in the last interval"
-    elif max(vetoed.values(), default=0) > 0 and max(vetoed.values()) >= max(steps.values(), default=0):
+        return Signature.HUNG, tuple(r for r in ranks if latest.ranks[r].iterations == low), \
+            "no rank's loop advanced in the last interval"
+    if max(vetoed.values(), default=0) > 0 and max(vetoed.values()) >= max(moved.steps.values(), default=0):
         involved = tuple(r for r in ranks if empty.get(r, 0) > 0)
         # the starving ranks' KV is (nearly) full, and mostly of blocks held for transfers
         starved_by_transfers = involved and all(
@@ -232,45 +264,35 @@ def _describe(server: str, role: str, state: ServerState, reason: str, stretch: 
             and latest.ranks[r].kv_cache_blocks_used >= KV_FULL * latest.ranks[r].kv_cache_capacity_blocks > 0
             for r in involved)
         if starved_by_transfers:  # the empty batches come from KV held for transfers that never complete
-            signature = Signature.TRANSFER
-            how = (f"forwards vetoed {max(vetoed.values()):.0f} times: rank(s) {','.join(map(str, involved))} "
-                   f"schedule empty batches, their KV held for transfers that do not complete "
-                   f"({sum(held[r] for r in involved):.0f} blocks)")
-        else:
-            signature = Signature.VETOED
-            how = f"forwards vetoed {max(vetoed.values()):.0f} times" + (
-                f", rank(s) {','.join(map(str, involved))} scheduling empty batches" if involved else "")
-    elif any(held[r] > 0 for r in ranks) and all(held_before.get(r, 0) > 0 or held[r] == 0 for r in ranks):
-        signature = Signature.TRANSFER
-        involved = tuple(r for r in ranks if held[r] > 0)
-        how = f"{sum(held.values()):.0f} KV blocks held for transfers that do not complete"
-    else:
-        signature = Signature.VETOED
-        involved = tuple(r for r in ranks if empty.get(r, 0) > 0)
-        how = "the loop runs but produces no real tokens"
-    if signature is Signature.TRANSFER and not _holds_pulled_kv(stretch, involved):
-        # Every held block waits for a pull that no generation server has begun: the generation
-        # side is not taking its work. Its stall, not this server's (attribute() names it).
-        state = ServerState.BLOCKED
-        waiting = sum(latest.ranks[r].kv_transfers_awaiting_pull for r in involved)
-        how = f"{waiting:.0f} KV blocks held for pulls no generation server has begun"
-    progress_times = [latest.ranks[r].last_progress_timestamp for r in ranks
-                      if latest.ranks[r].last_progress_timestamp is not None]
+            return Signature.TRANSFER, involved, (
+                f"forwards vetoed {max(vetoed.values()):.0f} times: rank(s) {','.join(map(str, involved))} "
+                f"schedule empty batches, their KV held for transfers that do not complete "
+                f"({sum(held[r] for r in involved):.0f} blocks)")
+        return Signature.VETOED, involved, f"forwards vetoed {max(vetoed.values()):.0f} times" + (
+            f", rank(s) {','.join(map(str, involved))} scheduling empty batches" if involved else "")
+    if any(held[r] > 0 for r in ranks) and all(moved.held_before.get(r, 0) > 0 or held[r] == 0 for r in ranks):
+        return Signature.TRANSFER, tuple(r for r in ranks if held[r] > 0), \
+            f"{sum(held.values()):.0f} KV blocks held for transfers that do not complete"
+    return Signature.VETOED, tuple(r for r in ranks if empty.get(r, 0) > 0), "the loop runs but produces no real tokens"
+
+
+def _evidence(moved: _Moved, stretch: list[Scrape], latest: Scrape) -> dict[str, object]:
+    base = stretch[0]
     evidence = {
         "window_seconds": round(latest.at - base.at, 1),
         "scrapes": len(stretch),
         "real_tokens_delta": latest.tokens - base.tokens,
-        "iterations_delta": _by_rank(iterations),
-        "forward_steps_delta": _by_rank(steps),
-        "forward_vetoed_delta": _by_rank(vetoed),
-        "empty_batch_iterations_delta": _by_rank(empty),
+        "iterations_delta": _by_rank(moved.iterations),
+        "forward_steps_delta": _by_rank(moved.steps),
+        "forward_vetoed_delta": _by_rank(moved.vetoed),
+        "empty_batch_iterations_delta": _by_rank(moved.empty),
         **_basic_evidence(latest),
     }
+    progress_times = [latest.ranks[r].last_progress_timestamp for r in moved.ranks
+                      if latest.ranks[r].last_progress_timestamp is not None]
     if progress_times:
         evidence["seconds_since_last_progress"] = round(latest.at - max(progress_times), 1)
-    pods = {r: latest.rank_pods[r] for r in involved if r in latest.rank_pods} if latest.rank_pods else {}
-    return StallVerdict(server, role, state, latest.at, f"{reason}; {how}", signature=signature,
-                        ranks=involved, since=base.at, evidence=evidence, pods=pods)
+    return evidence
 
 
 def _holds_pulled_kv(stretch: list[Scrape], involved: tuple[int, ...]) -> bool:
