@@ -82,57 +82,17 @@ def fleet_status(obs: FleetObservation, counts: dict[str, dict], router: dict | 
     model's download (model_status.py), which Progressing names first."""
     previous = {c.get("type"): c for c in (obs.status or {}).get("conditions") or []}
     gen = obs.generation
-
     lagging = [f"{role} {c['ready']}/{c['desired']} ready" for role, c in counts.items() if c["ready"] < c["desired"]]
     if router and router["ready"] < router["desired"]:
         lagging.append(f"router {router['ready']}/{router['desired']} ready")
-    # Ready: the fleet serves — every role has a Ready server, and so does the router. A role short
-    # of servers (scaling up, a server restarting) is Progressing, not unready, while one serves.
-    dark = [role for role, c in counts.items() if c["desired"] and not c["ready"]]
-    router_dark = bool(router and router["desired"] and not router["ready"])
-    summary = ", ".join(f"{role} {c['ready']}/{c['desired']}" for role, c in counts.items()) + " ready" + (
-        f", router {router['ready']}/{router['desired']}" if router and router["desired"] else "")
     invalid = next((p for p in problems if p.reason == Reason.INVALID_SPEC), None)
-    if invalid:
-        ready = condition(ConditionType.READY, False, Reason.INVALID_SPEC, invalid.message, gen, previous, now)
-    elif dark or router_dark:
-        ready = condition(ConditionType.READY, False, "ServersNotReady" if dark else "RouterNotReady",
-                          f"no Ready {' or '.join(dark + ['router'] * router_dark)} server: {summary}",
-                          gen, previous, now)
-    else:
-        ready = condition(ConditionType.READY, True, "MinimumServersReady" if lagging else "AllServersReady", summary,
-                          gen, previous, now)
-
-    moving = [p for p in plans if not p.converged]
-    if invalid:
-        progressing = condition(ConditionType.PROGRESSING, False, Reason.INVALID_SPEC, "nothing is changed until the spec is fixed",
-                                gen, previous, now)
-    elif moving or objects_waiting or lagging or downloading:
-        reason = MODEL_DOWNLOADING if downloading else next(
-            (ph for ph in ("RollingUpdate", "Replacing", "Scaling") if any(p.phase == ph for p in moving)), "Converging")
-        parts = [downloading] if downloading else []
-        parts += [f"{p.role}: {p.phase}" + (f", waiting for {p.waiting_for}" if p.waiting_for else "") for p in moving]
-        if objects_waiting:
-            parts.append(f"waiting for {objects_waiting}")
-        if router and router["ready"] < router["desired"] and not parts:
-            parts.append(f"router {router['ready']}/{router['desired']} ready")
-        progressing = condition(ConditionType.PROGRESSING, True, reason, "; ".join(parts) or ", ".join(lagging),
-                                gen, previous, now)
-    else:
-        progressing = condition(ConditionType.PROGRESSING, False, "Complete", "every server runs the current spec",
-                                gen, previous, now)
-
-    if problems:
-        first = problems[0]
-        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
-        degraded = condition(ConditionType.DEGRADED, True, first.reason,
-                             "; ".join(p.message for p in problems[:5]) + more, gen, previous, now)
-    else:
-        degraded = condition(ConditionType.DEGRADED, False, "AsExpected", "no problems seen", gen, previous, now)
+    ready = condition(*_ready(counts, router, invalid, lagging), gen, previous, now)
+    progressing = condition(*_progressing(router, plans, objects_waiting, invalid, lagging, downloading),
+                            gen, previous, now)
+    degraded = condition(*_degraded(problems), gen, previous, now)
 
     kept = [c for t, c in previous.items() if t not in RECONCILE_CONDITIONS]  # Stalled, Remediating
-    conditions = [ready, progressing, degraded] + kept
-    status = {"observedGeneration": gen, "conditions": conditions}
+    status = {"observedGeneration": gen, "conditions": [ready, progressing, degraded] + kept}
     status.update({role: c for role, c in counts.items()})
     if router is not None:
         status["router"] = router
@@ -144,6 +104,49 @@ def fleet_status(obs: FleetObservation, counts: dict[str, dict], router: dict | 
     if (obs.status or {}).get("recentRemediations"):
         status["recentRemediations"] = obs.status["recentRemediations"]
     return status
+
+
+Said = tuple[ConditionType, bool, str, str]  # a condition's type, status, reason and message
+
+
+def _ready(counts: dict[str, dict], router: dict | None, invalid: Problem | None, lagging: list[str]) -> Said:
+    """The fleet serves: every role has a Ready server, and so does the router. A role short of
+    servers (scaling up, a server restarting) is Progressing, not unready, while one serves."""
+    dark = [role for role, c in counts.items() if c["desired"] and not c["ready"]]
+    router_dark = bool(router and router["desired"] and not router["ready"])
+    summary = ", ".join(f"{role} {c['ready']}/{c['desired']}" for role, c in counts.items()) + " ready" + (
+        f", router {router['ready']}/{router['desired']}" if router and router["desired"] else "")
+    if invalid:
+        return ConditionType.READY, False, Reason.INVALID_SPEC, invalid.message
+    if dark or router_dark:
+        return ConditionType.READY, False, "ServersNotReady" if dark else "RouterNotReady", \
+            f"no Ready {' or '.join(dark + ['router'] * router_dark)} server: {summary}"
+    return ConditionType.READY, True, "MinimumServersReady" if lagging else "AllServersReady", summary
+
+
+def _progressing(router: dict | None, plans: list[RolePlan], objects_waiting: str | None, invalid: Problem | None,
+                 lagging: list[str], downloading: str | None) -> Said:
+    moving = [p for p in plans if not p.converged]
+    if invalid:
+        return ConditionType.PROGRESSING, False, Reason.INVALID_SPEC, "nothing is changed until the spec is fixed"
+    if not (moving or objects_waiting or lagging or downloading):
+        return ConditionType.PROGRESSING, False, "Complete", "every server runs the current spec"
+    reason = MODEL_DOWNLOADING if downloading else next(
+        (ph for ph in ("RollingUpdate", "Replacing", "Scaling") if any(p.phase == ph for p in moving)), "Converging")
+    parts = [downloading] if downloading else []
+    parts += [f"{p.role}: {p.phase}" + (f", waiting for {p.waiting_for}" if p.waiting_for else "") for p in moving]
+    if objects_waiting:
+        parts.append(f"waiting for {objects_waiting}")
+    if router and router["ready"] < router["desired"] and not parts:
+        parts.append(f"router {router['ready']}/{router['desired']} ready")
+    return ConditionType.PROGRESSING, True, reason, "; ".join(parts) or ", ".join(lagging)
+
+
+def _degraded(problems: list[Problem]) -> Said:
+    if not problems:
+        return ConditionType.DEGRADED, False, "AsExpected", "no problems seen"
+    more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+    return ConditionType.DEGRADED, True, problems[0].reason, "; ".join(p.message for p in problems[:5]) + more
 
 
 def transitions(before: dict, after: dict) -> list[tuple[str, dict]]:
