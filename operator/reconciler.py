@@ -38,8 +38,8 @@ from adpfleet.operator.decisions.history import history_from_status, restarts_in
 from adpfleet.operator.decisions.model_status import CLAIM_NOT_FOUND, model_report
 from adpfleet.operator.decisions.observed import FETCHING, FleetObservation, ServerPod
 from adpfleet.operator.decisions.rollout import (ApplyObject, ChildAction, CreateServer, DeleteObject, DeleteServer,
-                                                 Drain, DrainServer, RolePlan, UndrainServer, Wording, plan_objects,
-                                                 plan_role, vacancies)
+                                                 Drain, DrainServer, ObjectsPlan, RolePlan, UndrainServer, Wording,
+                                                 plan_objects, plan_role, vacancies)
 from adpfleet.operator.decisions.scale_target import CreateRoleObject, SetRoleReplicas
 from adpfleet.operator.decisions.security import SecurityConfig
 from adpfleet.operator.resource import names
@@ -56,6 +56,8 @@ PROGRESS_LOG_LINES = 20        # ... from this many of its last lines
 MAX_BACKOFF_SECONDS = 300.0
 
 PassAction = ChildAction | CreateRoleObject | SetRoleReplicas  # what a pass may do
+# What holds server creations back: the problem, what they wait for, the roles held (None: all).
+Hold = tuple[Problem, str, tuple[str, ...] | None]
 
 
 class StatusPart(Protocol):
@@ -153,55 +155,67 @@ class Reconciler:
         fleet = FleetRef(obs.name, obs.namespace, obs.uid)
         if memory.written_status and memory.written_status[0] == obs.resource_version:
             obs = dataclasses.replace(obs, status=memory.written_status[1])  # the cache lags our own write
-
-        spec, invalid = _read_spec(obs)
-        if spec is not None and self.security.require_api_key and spec.auth.api_key_secret is None:
-            spec, invalid = None, Problem(Reason.INVALID_SPEC, "spec.auth.apiKeySecret is required: this operator runs "
-                                                         "with --require-api-key (the chart's security.requireApiKey)")
+        # 1. the spec, or why it cannot be used (then that is all the status says)
+        spec, invalid = self._usable_spec(obs)
         if spec is None:
             status = conditions.fleet_status(obs, {}, None, [], None, [invalid], now_rfc3339())
             written = await self._store_status(fleet, obs, status, memory, logger)
             return PassResult(None, 0, written is StatusWrite.REFUSED)
-
-        desired = desired_fleet(fleet, spec, self.security)
-        desired = dataclasses.replace(desired, replicas={
-            role: scale_target.replicas_of(spec, role, obs.role_object(role)) for role in names.ROLES})
+        # 2. desired and observed into a plan per role, the router's objects and the roles' scale targets
+        desired = self._desired(fleet, spec, obs)
         role_pods, plans = self._roles(obs, memory, desired, spec)
         objects_plan = plan_objects(desired.objects, list(obs.objects), obs.uid)
+        scale_actions = self._scale_actions(fleet, spec, obs)
+        # 3. server creations held while what they need is missing (a claim, a PodGroup API)
+        holds = await self._holds(spec, obs.namespace, plans)
+        plans = _hold_creations(plans, holds)
+        # 4. act, in order
+        actions = _in_order(objects_plan.actions, scale_actions, plans)
+        failures = await self._act_all(fleet, obs, desired, actions, memory, logger)
+        # 5. the status describes the fleet as these actions left it (a deleted pod is terminating, a
+        #    created one pending), so it does not announce a state that is already gone
+        if actions:
+            role_pods, plans = self._roles(obs, memory, desired, spec)
+            plans = [dataclasses.replace(p, actions=()) for p in _hold_creations(plans, holds)]  # the next pass's
+        problems = [problem for problem, _, _ in holds] + failures
+        written, downloading = await self._report(fleet, obs, spec, desired, role_pods, plans, objects_plan,
+                                                  scale_actions, problems, memory, logger)
+        # 6. when to look again
+        failed = bool(failures) or written is StatusWrite.REFUSED
+        return PassResult(self._requeue(memory, plans, holds, downloading, failed), len(actions), failed)
+
+    # ---- the steps ----
+
+    def _usable_spec(self, obs: FleetObservation) -> tuple[FleetSpec | None, Problem | None]:
+        spec, invalid = _read_spec(obs)
+        if spec is not None and self.security.require_api_key and spec.auth.api_key_secret is None:
+            return None, Problem(Reason.INVALID_SPEC, "spec.auth.apiKeySecret is required: this operator runs with "
+                                                      "--require-api-key (the chart's security.requireApiKey)")
+        return spec, invalid
+
+    def _desired(self, fleet: FleetRef, spec: FleetSpec, obs: FleetObservation) -> DesiredFleet:
+        """The fleet's objects from its spec, each role's server count from its InferenceFleetRole."""
+        desired = desired_fleet(fleet, spec, self.security)
+        return dataclasses.replace(desired, replicas={
+            role: scale_target.replicas_of(spec, role, obs.role_object(role)) for role in names.ROLES})
+
+    def _scale_actions(self, fleet: FleetRef, spec: FleetSpec, obs: FleetObservation) -> list[PassAction]:
         taken = {o.name for o in obs.role_objects if o.owner_uid != obs.uid}
-        scale_actions = [a for role in names.ROLES for a in scale_target.plan_role_object(
+        return [a for role in names.ROLES for a in scale_target.plan_role_object(
             fleet, spec, role, obs.role_object(role), names.role_object_name(fleet.name, role) in taken,
             now_rfc3339())]
 
-        problems: list[Problem] = []
-        requeue: float | None = None
-        missing = await self._check_claims(spec, obs.namespace, plans)  # (problem, what creations wait for)
-        holds = [(*missing, None)] if missing else []  # (problem, what creations wait for, roles held; None: all)
-        holds += await self._check_pod_group_apis(spec, plans)
-        for problem, waiting_for, roles in holds:
-            problems.append(problem)
-            plans = _hold_creations(plans, waiting_for, roles)
-        if holds:
-            requeue = CLAIM_RECHECK_SECONDS
+    async def _holds(self, spec: FleetSpec, namespace: str, plans: list[RolePlan]) -> list[Hold]:
+        missing = await self._check_claims(spec, namespace, plans)  # (problem, what creations wait for)
+        return ([(*missing, None)] if missing else []) + await self._check_pod_group_apis(spec, plans)
 
-        # Router objects first (the ServiceAccount and Role before the Deployment that uses them),
-        # then deletions (they free names and capacity), then creations.
-        actions: list[PassAction] = list(objects_plan.actions) + scale_actions
-        actions += [a for p in plans for a in p.actions if isinstance(a, (DrainServer, UndrainServer))]
-        actions += [a for p in plans for a in p.actions if isinstance(a, DeleteServer)]
-        actions += [a for p in plans for a in p.actions if isinstance(a, CreateServer)]
-        failures = []
-        token_name = security.internal_token_secret_name(fleet.name)
-        if any(isinstance(a, (CreateServer, ApplyObject)) for a in actions) or \
-                any(token_name in (p.problem or "") for p in obs.pods):
-            # Before any pod that needs it (or when a pod cannot find it: deleted to rotate it):
-            # created, never read; 409 means it is there.
-            token = await self.api.create_secret(security.internal_token_secret(fleet))
-            if not token.ok:
-                message = f"could not create Secret {token_name}: {token.message}"
-                logger.warning(message)
-                await self.api.record_event(fleet, "Warning", "CreateFailed", message)
-                failures.append(Problem("CreateFailed", message))
+    async def _act_all(self, fleet: FleetRef, obs: FleetObservation, desired: DesiredFleet, actions: list[PassAction],
+                       memory: FleetMemory, logger: logging.Logger) -> list[Problem]:
+        """Carry `actions` out (the internal token Secret first when a pod needs it), each reported:
+        what could not be done as a Warning Event and a problem, what was done as one Event per kind
+        of change and reason, naming every object (a new fleet of six servers and a router is three
+        Events, not eleven)."""
+        failures = await self._ensure_token(fleet, obs, actions, logger)
         done: dict[tuple[Wording, str], list[str]] = {}  # (how the action is said, why) -> what was done
         for action in actions:
             outcome = await self._act(fleet, desired, action, memory)
@@ -215,29 +229,39 @@ class Reconciler:
                 logger.warning(message)
                 await self.api.record_event(fleet, "Warning", action.wording.failure, message)
                 failures.append(Problem(action.wording.failure, message))
-        # One Event per kind of change and reason, naming every object, rather than one per object:
-        # a new fleet of six servers and a router is three Events, not eleven.
         for (wording, why), what in done.items():
             await self.api.record_event(fleet, "Normal", wording.reason, f"{wording.past} {', '.join(what)} ({why})")
-        problems += failures
+        return failures
 
-        # The status describes the fleet as these actions left it (a deleted pod is terminating, a
-        # created one pending), so it does not announce a state that is already gone.
-        if actions:
-            role_pods, plans = self._roles(obs, memory, desired, spec)
-            for _, waiting_for, roles in holds:
-                plans = _hold_creations(plans, waiting_for, roles)
-            plans = [dataclasses.replace(p, actions=()) for p in plans]  # the next pass's business
+    async def _ensure_token(self, fleet: FleetRef, obs: FleetObservation, actions: list[PassAction],
+                            logger: logging.Logger) -> list[Problem]:
+        """Before any pod that needs it (or when a pod cannot find it: deleted to rotate it), the
+        internal token Secret: created, never read; 409 means it is there."""
+        token_name = security.internal_token_secret_name(fleet.name)
+        if not (any(isinstance(a, (CreateServer, ApplyObject)) for a in actions) or
+                any(token_name in (p.problem or "") for p in obs.pods)):
+            return []
+        token = await self.api.create_secret(security.internal_token_secret(fleet))
+        if token.ok:
+            return []
+        message = f"could not create Secret {token_name}: {token.message}"
+        logger.warning(message)
+        await self.api.record_event(fleet, "Warning", "CreateFailed", message)
+        return [Problem("CreateFailed", message)]
+
+    async def _report(self, fleet: FleetRef, obs: FleetObservation, spec: FleetSpec, desired: DesiredFleet,
+                      role_pods: dict[str, list[ServerPod]], plans: list[RolePlan], objects_plan: ObjectsPlan,
+                      scale_actions: list[PassAction], problems: list[Problem], memory: FleetMemory,
+                      logger: logging.Logger) -> tuple[StatusWrite, str | None]:
+        """The fleet's status (and each role's) from what the pass saw and did, written when it
+        changed; and which servers wait for their model's download (read from their logs)."""
         own_pods = {role: [p for p in role_pods[role] if p.owner_uid == obs.uid] for role in names.ROLES}
         live = [p for role in names.ROLES for p in own_pods[role] if not p.terminating]
         progress = await self._download_progress(fleet, spec.model, live)
         model = model_report(spec.model.parsed, live, progress,
-                             claim_missing=bool(missing) and missing[0].reason == MODEL_UNAVAILABLE)
-        if model.downloading:
-            requeue = min(requeue or PROGRESS_SECONDS, PROGRESS_SECONDS)
-        problems += model.problems
-        problems += conditions.pod_problems([p for role in names.ROLES for p in own_pods[role]],
-                                            security.secret_fields(fleet.name, spec))
+                             claim_missing=any(p.reason == MODEL_UNAVAILABLE for p in problems))  # a held claim
+        problems = problems + model.problems + conditions.pod_problems(
+            [p for role in names.ROLES for p in own_pods[role]], security.secret_fields(fleet.name, spec))
         counts = {role: conditions.role_counts(desired.replicas[role], desired.servers[role].template_hash,
                                                own_pods[role]) for role in names.ROLES}
         pending = {a.role: a for a in scale_actions if isinstance(a, SetRoleReplicas)}
@@ -253,9 +277,15 @@ class Reconciler:
         newest = max((r for r in last_scales.values() if r), key=lambda r: r["time"], default=None)
         if newest:
             status["lastScale"] = newest
-        written = await self._store_status(fleet, obs, status, memory, logger)
+        return await self._store_status(fleet, obs, status, memory, logger), model.downloading
 
-        failed = bool(failures) or written is StatusWrite.REFUSED
+    def _requeue(self, memory: FleetMemory, plans: list[RolePlan], holds: list[Hold], downloading: str | None,
+                 failed: bool) -> float | None:
+        """When to look again though no event may come (None: at the next event or resync): a
+        failed pass backs off; a hold, a download, unconfirmed actions and drains are looked at."""
+        requeue = CLAIM_RECHECK_SECONDS if holds else None  # a claim and a PodGroup API have no watch
+        if downloading:
+            requeue = min(requeue or PROGRESS_SECONDS, PROGRESS_SECONDS)
         if failed:
             memory.failures += 1
             requeue = min(MAX_BACKOFF_SECONDS, 2.0 ** memory.failures)
@@ -267,7 +297,7 @@ class Reconciler:
         if drains_end is not None:  # a drain times out without any event to say so
             wait = max(MIN_RECHECK_SECONDS, drains_end - self.wall_clock())
             requeue = wait if requeue is None else min(requeue, wait)
-        return PassResult(requeue, len(actions), failed)
+        return requeue
 
     def _roles(self, obs: FleetObservation, memory: FleetMemory, desired: DesiredFleet,
                spec: FleetSpec) -> tuple[dict[str, list[ServerPod]], list[RolePlan]]:
@@ -488,12 +518,25 @@ def _claims_needed(model: ModelSource) -> list[tuple[str, str]]:
     return out
 
 
-def _hold_creations(plans: list[RolePlan], waiting_for: str, roles: tuple[str, ...] | None = None) -> list[RolePlan]:
-    """The plans (of `roles`; None: all) without their server creations, saying what they wait for."""
-    return [dataclasses.replace(p, actions=tuple(a for a in p.actions if not isinstance(a, CreateServer)),
-                                waiting_for=waiting_for)
-            if any(isinstance(a, CreateServer) for a in p.actions) and (roles is None or p.role in roles) else p
-            for p in plans]
+def _hold_creations(plans: list[RolePlan], holds: list[Hold]) -> list[RolePlan]:
+    """The plans without the server creations `holds` hold (of their roles; None: all), saying what they wait for."""
+    for _, waiting_for, roles in holds:
+        plans = [dataclasses.replace(p, actions=tuple(a for a in p.actions if not isinstance(a, CreateServer)),
+                                     waiting_for=waiting_for)
+                 if any(isinstance(a, CreateServer) for a in p.actions) and (roles is None or p.role in roles) else p
+                 for p in plans]
+    return plans
+
+
+def _in_order(object_actions: tuple[ChildAction, ...], scale_actions: list[PassAction],
+              plans: list[RolePlan]) -> list[PassAction]:
+    """Router objects first (the ServiceAccount and Role before the Deployment that uses them), then
+    the scale targets, drains, deletions (they free names and capacity), then creations."""
+    actions: list[PassAction] = list(object_actions) + scale_actions
+    actions += [a for p in plans for a in p.actions if isinstance(a, (DrainServer, UndrainServer))]
+    actions += [a for p in plans for a in p.actions if isinstance(a, DeleteServer)]
+    actions += [a for p in plans for a in p.actions if isinstance(a, CreateServer)]
+    return actions
 
 
 def _read_spec(obs: FleetObservation) -> tuple[FleetSpec | None, Problem | None]:
