@@ -23,8 +23,19 @@ import signal
 import socket
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from adpfleet.operator.decisions.leadership import Timing
+
+if TYPE_CHECKING:  # the process imports them when it runs (the CLI's other commands need none of them)
+    from adpfleet.operator.adapters.scrape import HttpScraper
+    from adpfleet.operator.alerts import AlertReceiver
+    from adpfleet.operator.drains import DrainWatch
+    from adpfleet.operator.election import LeaderElector
+    from adpfleet.operator.loops import FleetLoops
+    from adpfleet.operator.stall import StallController
+    from adpfleet.operator.telemetry import Heartbeats, OperatorMetrics
 
 log = logging.getLogger("adpfleet.operator")
 
@@ -186,15 +197,51 @@ def operator_settings(settings) -> None:
 
 
 async def run(args, namespaces: list[str]) -> None:
-    import kopf
+    """The operator: its parts wired, its HTTP endpoints served, and kopf run once this replica leads."""
+    from adpfleet.operator.adapters.kube import CONNECTION_POOL
 
-    from adpfleet.operator.adapters.kube import CONNECTION_POOL, KubeApi, load_api_client, require_crd
+    # The API client is synchronous and runs in worker threads: enough of them that fifty fleets
+    # converging at once are not queued behind six (the default on a two-core machine).
+    asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=CONNECTION_POOL,
+                                                                       thread_name_prefix="kube-api"))
+    parts = _wire(args)
+    ready = asyncio.Event()
+    listeners = await _listen(args, parts, ready)
+    try:
+        await _operate(args, namespaces, parts, ready)
+    finally:
+        for server in listeners:
+            await server.cleanup()
+        await parts.close()
+        log.info("stopped")
+
+
+@dataclass
+class _Parts:
+    """The operator's parts, wired together: what its HTTP endpoints, kopf and its shutdown use."""
+    api_client: Any
+    metrics: OperatorMetrics
+    heartbeats: Heartbeats
+    scraper: HttpScraper
+    stall: StallController
+    drains: DrainWatch
+    loops: FleetLoops
+    receiver: AlertReceiver
+    elector: LeaderElector | None
+
+    async def close(self) -> None:
+        await self.stall.close()
+        self.drains.close()
+        await self.scraper.close()
+        self.api_client.close()
+
+
+def _wire(args) -> _Parts:
+    from adpfleet.operator.adapters.kube import KubeApi, load_api_client, require_crd
     from adpfleet.operator.adapters.scrape import HttpScraper
     from adpfleet.operator.alerts import AlertReceiver, token_source
     from adpfleet.operator.drains import DrainWatch
     from adpfleet.operator.election import LeaderElector
-    from adpfleet.operator.handlers import build_registry
-    from adpfleet.operator.httpserver import leader_only, start_http_server, start_webhook_server
     from adpfleet.operator.inbox import AlertInbox
     from adpfleet.operator.loops import FleetLoops
     from adpfleet.operator.reconciler import Reconciler
@@ -202,10 +249,6 @@ async def run(args, namespaces: list[str]) -> None:
     from adpfleet.operator.stall import StallController
     from adpfleet.operator.telemetry import Heartbeats, OperatorMetrics, ScalingMetrics, StallMetrics
 
-    # The API client is synchronous and runs in worker threads: enough of them that fifty fleets
-    # converging at once are not queued behind six (the default on a two-core machine).
-    asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=CONNECTION_POOL,
-                                                                       thread_name_prefix="kube-api"))
     metrics = OperatorMetrics()
     heartbeats = Heartbeats(resync_seconds=args.resync_seconds, stuck_after=args.stuck_seconds)
     api_client = load_api_client()
@@ -225,36 +268,45 @@ async def run(args, namespaces: list[str]) -> None:
     timing = election_timing(args)
     elector = LeaderElector(api, metrics, namespace=args.leader_election_namespace, name=args.leader_election_id,
                             identity=identity(), timing=timing) if timing else None
-    webhook_routes = leader_only(receiver.routes(), elector) if elector else receiver.routes()
-    ready = asyncio.Event()
+    return _Parts(api_client, metrics, heartbeats, scraper, stall, drains, loops, receiver, elector)
+
+
+async def _listen(args, parts: _Parts, ready: asyncio.Event) -> list:
+    """The HTTP endpoints (and the webhook's own TLS listener, when given a certificate); a standby
+    answers 503 on /alerts."""
+    from adpfleet.operator.httpserver import leader_only, start_http_server, start_webhook_server
+
+    routes = leader_only(parts.receiver.routes(), parts.elector) if parts.elector else parts.receiver.routes()
     tls = webhook_tls(args)
-    http = await start_http_server(args.http_host, args.http_port, metrics, heartbeats, ready,
-                                   routes=() if tls else webhook_routes, elector=elector) if args.http_port else None
-    webhook = await start_webhook_server(args.http_host, args.alerts_port, webhook_routes, tls) if tls else None
+    http = await start_http_server(args.http_host, args.http_port, parts.metrics, parts.heartbeats, ready,
+                                   routes=() if tls else routes, elector=parts.elector) if args.http_port else None
+    webhook = await start_webhook_server(args.http_host, args.alerts_port, routes, tls) if tls else None
+    return [server for server in (http, webhook) if server is not None]
+
+
+async def _operate(args, namespaces: list[str], parts: _Parts, ready: asyncio.Event) -> None:
+    """kopf, once this replica leads (at once without leader election); the Lease handed back after."""
+    import kopf
+
+    from adpfleet.operator.handlers import build_registry
+
     settings = kopf.OperatorSettings()
     operator_settings(settings)
     keeping = None
     try:
-        if elector is not None:
+        if parts.elector is not None:
             ready.set()  # a standby is ready to take over: it serves /metrics, and 503 on /alerts
-            if not await stand_by(elector):
+            if not await stand_by(parts.elector):
                 return
-            keeping = asyncio.ensure_future(elector.keep(_exit_now))
+            keeping = asyncio.ensure_future(parts.elector.keep(_exit_now))
         else:
-            metrics.leader.set(1)
+            parts.metrics.leader.set(1)
         log.info("starting: watching %s", "all namespaces" if args.all_namespaces else ", ".join(namespaces))
-        await kopf.operator(registry=build_registry(), settings=settings, memo=kopf.Memo(loops=loops, stall=stall),
+        await kopf.operator(registry=build_registry(), settings=settings,
+                            memo=kopf.Memo(loops=parts.loops, stall=parts.stall),
                             clusterwide=bool(args.all_namespaces), namespaces=namespaces,
                             standalone=True, ready_flag=ready)
     finally:
         if keeping is not None:
             keeping.cancel()
-            await elector.release()
-        for server in (http, webhook):
-            if server is not None:
-                await server.cleanup()
-        await stall.close()
-        drains.close()
-        await scraper.close()
-        api_client.close()
-        log.info("stopped")
+            await parts.elector.release()
