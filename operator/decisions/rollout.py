@@ -173,7 +173,7 @@ def plan_role(role: str, desired: int, template_hash: str, pods: list[ServerPod]
               vacated: tuple[int, ...] = ()) -> RolePlan:
     """The next actions for one role: the first of the module docstring's rules that applies;
     `vacated`: slots to refill first (see `vacancies`)."""
-    view = _RolePods(role, template_hash, pods)
+    view = _RolePods.of(role, template_hash, pods)
     return (_replace_finished(view) or _scale_up(view, desired, vacated) or _finish_drains(view, drain)
             or _scale_down(view, desired, drain) or _settle(view) or _roll(view, desired))
 
@@ -184,31 +184,20 @@ class _RolePods:
     role: str
     template_hash: str
     pods: list[ServerPod]
+    alive: list[ServerPod]        # not terminating
+    leaving: list[ServerPod]      # ... that a scale-down drains
+    live: list[ServerPod]         # ... the others: the role's servers
+    terminating: list[ServerPod]
+    current: list[ServerPod]      # live, from the current template
+    outdated: list[ServerPod]     # live, from an older one
 
-    @property
-    def alive(self) -> list[ServerPod]:
-        return [p for p in self.pods if not p.terminating]
-
-    @property
-    def leaving(self) -> list[ServerPod]:
-        return [p for p in self.alive if p.leaving]
-
-    @property
-    def live(self) -> list[ServerPod]:
-        """The role's servers; the leaving ones are on their way out."""
-        return [p for p in self.alive if not p.leaving]
-
-    @property
-    def terminating(self) -> list[ServerPod]:
-        return [p for p in self.pods if p.terminating]
-
-    @property
-    def current(self) -> list[ServerPod]:
-        return [p for p in self.live if p.template_hash == self.template_hash]
-
-    @property
-    def outdated(self) -> list[ServerPod]:
-        return [p for p in self.live if p.template_hash != self.template_hash]
+    @classmethod
+    def of(cls, role: str, template_hash: str, pods: list[ServerPod]) -> "_RolePods":
+        alive = [p for p in pods if not p.terminating]
+        live = [p for p in alive if not p.leaving]
+        return cls(role, template_hash, pods, alive, [p for p in alive if p.leaving], live,
+                   [p for p in pods if p.terminating], [p for p in live if p.template_hash == template_hash],
+                   [p for p in live if p.template_hash != template_hash])
 
     @property
     def taken(self) -> set[int]:
