@@ -311,6 +311,11 @@ def test_scaling_up_keeps_a_serving_fleet_ready():
     ready = {c["type"]: c for c in api.last_status["conditions"]}["Ready"]
     assert (ready["status"], ready["reason"]) == ("False", "ServersNotReady") and "no Ready generation" in ready["message"]
 
+    # every server Ready, the router not: the fleet does not serve either
+    reconcile(api := FakeApi(), observation(fleet_manifest("f"), pods=running_pods()))
+    ready = {c["type"]: c for c in api.last_status["conditions"]}["Ready"]
+    assert (ready["status"], ready["reason"]) == ("False", "RouterNotReady") and "no Ready router" in ready["message"]
+
 
 def test_router_objects_are_applied_in_dependency_order():
     api = FakeApi()

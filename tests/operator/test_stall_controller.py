@@ -21,6 +21,8 @@ from adpfleet.operator.inbox import AlertInbox, StallAlert
 from adpfleet.operator.resource.names import FleetRef
 from adpfleet.operator.resource.vocabulary import Action, Outcome, Signature
 from adpfleet.operator.stall import FleetStall, StallController
+from adpfleet.operator.stall_events import FleetEvents
+from adpfleet.operator.stall_leftover import LeftOver
 from adpfleet.operator.telemetry import StallMetrics
 
 KEY = ("prod", "llama")
@@ -415,3 +417,50 @@ def test_a_group_whose_progress_resumes_while_its_leader_drains_is_recovered_not
     assert [c[:2] for c in w.api.calls if c[0] in ("drain", "undrain")] == [("drain", "llama-generation-0-0"),
                                                                            ("undrain", "llama-generation-0-0")]
     assert [r["outcome"] for r in w.records()] == ["Recovered"]
+
+
+# ---- the loop's rooms -------------------------------------------------------------------------
+
+def test_an_event_repeats_at_most_once_a_minute_unless_forced():
+    api = FakeApi()
+    events = FleetEvents(FleetRef("llama", "prod", "fleet-uid"), logging.getLogger("test"))
+    for force in (False, False, True, False):
+        run(events.say(api, "Warning", "RemediationSkipped", "m", "llama-context-0", force=force))
+    run(events.say(api, "Warning", "RemediationSkipped", "m", "llama-generation-0"))  # another server
+    assert len(api.events("RemediationSkipped")) == 3
+
+
+def test_a_pending_action_is_resumed_once_even_while_it_is_still_underway():
+    pending = Remediation(time=T0 - 2, role="context", server="llama-context-0", signature=Signature.VETOED,
+                          action=Action.RESTART_SERVER, outcome=Outcome.PENDING, message="m",
+                          targets=("llama-context-0",))
+    w = World(status={"recentRemediations": [pending.to_status()]})
+    look = w.fleet.spec.look(w.observe())
+    resumed = []
+
+    class Remediator:  # the action never finishes: the record stays Pending
+        api = w.api
+
+        async def execute(self, key, fleet, record, spec, batch, *, persisted, stalled_sample):
+            resumed.append((record.server, persisted))
+
+    async def three_ticks():
+        leftover, started = LeftOver(), []
+        for _ in range(3):
+            await leftover.finish(KEY, w.fleet, look, w.now, Remediator(), started.append)
+        await asyncio.gather(*started)
+    run(three_ticks())
+    assert resumed == [("llama-context-0", True)]
+
+
+def test_a_fleet_disabled_then_enabled_again_is_judged_afresh():
+    w = World(mode="DryRun")
+    w.metrics["127.0.9.1"] = w.stalled()
+    run(w.ticks(8))
+    assert w.condition("Stalled")["status"] == "True"
+    w.spec["remediation"]["mode"] = "Disabled"
+    run(w.ticks(1))
+    assert w.condition("Stalled")["status"] == "Unknown"
+    w.spec["remediation"]["mode"] = "DryRun"  # the scrapes from before the pause are not compared with new ones
+    run(w.ticks(1))
+    assert w.condition("Stalled")["status"] == "False"
