@@ -190,7 +190,7 @@ def test_the_operator_flags_become_its_security_config(monkeypatch):
 
 def test_the_env_names_are_the_ones_the_runtime_reads():
     """The operator cannot import the runtime (its image has no torch); the names must still agree."""
-    from adpfleet.operator.resource.models import RESERVED_ENV
+    from adpfleet.operator.resource.names import RESERVED_ENV
     from adpfleet.runtime.serving import auth
     from adpfleet.runtime.server import FAULT_INJECTION_ENV
     assert (security.API_KEY_ENV, security.INTERNAL_TOKEN_ENV) == (auth.API_KEY_ENV, auth.INTERNAL_TOKEN_ENV)
