@@ -43,7 +43,8 @@ from adpfleet.operator.decisions.rollout import (ApplyObject, ChildAction, Creat
 from adpfleet.operator.decisions.scale_target import CreateRoleObject, SetRoleReplicas
 from adpfleet.operator.decisions.security import SecurityConfig
 from adpfleet.operator.resource import names
-from adpfleet.operator.resource.models import FleetSpec, ModelSource, fleet_name_problem
+from adpfleet.operator.resource.model_source import ModelSource
+from adpfleet.operator.resource.models import FleetSpec, fleet_name_problem
 from adpfleet.operator.resource.names import FleetKey, FleetRef
 from adpfleet.operator.resource.vocabulary import ConditionType, Reason
 from adpfleet.operator.telemetry import OperatorMetrics

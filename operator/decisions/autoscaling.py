@@ -47,7 +47,7 @@ from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
 from adpfleet.operator.adapters.scrape import Scrape
-from adpfleet.operator.resource.models import AutoscalingSpec
+from adpfleet.operator.resource.server_role import AutoscalingSpec
 from adpfleet.operator.resource.vocabulary import ScaleReason
 
 TRANSFER_BOUND = 0.5  # a context role with more of its KV capacity held for transfers waits on generation

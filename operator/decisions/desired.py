@@ -26,7 +26,10 @@ from adpfleet.operator.decisions import gang as gangs
 from adpfleet.operator.decisions import pod_template
 from adpfleet.operator.resource import names, quantity
 from adpfleet.operator.resource.names import FleetRef
-from adpfleet.operator.resource.models import FleetSpec, GangScheduling, ModelSource, Resources, RouterSpec, ServerRole
+from adpfleet.operator.resource.kube_types import Resources
+from adpfleet.operator.resource.model_source import ModelSource
+from adpfleet.operator.resource.models import FleetSpec, RouterSpec
+from adpfleet.operator.resource.server_role import GangScheduling, ServerRole
 
 
 def digest(obj) -> str:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from decimal import Decimal
 
 from adpfleet.operator.resource import names, quantity
-from adpfleet.operator.resource.models import GangScheduling
+from adpfleet.operator.resource.server_role import GangScheduling
 from adpfleet.operator.resource.names import FleetRef
 
 POD_GROUP_KIND = "PodGroup"

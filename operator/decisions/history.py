@@ -15,7 +15,8 @@ from typing import Iterable, Mapping, Sequence
 from adpfleet.operator.decisions.detection import StallVerdict
 from adpfleet.operator.decisions.observed import ServerView
 from adpfleet.operator.resource import names
-from adpfleet.operator.resource.models import HISTORY_LIMIT, RECORD_MESSAGE_LIMIT, FleetSpec
+from adpfleet.operator.resource.models import FleetSpec
+from adpfleet.operator.resource.status import HISTORY_LIMIT, RECORD_MESSAGE_LIMIT
 from adpfleet.operator.resource.vocabulary import Action, Outcome, ServerState, Signature
 
 BUDGET_PERIOD_SECONDS = 3600.0  # budgetPerHour counts the actions of this last stretch

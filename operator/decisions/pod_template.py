@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 
 from adpfleet.operator.resource import names
-from adpfleet.operator.resource.models import PodTemplate
+from adpfleet.operator.resource.templates import PodTemplate
 
 COPIED_POD_FIELDS = ("affinity", "topologySpreadConstraints", "priorityClassName", "schedulerName",
                      "runtimeClassName")

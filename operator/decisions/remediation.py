@@ -46,7 +46,8 @@ from typing import Mapping, Sequence
 from adpfleet.operator.decisions.detection import StallVerdict, evidence_text
 from adpfleet.operator.decisions.history import (Remediation, budget_used, restarts_in_progress, rfc3339)
 from adpfleet.operator.decisions.observed import ServerView
-from adpfleet.operator.resource.models import HISTORY_LIMIT, FleetSpec
+from adpfleet.operator.resource.models import FleetSpec
+from adpfleet.operator.resource.status import HISTORY_LIMIT
 from adpfleet.operator.resource.vocabulary import Action, Choice, Outcome, Reason, RemediationMode, SkipReason
 
 PEER_ROLES = {"context": ("generation",), "generation": ("context",)}  # whom a server's progress waits on

@@ -6,6 +6,8 @@
 - The **API key**: the Secret key `spec.auth.apiKeySecret` names, given to the router and the
   servers as `ADPFLEET_API_KEY` through `secretKeyRef`. The kubelet resolves both: a missing Secret
   or key keeps the container in CreateContainerConfigError, which the fleet's status reports.
+- **Fault injection** (`ADPFLEET_FAULT_INJECTION`) is always set, from spec.faultInjection, so that
+  no envFrom source can turn it on.
 - **NetworkPolicies** (with the operator's `--network-policies`): the servers' HTTP port only from
   the fleet's router pods, the operator's pods and the monitoring namespaces; the context servers'
   KV ports only from the fleet's generation servers; the router's port from `spec.networkPolicy`'s
@@ -24,6 +26,7 @@ from adpfleet.operator.resource.names import FleetRef
 
 API_KEY_ENV = "ADPFLEET_API_KEY"
 INTERNAL_TOKEN_ENV = "ADPFLEET_INTERNAL_TOKEN"
+FAULT_INJECTION_ENV = "ADPFLEET_FAULT_INJECTION"  # the runtime's: "1" is --fault-injection
 INTERNAL_TOKEN_KEY = "token"
 NAMESPACE_LABEL = "kubernetes.io/metadata.name"  # set by the API server on every namespace
 
@@ -56,20 +59,24 @@ def internal_token_secret(fleet: FleetRef, token: str | None = None) -> dict:
             "data": {INTERNAL_TOKEN_KEY: base64.b64encode(token.encode()).decode()}}
 
 
-def credential_env(fleet: FleetRef, spec: FleetSpec) -> list[dict]:
-    """The environment that gives a router or server container the fleet's secrets."""
+def reserved_env(fleet: FleetRef, spec: FleetSpec) -> list[dict]:
+    """The reserved names (names.RESERVED_ENV) of a router or server container: the fleet's secrets,
+    and fault injection pinned to spec.faultInjection. `env` wins over `envFrom`, so a ConfigMap or
+    Secret that a pod template's envFrom names (admission cannot see its keys) cannot set them.
+    Without spec.auth.apiKeySecret there is no value to pin the API key to: one from envFrom can only
+    make the container ask for a key (docs/security.md)."""
     env = [{"name": INTERNAL_TOKEN_ENV, "valueFrom": {"secretKeyRef": {
         "name": internal_token_secret_name(fleet.name), "key": INTERNAL_TOKEN_KEY}}}]
     ref = spec.auth.api_key_secret
     if ref is not None:
         env.append({"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
-    return env
+    return env + [{"name": FAULT_INJECTION_ENV, "value": "1" if spec.fault_injection else "0"}]
 
 
 def with_credentials(pod_spec: dict, fleet: FleetRef, spec: FleetSpec, container: str) -> dict:
-    """`pod_spec` with the fleet's credentials in the environment of its main `container` (not in
-    a pod template's other containers)."""
-    env = credential_env(fleet, spec)
+    """`pod_spec` with the fleet's credentials, and the other reserved names, in the environment of
+    its main `container` (not in a pod template's other containers)."""
+    env = reserved_env(fleet, spec)
     return {**pod_spec, "containers": [{**c, "env": list(c.get("env", [])) + env} if c.get("name") == container else c
                                        for c in pod_spec["containers"]]}
 

@@ -18,7 +18,11 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
-from adpfleet.operator.resource import models, names
+from adpfleet.operator.resource import names
+from adpfleet.operator.resource.cel import KubeModel
+from adpfleet.operator.resource.fleet_role import FleetRoleSpec, FleetRoleStatus
+from adpfleet.operator.resource.models import ROOT_RULES, FleetSpec
+from adpfleet.operator.resource.status import FleetStatus
 
 # Keys of pydantic's JSON Schema that have no meaning (or no place) in a Kubernetes schema.
 _DROPPED = {"title", "additionalProperties"}
@@ -98,7 +102,7 @@ def to_structural(node: Any, defs: dict[str, Any]) -> Any:
     return out
 
 
-def _schema_of(model: type[models.KubeModel], *, with_factory_defaults: bool) -> dict:
+def _schema_of(model: type[KubeModel], *, with_factory_defaults: bool) -> dict:
     raw = model.model_json_schema(by_alias=True, mode="validation")
     defs = raw.pop("$defs", {})
     schema = to_structural(raw, defs)
@@ -120,7 +124,7 @@ def _add_factory_defaults(model: type[BaseModel], schema: dict) -> None:
             continue
         if field.default_factory is not None:
             value = field.default_factory()
-            sub["default"] = value.to_kube() if isinstance(value, models.KubeModel) else value
+            sub["default"] = value.to_kube() if isinstance(value, KubeModel) else value
         inner = _model_of(field.annotation)
         if inner is not None:
             _add_factory_defaults(inner, sub.get("items", sub))
@@ -191,10 +195,10 @@ def explained(node: dict) -> dict:
 
 def openapi_schema() -> dict:
     """The schema of the whole object, as it goes into the CRD's `openAPIV3Schema`."""
-    spec = _schema_of(models.FleetSpec, with_factory_defaults=True)
-    status = _schema_of(models.FleetStatus, with_factory_defaults=False)
-    spec["description"] = models.FleetSpec.__doc__.strip()
-    status["description"] = models.FleetStatus.__doc__.strip()
+    spec = _schema_of(FleetSpec, with_factory_defaults=True)
+    status = _schema_of(FleetStatus, with_factory_defaults=False)
+    spec["description"] = FleetSpec.__doc__.strip()
+    status["description"] = FleetStatus.__doc__.strip()
     return {
         "type": "object",
         "description": "InferenceFleet runs a disaggregated attention-data-parallel inference fleet: context "
@@ -207,7 +211,7 @@ def openapi_schema() -> dict:
             "spec": spec,
             "status": status,
         },
-        "x-kubernetes-validations": [dict(r) for r in models.ROOT_RULES],
+        "x-kubernetes-validations": [r.to_schema() for r in ROOT_RULES],
     }
 
 
@@ -227,10 +231,10 @@ ROLE_PRINTER_COLUMNS = [
 
 def role_openapi_schema() -> dict:
     """The InferenceFleetRole's schema (spec and status), as it goes into its CRD."""
-    spec = _schema_of(models.FleetRoleSpec, with_factory_defaults=False)
-    status = _schema_of(models.FleetRoleStatus, with_factory_defaults=False)
-    spec["description"] = models.FleetRoleSpec.__doc__.strip()
-    status["description"] = models.FleetRoleStatus.__doc__.strip()
+    spec = _schema_of(FleetRoleSpec, with_factory_defaults=False)
+    status = _schema_of(FleetRoleStatus, with_factory_defaults=False)
+    spec["description"] = FleetRoleSpec.__doc__.strip()
+    status["description"] = FleetRoleStatus.__doc__.strip()
     return {
         "type": "object",
         "description": "InferenceFleetRole is the scale target of one role of an InferenceFleet (`kubectl scale`, "

@@ -71,15 +71,20 @@ class Rendered:
         return found[0]
 
 
-def render(values: dict | None = None, *, api_versions: tuple[str, ...] = (), release: str = "adp",
-           namespace: str = "adpfleet-system", include_crds: bool = False) -> Rendered:
+def template(values: dict | None = None, *, api_versions: tuple[str, ...] = (), release: str = "adp",
+             namespace: str = "adpfleet-system", include_crds: bool = False) -> str:
+    """What `helm template` prints."""
     args = ["template", release, str(CHART), "--namespace", namespace, *set_args(values)]
     for api in api_versions:
         args += ["--api-versions", api]
     if include_crds:
         args.append("--include-crds")
-    out = helm(*args).stdout
-    return Rendered([d for d in yaml.safe_load_all(out) if d])
+    return helm(*args).stdout
+
+
+def render(values: dict | None = None, **kwargs) -> Rendered:
+    """What `helm template` prints, as objects (the arguments are template's)."""
+    return Rendered([d for d in yaml.safe_load_all(template(values, **kwargs)) if d])
 
 
 def render_error(values: dict) -> str:

@@ -211,10 +211,10 @@ def test_install_runs_the_operator_under_its_service_account_and_it_reconciles_a
     answer = json.loads(doc_commands.run(request.commands, here, k8s_cluster))  # the page's request, as written
     assert answer["usage"]["completion_tokens"] == 16, answer
     assert complete("not-the-key") == 401
-    # the chart's default: the fleet's NetworkPolicies, accepted by the API server
+    # the chart's default: the operator's own NetworkPolicy and the fleet's, accepted by the API server
     policies = {p.metadata.name for p in client.NetworkingV1Api(k8s_cluster.api_client)
                 .list_namespaced_network_policy(namespace).items}
-    assert policies == {f"{FLEET}-servers", f"{FLEET}-kv", f"{FLEET}-router"}
+    assert policies == {FULLNAME, f"{FLEET}-servers", f"{FLEET}-kv", f"{FLEET}-router"}
 
     # Every request the operator made was allowed: none answered 403.
     counts = re.findall(r'^adpfleet_operator_api_requests_total\{code="(\d+)",resource="([^"]+)",verb="([^"]+)"\}',

@@ -48,6 +48,11 @@ VALUE_SETS = {
                        "operator.extraEnv": [{"name": "X", "value": "1"}],
                        "service.type": "LoadBalancer", "service.annotations": {"a": "b"},
                        "serviceAccount.annotations": {"iam": "role"}, **ALL_MONITORING_ON},
+    "network-policy-narrowed": {"networkPolicy.prometheus": [{"namespaceSelector": {"matchLabels": {
+                                    "kubernetes.io/metadata.name": "monitoring"}}}],
+                                "networkPolicy.alertmanager": [], "networkPolicy.apiServer.cidrs": ["10.0.0.10/32"],
+                                "networkPolicy.apiServer.ports": [6443], "networkPolicy.extraEgress": [
+                                    {"to": [{"ipBlock": {"cidr": "10.1.0.0/16"}}], "ports": [{"port": 3128}]}]},
 }
 
 
@@ -357,6 +362,58 @@ def test_given_a_certificate_the_webhook_is_served_over_tls_on_its_own_port():
     assert not parser.parse_args(operator_container(plain)["args"]).alerts_tls_cert
     (hook,) = plain.one("AlertmanagerConfig")["spec"]["receivers"][0]["webhookConfigs"]
     assert hook["url"] == "http://adp-adpfleet.adpfleet-system.svc:8080/alerts" and "tlsConfig" not in hook["httpConfig"]
+
+
+
+def test_the_operator_pods_network_policy_admits_prometheus_and_alertmanager_and_reaches_the_api_and_servers():
+    from adpfleet.operator.decisions.security import NAMESPACE_LABEL
+
+    def policy(values=None) -> tuple[dict, dict]:
+        rendered = render(values or {})
+        return rendered.one("NetworkPolicy")["spec"], operator_container(rendered)
+
+    spec, container = policy()
+    assert spec["podSelector"] == render().one("Deployment")["spec"]["selector"]  # exactly the operator's pods
+    assert spec["policyTypes"] == ["Ingress", "Egress"]
+    ports = {p["name"] for p in container["ports"]}
+    metrics, hook = spec["ingress"]
+    assert metrics["ports"] == hook["ports"] == [{"port": "http", "protocol": "TCP"}] and "http" in ports
+    assert metrics["from"] == [{"namespaceSelector": {}, "podSelector": {"matchLabels": {names.LABEL_NAME: "prometheus"}}}]
+    assert hook["from"] == [{"namespaceSelector": {}, "podSelector": {"matchLabels": {names.LABEL_NAME: "alertmanager"}}}]
+    api, servers = spec["egress"]
+    assert api == {"ports": [{"port": 443, "protocol": "TCP"}, {"port": 6443, "protocol": "TCP"}]}  # any address
+    # the servers the operator scrapes: the fleets' server pods (as its own scrapes find them), in the watched
+    # namespaces, on their HTTP port
+    (peer,) = servers["to"]
+    assert servers["ports"] == [{"port": names.SERVER_HTTP_PORT, "protocol": "TCP"}]
+    assert peer["podSelector"] == {"matchLabels": {names.LABEL_MANAGED_BY: names.MANAGER},
+                                   "matchExpressions": [{"key": names.LABEL_ROLE, "operator": "Exists"}]}
+    assert peer["namespaceSelector"] == {"matchExpressions": [
+        {"key": NAMESPACE_LABEL, "operator": "In", "values": ["adpfleet-system"]}]}
+    assert policy({"watch.namespaces": ["a", "b"]})[0]["egress"][1]["to"][0]["namespaceSelector"][
+        "matchExpressions"][0]["values"] == ["a", "b"]
+    assert policy({"watch.allNamespaces": "true"})[0]["egress"][1]["to"][0]["namespaceSelector"] == {}
+
+    # the webhook over TLS: Alertmanager reaches its own port; without the webhook, Alertmanager nothing
+    tls, container = policy({"webhook.tls.secretName": "adp-webhook-tls"})
+    assert tls["ingress"][1]["ports"] == [{"port": "webhook", "protocol": "TCP"}]
+    assert "webhook" in {p["name"] for p in container["ports"]}
+    assert policy({"webhook.enabled": "false"})[0]["ingress"] == [metrics]
+    assert policy({"webhook.enabled": "false", "networkPolicy.prometheus": []})[0]["ingress"] == []  # no one
+
+    narrowed = policy(VALUE_SETS["network-policy-narrowed"])[0]
+    assert narrowed["ingress"] == [{"ports": metrics["ports"], "from": [
+        {"namespaceSelector": {"matchLabels": {NAMESPACE_LABEL: "monitoring"}}}]}]
+    assert narrowed["egress"][0] == {"ports": [{"port": 6443, "protocol": "TCP"}],
+                                     "to": [{"ipBlock": {"cidr": "10.0.0.10/32"}}]}
+    assert narrowed["egress"][2] == {"to": [{"ipBlock": {"cidr": "10.1.0.0/16"}}], "ports": [{"port": 3128}]}
+    assert not render({"networkPolicy.enabled": "false"}).of("NetworkPolicy")
+
+
+def test_the_operator_container_requests_and_limits_its_disk_but_not_its_cpu():
+    resources = operator_container(render())["resources"]
+    assert resources["requests"]["ephemeral-storage"] == "64Mi" and resources["limits"]["ephemeral-storage"] == "256Mi"
+    assert "cpu" in resources["requests"] and "cpu" not in resources["limits"]  # declined in docs/install.md
 
 
 # ---- RBAC ---------------------------------------------------------------------------------------

@@ -195,7 +195,7 @@ INVALID_SPECS = [
     bad("draft tokens beyond the token budget", _set("spec.context.engine.draftTokens", 8),
         _set("spec.context.engine.maxNumTokens", 8),
         api=("spec.context.engine.maxNumTokens", "decode query"), py=("decode query",)),
-    # model sources (the URI rules are URI_RULES in models.py, twinned with adpfleet/model_uri.py)
+    # model sources (the URI rules are URI_RULES in model_source.py, twinned with adpfleet/model_uri.py)
     bad("a model URI with an unknown scheme", _set("spec.model", {"uri": "gs://models/llama"}),
         api=("spec.model.uri", "the scheme must be hf://, s3://, pvc:// or file://"),
         py=("model.uri", "the scheme must be")),

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from adpfleet.operator.adapters.scrape import RankSample, Scrape
 from adpfleet.operator.decisions.autoscaling import RoleLoad, decide, recommend, role_load, with_context_peer
-from adpfleet.operator.resource.models import AutoscalingSpec
+from adpfleet.operator.resource.server_role import AutoscalingSpec
 from adpfleet.operator.resource.vocabulary import ScaleReason
 
 NOW = 1_700_000_000.0

@@ -6,7 +6,8 @@ import pytest
 from pydantic import ValidationError
 
 from adpfleet.operator.resource import quantity
-from adpfleet.operator.resource.models import FleetSpec, FleetStatus, fleet_name_problem
+from adpfleet.operator.resource.models import FleetSpec, fleet_name_problem
+from adpfleet.operator.resource.status import FleetStatus
 
 from specs import INVALID_NAMES, INVALID_SPECS, fleet_manifest
 
@@ -99,7 +100,7 @@ URIS = [
 @pytest.mark.parametrize("text", URIS, ids=repr)
 def test_the_crd_uri_rules_refuse_exactly_what_the_parser_refuses_for_the_same_part(text):
     from adpfleet.model_uri import ModelURIError, parse_model_uri
-    from adpfleet.operator.resource.models import URI_RULES
+    from adpfleet.operator.resource.model_source import URI_RULES
 
     failing = {rule.part for rule in URI_RULES if not rule.holds(text)}  # what the API server says
     try:
@@ -111,7 +112,7 @@ def test_the_crd_uri_rules_refuse_exactly_what_the_parser_refuses_for_the_same_p
 
 
 def test_the_uri_rules_cover_every_part_the_parser_names():
-    from adpfleet.operator.resource.models import URI_RULES
+    from adpfleet.operator.resource.model_source import URI_RULES
 
     assert {r.part for r in URI_RULES} == {"the URI", "scheme", "repo", "revision", "bucket", "prefix", "claim", "path"}
 

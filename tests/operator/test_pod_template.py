@@ -125,11 +125,10 @@ def test_the_operators_names_are_exactly_what_it_puts_in_the_pods():
     """The lists the CRD's rules refuse (names.SERVER_OWNS, ROUTER_OWNS) are what the pods carry: a
     new operator env var, volume or mount without its entry there fails here."""
     full = spec(model={"uri": "hf://acme/tiny", "tokenSecretRef": {"name": "hf"}}, auth={"apiKeySecret": {"name": "api"}})
-    never_set = {"ADPFLEET_FAULT_INJECTION"}  # refused, and never set: spec.faultInjection is a flag
     pod = server_template(FLEET, full, "context").pod(0)["spec"]
     server = pod["containers"][0]
     assert server["name"] == names.SERVER_OWNS.container
-    assert {e["name"] for e in server["env"]} == set(names.SERVER_OWNS.env) - never_set
+    assert {e["name"] for e in server["env"]} == set(names.SERVER_OWNS.env)
     # the model's volumes: the download cache (hf://) and a pvc:// claim (mounted at a path per claim)
     claim_pod = server_template(FLEET, spec(model={"uri": "pvc://store/tiny"}), "context").pod(0)["spec"]
     assert {v["name"] for v in pod["volumes"] + claim_pod["volumes"]} == set(names.SERVER_OWNS.volumes)
@@ -137,7 +136,7 @@ def test_the_operators_names_are_exactly_what_it_puts_in_the_pods():
     router_pod = next(o for o in router_objects(FLEET, full) if o["kind"] == "Deployment")["spec"]["template"]["spec"]
     router = router_pod["containers"][0]
     assert router["name"] == names.ROUTER_OWNS.container
-    assert {e["name"] for e in router["env"]} == set(names.ROUTER_OWNS.env) - never_set
+    assert {e["name"] for e in router["env"]} == set(names.ROUTER_OWNS.env)
     assert {v["name"] for v in router_pod["volumes"]} == set(names.ROUTER_OWNS.volumes)
     assert {m["mountPath"] for m in router["volumeMounts"]} == set(names.ROUTER_OWNS.mount_paths)
 

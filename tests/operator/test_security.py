@@ -53,7 +53,8 @@ def test_the_api_key_comes_from_the_named_secret_through_secret_key_ref_only_whe
     assert env_of(server_template(FLEET, s, "context").pod(0)["spec"]["containers"][0])["ADPFLEET_API_KEY"] == want
     assert "ADPFLEET_API_KEY" not in env_of(router_container(spec()))
     # no secret value is ever in a pod template: only references
-    assert "value" not in want and all("value" not in e for e in router_container(s)["env"] if "ADPFLEET" in e["name"])
+    assert "value" not in want and all("value" not in e for e in router_container(s)["env"]
+                                       if e["name"] in (security.API_KEY_ENV, security.INTERNAL_TOKEN_ENV))
 
 
 def test_the_internal_token_secret_is_random_owned_by_the_fleet_and_named_for_it():
@@ -77,6 +78,47 @@ def test_fault_injection_only_from_the_fleet_field():
     assert all("--fault-injection" in server_args(on, role) for role in names.ROLES)
     assert "--fault-injection" not in router_container(on)["args"]
     assert build_parser().parse_args(server_args(on, "context")).fault_injection
+
+
+# What a pod template's envFrom brings, as the kubelet (the node agent) resolves it: every reserved
+# name from an unprefixed ConfigMap, and fault injection again through a prefix.
+HOSTILE_ENV_FROM = [{"configMapRef": {"name": "hostile"}}, {"configMapRef": {"name": "prefixed"}, "prefix": "ADPFLEET_"}]
+HOSTILE_OBJECTS = {
+    ("ConfigMap", "hostile"): {"data": {"ADPFLEET_FAULT_INJECTION": "1", "ADPFLEET_INTERNAL_TOKEN": "guessed",
+                                        "ADPFLEET_API_KEY": "guessed", "LOG_LEVEL": "debug"}},
+    ("ConfigMap", "prefixed"): {"data": {"FAULT_INJECTION": "1"}},
+    ("Secret", "demo-internal-token"): {"data": {"token": base64.b64encode(b"internal").decode()}},
+    ("Secret", "fleet-api"): {"data": {"key": base64.b64encode(b"api").decode()}},
+}
+
+
+def resolved_env(container: dict) -> dict[str, str]:
+    import asyncio
+
+    from adpfleet.cluster.agent import podenv
+    pod = {"metadata": {"name": "demo-context-0", "namespace": "ns1", "uid": "u"}, "spec": {"containers": [container]}}
+    node = podenv.NodeContext(host_ip="127.0.0.1", apiserver_host="127.0.0.1", apiserver_port=6443, allocatable={})
+
+    async def fetch(kind, name):
+        return HOSTILE_OBJECTS.get((kind, name))
+    return asyncio.run(podenv.container_env(pod, container, "127.0.1.7", node, fetch, {}))
+
+
+@pytest.mark.parametrize("fault_injection", [False, True])
+def test_envfrom_cannot_set_fault_injection_or_the_credentials_because_env_pins_them(fault_injection):
+    """Admission cannot see a ConfigMap's keys, so the operator sets every reserved name in `env`,
+    which wins over `envFrom` (as the kubelet resolves it here)."""
+    from adpfleet.runtime.server import FAULT_INJECTION_ENV
+    template = {"spec": {"containers": [{"name": "server", "envFrom": HOSTILE_ENV_FROM}]}}
+    s = spec(faultInjection=fault_injection, auth={"apiKeySecret": {"name": "fleet-api", "key": "key"}},
+             context={"podTemplate": template}, router={"podTemplate": {
+                 "spec": {"containers": [{"name": "router", "envFrom": HOSTILE_ENV_FROM}]}}})
+    for container in (server_template(FLEET, s, "context").pod(0)["spec"]["containers"][0], router_container(s)):
+        assert container["envFrom"] == HOSTILE_ENV_FROM  # the template's envFrom is kept
+        env = resolved_env(container)
+        assert env[FAULT_INJECTION_ENV] == ("1" if fault_injection else "0"), container["name"]
+        assert (env["ADPFLEET_INTERNAL_TOKEN"], env["ADPFLEET_API_KEY"]) == ("internal", "api"), container["name"]
+        assert env["LOG_LEVEL"] == "debug"  # the rest of the ConfigMap arrives
 
 
 def test_engine_speculation_and_padding_reserve_reach_the_command_line():
@@ -190,8 +232,9 @@ def test_the_operator_flags_become_its_security_config(monkeypatch):
 
 def test_the_env_names_are_the_ones_the_runtime_reads():
     """The operator cannot import the runtime (its image has no torch); the names must still agree."""
-    from adpfleet.operator.resource.models import RESERVED_ENV
+    from adpfleet.operator.resource.names import RESERVED_ENV
     from adpfleet.runtime.serving import auth
     from adpfleet.runtime.server import FAULT_INJECTION_ENV
-    assert (security.API_KEY_ENV, security.INTERNAL_TOKEN_ENV) == (auth.API_KEY_ENV, auth.INTERNAL_TOKEN_ENV)
+    assert (security.API_KEY_ENV, security.INTERNAL_TOKEN_ENV, security.FAULT_INJECTION_ENV) == (
+        auth.API_KEY_ENV, auth.INTERNAL_TOKEN_ENV, FAULT_INJECTION_ENV)
     assert set(RESERVED_ENV) == {auth.API_KEY_ENV, auth.INTERNAL_TOKEN_ENV, FAULT_INJECTION_ENV}

@@ -4,7 +4,7 @@ InferenceFleet CRD, the public contract, states the same values."""
 import dataclasses
 
 from adpfleet.cli import build_parser
-from adpfleet.operator.resource.models import EngineSettings
+from adpfleet.operator.resource.server_role import EngineSettings
 from adpfleet.runtime.config import EngineConfig
 
 SHARED = ("device", "dtype", "kv_blocks", "tokens_per_block", "max_num_tokens", "max_batch_size",
