@@ -12,7 +12,7 @@ pytestmark = pytest.mark.k8s
 
 
 def agent_record(cluster) -> processes.ProcessRecord:
-    return processes.ProcessRecord(**cluster.plane.state["components"]["node-agent"])
+    return processes.ProcessRecord.from_json(cluster.plane.state["components"]["node-agent"])
 
 
 def pid_of(pod) -> int:
