@@ -37,7 +37,9 @@ from adpfleet.cluster.pki import PKI, CertPair
 HOST = "127.0.0.1"
 NODE_NAME = "adpfleet-node"
 POD_MARKER_ENV = "ADPFLEET_CLUSTER"  # set in every pod process to the agent's state directory
-STATE_VERSION = 1
+# 2: a component's record is its pid, start ticks and command line (processes.ProcessRecord).
+# 1 recorded psutil's create_time (wall clock): read by migrating its records (_migrate_v1_records).
+STATE_VERSION = 2
 SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc.cluster.local"
 # Cloud and node-IPAM controllers have nothing to do on one loopback node. Pod addresses are
 # loopback addresses, which the API server refuses in Endpoints and EndpointSlices: their controllers
@@ -199,6 +201,8 @@ class ControlPlane:
         except (OSError, ValueError) as exc:
             raise ClusterError(f"the state file {self.state_file} is unreadable ({exc}); "
                                "remove the stale cluster with `adpfleet cluster down`, then `up` again") from None
+        if self.state.get("version") == 1:
+            self._migrate_v1_records()
         if for_up and self.state.get("version") != STATE_VERSION:
             raise ClusterError(f"{self.dir} was written by another adpfleet version (state version "
                                f"{self.state.get('version')}, expected {STATE_VERSION}); "
@@ -207,6 +211,30 @@ class ControlPlane:
         if wanted and self.state.get("binaries") not in (None, wanted):
             raise ClusterError(f"{self.dir} belongs to a cluster built from {self.state['binaries']}, "
                                f"but this checkout pins {wanted}; run `adpfleet cluster down` first")
+
+    def _migrate_v1_records(self) -> None:
+        """Version 1 identified a component by pid and a wall-clock start time that a clock step
+        moves, so that time proves nothing. A record is kept (rewritten) only when the process at
+        its pid is, by its command line, this cluster's component of that name; any other is dropped,
+        and the component counts as not running (`up` starts it, or names who holds its port)."""
+        records = self.state.get("components", {})
+        for name, raw in list(records.items()):
+            with contextlib.suppress(ProcessLookupError):
+                record = processes.ProcessRecord.of(raw["pid"])
+                if self._component_of(record.cmdline) == name:
+                    records[name] = record.to_json()
+                    continue
+            del records[name]
+        self.state["version"] = STATE_VERSION
+
+    def _component_of(self, argv: tuple[str, ...] | list[str]) -> str | None:
+        """Which of this cluster's components a command line runs, if any: the program, and flags
+        that name this state directory."""
+        if not argv or str(self.dir) + "/" not in " ".join(argv):
+            return None
+        if Path(argv[0]).name in {"etcd", "kube-apiserver", "kube-controller-manager"}:
+            return Path(argv[0]).name
+        return "node-agent" if "adpfleet.cluster.agent" in argv else None
 
     def _save_state(self) -> None:
         self.state["version"] = STATE_VERSION
@@ -310,16 +338,12 @@ class ControlPlane:
     def _stop_strays(self) -> list[str]:
         """Components whose record was lost (a corrupt state.json): their flags name the directory."""
         done = []
-        marker = str(self.dir) + "/"
         for proc in processes.psutil.process_iter(["pid", "cmdline"]):
             argv = proc.info["cmdline"] or []
-            cmdline = " ".join(argv)
-            ours = argv and (Path(argv[0]).name in {"etcd", "kube-apiserver", "kube-controller-manager"}
-                             or "adpfleet.cluster.agent" in argv)
-            if ours and marker in cmdline and proc.pid != os.getpid():
+            if self._component_of(argv) and proc.pid != os.getpid():
                 with contextlib.suppress(ProcessLookupError):
                     processes.stop_group(os.getpgid(proc.pid), grace=5)
-                    done.append(f"stopped stray pid {proc.pid} ({cmdline[:80]})")
+                    done.append(f"stopped stray pid {proc.pid} ({' '.join(argv)[:80]})")
         return done
 
     def _remove_mountpoints(self) -> list[str]:
@@ -453,7 +477,7 @@ def _clusters_elsewhere() -> list[str]:
 
 
 def _record(raw: dict | None) -> processes.ProcessRecord | None:
-    return processes.ProcessRecord(**raw) if raw else None
+    return processes.ProcessRecord.from_json(raw) if raw else None
 
 
 def _pgid_or_none(pid: int) -> int | None:

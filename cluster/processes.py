@@ -1,9 +1,9 @@
 """Starting, finding and stopping the processes the local cluster owns.
 
 Every component and every pod container runs in its own process group (a new session), so one
-signal reaches everything it forked. Processes are identified by pid *and* start time, so a pid
-recycled after a reboot is never mistaken for ours; pod processes also carry marker environment
-variables, so they can be found and stopped even when no record of them survives.
+signal reaches everything it forked. Processes are identified by pid, start time and command line
+(`ProcessRecord`), so a recycled pid is never mistaken for ours; pod processes also carry marker
+environment variables, so they can be found and stopped even when no record of them survives.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import socket
 import subprocess
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -22,23 +22,61 @@ import psutil
 
 @dataclass(frozen=True)
 class ProcessRecord:
+    """One process, identified by what no clock step can move: its start time in clock ticks since
+    boot and its command line. (psutil's create_time() adds the kernel's boot time in wall-clock
+    seconds, `btime`, which moves whenever the wall clock is stepped: every process recorded before
+    a step would look dead.)"""
     pid: int
-    create_time: float
+    start_ticks: int
+    cmdline: tuple[str, ...]
 
     @classmethod
     def of(cls, pid: int) -> "ProcessRecord":
-        return cls(pid, psutil.Process(pid).create_time())
+        seen = _observe(pid)
+        # The kernel lets Popen return (close-on-exec pipes are closed) before it has set up the new
+        # program's arguments: for a moment the command line is empty. Wait for it (or the exit).
+        deadline = time.monotonic() + 5
+        while seen and not seen.cmdline and seen.state != "Z" and time.monotonic() < deadline:
+            time.sleep(0.001)
+            seen = _observe(pid)
+        if seen is None:
+            raise ProcessLookupError(f"no process with pid {pid}")
+        return cls(pid, seen.start_ticks, seen.cmdline)
+
+    @classmethod
+    def from_json(cls, raw: dict) -> "ProcessRecord":
+        return cls(raw["pid"], raw["start_ticks"], tuple(raw["cmdline"]))
 
     def to_json(self) -> dict:
-        return asdict(self)
+        return {"pid": self.pid, "start_ticks": self.start_ticks, "cmdline": list(self.cmdline)}
 
     def alive(self) -> bool:
-        try:
-            proc = psutil.Process(self.pid)
-            return (abs(proc.create_time() - self.create_time) < 0.01
-                    and proc.status() != psutil.STATUS_ZOMBIE)
-        except psutil.Error:
-            return False
+        """Until it is a zombie or gone. A process that is exiting has released its memory, command
+        line included, before it closes its files (its listening ports): it is alive until then."""
+        seen = _observe(self.pid)
+        return (seen is not None and seen.state != "Z" and seen.start_ticks == self.start_ticks
+                and seen.cmdline in (self.cmdline, ()))
+
+
+@dataclass(frozen=True)
+class _Observed:
+    state: str  # field 3 of /proc/PID/stat: R, S, D, Z, ...
+    start_ticks: int  # field 22: clock ticks from boot to the process's start
+    cmdline: tuple[str, ...]
+
+
+def _observe(pid: int) -> _Observed | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    # Field 2 is the command name in parentheses, and may itself hold spaces and parentheses: the
+    # fields after it begin after the *last* ')'.
+    fields = stat[stat.rindex(b")") + 1:].split()
+    cmdline = cmdline.rstrip(b"\0")
+    args = tuple(os.fsdecode(a) for a in cmdline.split(b"\0")) if cmdline else ()
+    return _Observed(fields[0].decode(), int(fields[19]), args)
 
 
 def spawn(argv: list[str], log: Path, *, env: dict[str, str] | None = None,
@@ -50,10 +88,13 @@ def spawn(argv: list[str], log: Path, *, env: dict[str, str] | None = None,
         out.flush()
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                 env=env, cwd=cwd, start_new_session=True)
+    # Taken before the reaper starts, so that a program that exits at once is still there (a zombie)
+    # to be recorded.
+    record = ProcessRecord.of(proc.pid)
     # Reap it when it exits, so a dead component never lingers as a zombie of a long-lived caller
     # (pytest); a short-lived caller (the CLI) leaves that to init.
     threading.Thread(target=proc.wait, daemon=True, name=f"reap-{proc.pid}").start()
-    return ProcessRecord.of(proc.pid)
+    return record
 
 
 def live_groups() -> set[int]:

@@ -1,7 +1,9 @@
 """Tests against the real local control plane: a pytest plugin (loaded by tests/conftest.py).
 
 Fixtures:
-    k8s_cluster    one control plane + node agent for the whole session (`LocalCluster`)
+    k8s_cluster    one control plane + node agent for the whole session (`LocalCluster`), checked
+                   before each test module that uses it: a component an earlier test killed is
+                   brought back, or the module fails with that component's log
     k8s_namespace  a fresh namespace per test (its default service account exists), deleted after
 
 Helpers on `LocalCluster`: `apply` (kubectl apply of YAML text, dicts or files), `kubectl`,
@@ -14,12 +16,14 @@ the fixture fails. A skipped Kubernetes test would be no evidence of anything.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import secrets
 import shutil
 import subprocess
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, TypeVar
@@ -27,7 +31,9 @@ from typing import Any, Callable, TypeVar
 import pytest
 import yaml
 
-from adpfleet.cluster.controlplane import ControlPlane, UpReport
+from adpfleet.cluster import processes
+from adpfleet.cluster.binaries import BinariesUnavailable
+from adpfleet.cluster.controlplane import ClusterError, ControlPlane, UpReport
 
 T = TypeVar("T")
 
@@ -38,6 +44,11 @@ TEST_AGENT_ARGS = ["--backoff-initial=1", "--backoff-max=8", "--capacity=rdma/ib
 
 class WaitTimeout(AssertionError):
     pass
+
+
+class ClusterRepaired(UserWarning):
+    """A test module found the session cluster broken (a test before it killed a component) and the
+    fixture brought it back: the warning names what was restarted, so the culprit can be found."""
 
 
 def wait_for(check: Callable[[], T], *, timeout: float, what: str, interval: float = 0.1) -> T:
@@ -145,6 +156,23 @@ class LocalCluster:
         items.sort(key=lambda e: (e.first_timestamp or e.event_time or e.metadata.creation_timestamp))
         return [(e.type, e.reason, e.message) for e in items]
 
+    def ensure_healthy(self) -> list[str]:
+        """Bring back any component that is not running (`up` keeps what is healthy and restarts what
+        died) and return what was done; fail loudly, with the component's log, if it cannot."""
+        try:
+            if all(s.healthy for s in self.plane.status()):
+                return []
+            return self.plane.up().notes
+        except (ClusterError, BinariesUnavailable) as exc:
+            pytest.fail(f"the local cluster in {self.plane.dir} is broken and could not be repaired: "
+                        f"{exc}{self._logs_of_unhealthy(unless_in=str(exc))}", pytrace=False)
+
+    def _logs_of_unhealthy(self, unless_in: str) -> str:
+        with contextlib.suppress(ClusterError):
+            return "".join(f"\n{s.name}: {s.detail}. The end of {s.log}:\n{processes.log_tail(s.log)}"
+                           for s in self.plane.status() if not s.healthy and str(s.log) not in unless_in)
+        return ""
+
     def wait_for_pod_gone(self, namespace: str, name: str, *, timeout: float = 30) -> None:
         from kubernetes.client.exceptions import ApiException
 
@@ -167,13 +195,30 @@ def start_cluster(state_dir: Path, agent_args: list[str] | None = None) -> Local
     return LocalCluster(plane, report)
 
 
+_SESSION_CLUSTER = pytest.StashKey[LocalCluster]()
+
+
 @pytest.fixture(scope="session")
-def k8s_cluster(tmp_path_factory: pytest.TempPathFactory):
+def k8s_cluster(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config):
     cluster = start_cluster(tmp_path_factory.mktemp("k8s"))
+    pytestconfig.stash[_SESSION_CLUSTER] = cluster
     yield cluster
+    del pytestconfig.stash[_SESSION_CLUSTER]
     # `down` removes the state directory; pytest keeps its last few base directories, logs included.
     shutil.copytree(cluster.plane.logs, tmp_path_factory.getbasetemp() / "k8s-logs", dirs_exist_ok=True)
     cluster.plane.down()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _k8s_cluster_healthy_for_each_module(request: pytest.FixtureRequest):
+    """A test that kills a component of the shared cluster must not leave the modules after it to
+    time out: before a module that uses the (already started) session cluster, check it and repair it."""
+    cluster = request.config.stash.get(_SESSION_CLUSTER, None)
+    module_items = (item for item in request.session.items if getattr(item, "module", None) is request.module)
+    if cluster is None or not any("k8s_cluster" in item.fixturenames for item in module_items):
+        return
+    for note in cluster.ensure_healthy():
+        warnings.warn(ClusterRepaired(f"before {request.module.__name__}: {note}"), stacklevel=1)
 
 
 @pytest.fixture
