@@ -55,8 +55,8 @@ def _add_http_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key-file", default=None, metavar="PATH",
                    help="read the API key from a file (a mounted Secret)")
     p.add_argument("--internal-token-file", default=None, metavar="PATH",
-                   help="the fleet's own secret between router and servers and on the KV port "
-                        "(or $ADPFLEET_INTERNAL_TOKEN)")
+                   help="the fleet's own secret between router and servers, on the KV port and on the group "
+                        "link (required with --nodes > 1; or $ADPFLEET_INTERNAL_TOKEN)")
     p.add_argument("--enable-docs", action="store_true", help="serve /docs and /openapi.json (off by default)")
     p.add_argument("--max-request-bytes", type=int, default=None,
                    help="largest request body; a larger one is answered 413 (default 4 MiB)")
@@ -99,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="generation role: a host or network a request may name as its KV endpoint without the "
                             "internal token (repeatable; default: loopback only)")
     serve.add_argument("--nodes", type=int, default=1,
-                       help="pods this server's --dp ranks are spread over (docs/adp.md: servers over several pods)")
+                       help="pods this server's --dp ranks are spread over (docs/adp.md: servers over several pods); "
+                            "above 1, every pod needs the internal token")
     serve.add_argument("--node-rank", type=int, default=0,
                        help="this pod's place in the server: 0 the leader (API, KV endpoints), 1.. the workers; "
                             "pod j runs ranks j*dp/nodes .. (j+1)*dp/nodes - 1")

@@ -19,11 +19,15 @@ that is refused (bad proof, unknown handle, too many connections) leaves the hel
 closes the connection.
 
 Nothing a peer does can pin KV, threads or memory:
-- the first request line must arrive within REQUEST_LINE_TIMEOUT_S of the connection; only a pull
-  that was acknowledged keeps the connection open, for at most KEEPALIVE_S until the next line;
+- a connection is unproven until its first request line came with a proof that checks: it must
+  do so within UNPROVEN_TIMEOUT_S, it takes none of the rank's slots meanwhile, and at most
+  MAX_UNPROVEN wait at once (one more closes the oldest, answered "busy": `unproven`), so
+  strangers without the token can neither hold a slot nor push out a puller's connection;
+- only a pull that was acknowledged keeps the connection open, for at most KEEPALIVE_S until the
+  next line (which must then be whole within REQUEST_LINE_TIMEOUT_S, and carry its own proof);
 - the whole transfer, acknowledgement included, ends within the transfer timeout (at both ends);
-- a rank serves at most MAX_CONNECTIONS connections at once; when they are all taken, a new one
-  closes a connection that waits between pulls, or is answered "busy" and closed;
+- a rank serves at most MAX_CONNECTIONS proven connections at once; when they are all taken, a
+  new one closes a connection that waits between pulls, or is answered "busy" and closed;
 - the client checks the header against its own model (`KVLayout`) and the prompt length before it
   allocates anything, and reads exactly the bytes that layout implies.
 
@@ -53,16 +57,19 @@ import torch
 
 from adpfleet.runtime.executor.kv_buffers import BufferPool
 from adpfleet.runtime.executor.kv_endpoint import HANDLE, format_endpoint, parse_endpoint
+from adpfleet.runtime.executor.unproven import UnprovenConnections
 
 log = logging.getLogger(__name__)
 
 MAGIC = b"ADPKV2"
 FAILED = "KV transfer failed"  # how a failed pull is reported, so the server answers 502 and the router retries
-REQUEST_LINE_TIMEOUT_S = 5.0  # a real client sends its first line at once; an idle connection is closed
+UNPROVEN_TIMEOUT_S = 2.0  # a real puller sends its first line with its proof at once
+MAX_UNPROVEN = 64  # per rank: connections waiting for their proof (a thread each); one more closes the oldest
+REQUEST_LINE_TIMEOUT_S = 5.0  # on an acknowledged connection: a line that has started must be whole by then
 KEEPALIVE_S = 30.0  # how long an acknowledged connection waits for its next pull
 POOL_IDLE_S = KEEPALIVE_S / 2  # the puller drops a connection long before the server would
 POOL_PER_PEER = 4  # connections a puller keeps open to one context rank
-MAX_CONNECTIONS = 16  # per rank; each is one thread
+MAX_CONNECTIONS = 16  # proven connections per rank; each is one thread
 ACK_GRACE_S = 0.5  # at the cap, how long a new connection may wait for a pull's acknowledgement to free a slot
 MAX_HEADER_BYTES = 4096
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -184,7 +191,7 @@ class KVTransferServer:
 
     def __init__(self, host: str, port: int, k_cache: torch.Tensor, v_cache: torch.Tensor, lookup,
                  tokens_per_block: int, *, token: str | None = None, transfer_timeout_s: float = 30.0,
-                 max_connections: int = MAX_CONNECTIONS):
+                 max_connections: int = MAX_CONNECTIONS, max_unproven: int = MAX_UNPROVEN):
         self.k_cache, self.v_cache, self.lookup = k_cache, v_cache, lookup
         self.layout = KVLayout.of(k_cache)
         self.tokens_per_block = tokens_per_block
@@ -195,6 +202,7 @@ class KVTransferServer:
         self.accepted = 0  # connections taken: a puller that reuses its connections keeps this low
         self.buffers = BufferPool()
         self._slots = threading.BoundedSemaphore(max_connections)
+        self.unproven = UnprovenConnections(max_unproven)
         self._waiting: set[socket.socket] = set()  # acknowledged connections waiting for their next pull
         self._acking = 0  # pulls whose bytes are all sent, waiting for their acknowledgement
         self._lock = threading.Lock()
@@ -208,9 +216,7 @@ class KVTransferServer:
             except OSError:
                 return
             self.accepted += 1
-            if not self._admit():
-                _refuse(conn, "busy: too many KV transfers at once on this rank")
-                continue
+            self.unproven.admit(conn)
             threading.Thread(target=self._serve, args=(conn,), name="kv-transfer", daemon=True).start()
 
     def _admit(self) -> bool:
@@ -242,18 +248,36 @@ class KVTransferServer:
             raise KVTransferError("unauthorized: the proof does not match this fleet's internal token")
         return handle
 
-    def _serve(self, conn: socket.socket) -> None:
-        lines = _Lines(conn)
+    def _pull_line(self, lines: _Lines, deadline: float) -> tuple[str | None, str | None]:
+        """(handle, None) of the next request line, whose proof checked, by `deadline`; else (None, why)."""
         try:
-            with conn:
+            return self._handle(lines.read(512, deadline)), None
+        except TimeoutError:
+            return None, "no whole request line in time"
+        except Exception as e:  # noqa: BLE001 - whatever it sent, it is refused
+            return None, str(e)
+
+    def _serve(self, conn: socket.socket) -> None:
+        """One connection: unproven until its first line's proof checked, then holding a slot."""
+        lines = _Lines(conn)
+        with conn:
+            handle, refusal = self._pull_line(lines, time.monotonic() + UNPROVEN_TIMEOUT_S)
+            if not self.unproven.settle(conn):
+                refusal = "busy: too many connections waiting to prove the token on this rank"
+            elif refusal is None and not self._admit():
+                refusal = "busy: too many KV transfers at once on this rank"
+            if refusal is not None:
+                _refuse_request(conn, refusal)
+                return
+            try:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                if self._transfer(conn, lines, time.monotonic() + REQUEST_LINE_TIMEOUT_S):
+                if self._transfer(conn, lines, handle):
                     while self._next_transfer(conn, lines):
                         pass
-        finally:
-            with self._lock:
-                self._waiting.discard(conn)
-            self._slots.release()
+            finally:
+                with self._lock:
+                    self._waiting.discard(conn)
+                self._slots.release()
 
     def _next_transfer(self, conn: socket.socket, lines: _Lines) -> bool:
         """Wait for the next pull on an acknowledged connection (in `_waiting`): it ends quietly when
@@ -269,16 +293,20 @@ class KVTransferServer:
             if conn not in self._waiting:  # closed to make room: the handle was not touched
                 return False
             self._waiting.discard(conn)
-        return bool(waiting) and self._transfer(conn, lines, time.monotonic() + REQUEST_LINE_TIMEOUT_S)
+        if not waiting:
+            return False
+        handle, refusal = self._pull_line(lines, time.monotonic() + REQUEST_LINE_TIMEOUT_S)
+        if refusal is not None:
+            _refuse_request(conn, refusal)
+            return False
+        return self._transfer(conn, lines, handle)
 
-    def _transfer(self, conn: socket.socket, lines: _Lines, line_deadline: float) -> bool:
-        """One pull: True when it was acknowledged (the connection may carry the next one)."""
+    def _transfer(self, conn: socket.socket, lines: _Lines, handle: str) -> bool:
+        """One pull of a proven handle: True when it was acknowledged (the connection may carry the next one)."""
         deadline = time.monotonic() + self.transfer_timeout_s
         on_done = None
         header_sent = acknowledged = False
         try:
-            line = lines.read(512, min(deadline, line_deadline))
-            handle = self._handle(line)
             found = self.lookup(handle)
             if found is None:
                 raise KVTransferError(f"no held KV for handle {handle!r} (pulled, expired or unknown)")
@@ -319,6 +347,11 @@ class KVTransferServer:
 
     def close(self) -> None:
         self.sock.close()
+
+
+def _refuse_request(conn: socket.socket, refusal: str) -> None:
+    log.warning("KV request refused: %s", refusal)
+    _refuse(conn, refusal)
 
 
 def _refuse(conn: socket.socket, message: str) -> None:

@@ -35,10 +35,14 @@ log = logging.getLogger(__name__)
 DEAD_GROUP_EXIT_S = 2.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))  # rank 0's store listens on every address: free on all of them
+def _free_port(host: str) -> int:
+    with socket.create_server((host, 0)) as s:
         return s.getsockname()[1]
+
+
+def _dialable(host: str) -> str:
+    """Where a process on this host reaches what listens on `host`."""
+    return "127.0.0.1" if host in ("", "0.0.0.0") else host
 
 
 class RankGroup:
@@ -68,9 +72,12 @@ class RankGroup:
         # ranks in other pods: the leader sees them behind the link, a worker not at all
         self.procs: list = [RemoteRank(r) for r in range(dp)]
         self.conns: list = list(self.procs)
-        master = "127.0.0.1"
+        # rank 0's rendezvous store takes connections with no credential: it listens where its
+        # ranks dial it and nowhere else (loopback for a one-pod server, the leader's host for several)
+        store_host = link_host if self.topology.nodes > 1 else "127.0.0.1"
+        master = _dialable(store_host)
         if self.topology.leader:
-            port = _free_port()
+            port = _free_port(store_host)
             if self.topology.nodes > 1:
                 self.leader_link = LeaderLink(self.topology, link_host, dp, port, self.procs,
                                               on_lost=self._lost)
@@ -82,7 +89,7 @@ class RankGroup:
         for rank in self.local_ranks:
             parent, child = ctx.Pipe()
             spec = RankSpec(config, rank, dp, role, pad_empty_batch, port, collective_timeout_s,
-                            master_addr=master, **spec_overrides)
+                            master_addr=master, store_host=store_host, **spec_overrides)
             proc = ctx.Process(target=run_rank, args=(spec, child), name=f"adpfleet-rank{rank}", daemon=True)
             proc.start()
             child.close()

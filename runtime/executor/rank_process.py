@@ -53,7 +53,8 @@ class RankSpec:
     kv_transfer_timeout_s: float = 30.0  # both ends: a transfer not done by then ends (and fails the request)
     kv_token: str | None = None  # the fleet's internal token: pullers prove they hold it (see kv_transfer)
     threads: int = 1
-    master_addr: str = "127.0.0.1"  # where rank 0's rendezvous store listens (the leader pod's address)
+    master_addr: str = "127.0.0.1"  # where the ranks dial rank 0's rendezvous store (the leader pod's address)
+    store_host: str = "127.0.0.1"  # rank 0: the one address its store listens on
 
 
 def _build(spec: RankSpec):
@@ -75,9 +76,9 @@ def _build(spec: RankSpec):
     if spec.dp > 1:
         import torch.distributed as dist
 
-        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
-                                init_method=f"tcp://{spec.master_addr}:{spec.master_port}", rank=spec.rank,
-                                world_size=spec.dp, timeout=timedelta(seconds=spec.collective_timeout_s))
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", store=_rendezvous_store(spec),
+                                rank=spec.rank, world_size=spec.dp,
+                                timeout=timedelta(seconds=spec.collective_timeout_s))
         comm = TorchCollectives(spec.rank, spec.dp, device)
     else:
         comm = SingleRank()
@@ -88,6 +89,18 @@ def _build(spec: RankSpec):
         hold = lambda kv: KVHold(kv, puller, spec.kv_lease_s)  # noqa: E731
     engine = LLMEngine(config, ParallelContext(spec.rank, spec.dp), kv_hold=hold)
     return engine, ADPExecutor(engine, comm, spec.pad_empty_batch), puller
+
+
+def _rendezvous_store(spec: RankSpec):
+    """The group's rendezvous store: rank 0 serves it on `store_host` alone (torch's own, from a
+    tcp:// init method, listens on every interface), the other ranks dial it at `master_addr`."""
+    from torch.distributed import TCPStore
+
+    timeout = timedelta(seconds=spec.collective_timeout_s)
+    if spec.rank != 0:
+        return TCPStore(spec.master_addr, spec.master_port, spec.dp, False, timeout)
+    listener = socket.create_server((spec.store_host, spec.master_port), backlog=max(64, spec.dp))
+    return TCPStore(spec.master_addr, spec.master_port, spec.dp, True, timeout, master_listen_fd=listener.detach())
 
 
 def _start_kv_server(spec: RankSpec, engine):

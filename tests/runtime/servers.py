@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 
 from adpfleet.cluster.testing import WaitTimeout, wait_for
 
@@ -168,3 +169,10 @@ def wait_until(cond, timeout: float) -> bool:
         return True
     except WaitTimeout:
         return False
+
+
+def listening(server: Process) -> set[tuple[str, int]]:
+    """(address, port) of every TCP socket a server's processes (its ranks included) listen on."""
+    root = psutil.Process(server.proc.pid)
+    return {(c.laddr.ip, c.laddr.port) for p in [root, *root.children(recursive=True)]
+            for c in p.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN}

@@ -1,12 +1,13 @@
 """A two-rank server over HTTP: per-rank metrics from start-up, counted once."""
 
 import re
+import socket
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
-from servers import Server
+from servers import Server, listening
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
@@ -52,3 +53,11 @@ def test_concurrent_requests_are_spread_over_ranks_and_counted_once(server):
     finished = [sample(text, "adpfleet_requests_finished_total", rank=r) for r in ("0", "1")]
     assert sum(finished) == n and min(finished) > 0
     assert sample(text, "adpfleet_generation_tokens_total") == n * 5
+
+
+def test_every_port_of_a_server_listens_on_its_host_only(server):
+    """Issue 25: rank 0's rendezvous store listened on every interface whatever --host said. (gloo's
+    own ports listen on the address the machine's hostname resolves to.)"""
+    allowed = {"127.0.0.1"} | {a[4][0] for a in socket.getaddrinfo(socket.gethostname(), None)}
+    addresses = listening(server)
+    assert len(addresses) > 2 and {ip for ip, _ in addresses} <= allowed, addresses

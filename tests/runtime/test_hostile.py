@@ -19,11 +19,11 @@ import openai
 import psutil
 import pytest
 
-from adpfleet.runtime.executor.kv_transfer import REQUEST_LINE_TIMEOUT_S, KVLayout, proof
+from adpfleet.runtime.executor.kv_transfer import MAX_CONNECTIONS, MAX_UNPROVEN, UNPROVEN_TIMEOUT_S, KVLayout, proof
 from adpfleet.runtime.model.tiny import tiny_config
 
 from chat_model import save_chat_model
-from rogue_kv import RogueKVPeer
+from rogue_kv import RogueKVPeer, SilentCrowd
 from servers import RouterProcess, Server, metric, trio, wait_until
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
@@ -276,18 +276,33 @@ def test_idle_kv_connections_are_capped_closed_and_leave_no_thread(fleet):
     params = disaggregated_params(fleet)
     rank = rank_process(fleet["context"])
     threads = rank.num_threads()
-    idle = [kv_connect(params) for _ in range(50)]
+    idle = [kv_connect(params) for _ in range(MAX_UNPROVEN + 10)]
     time.sleep(0.5)
-    assert rank.num_threads() <= threads + 16  # one thread per connection, at most the cap
+    assert rank.num_threads() <= threads + MAX_UNPROVEN  # one thread per connection, at most the cap
     busy = 0
-    for conn in idle:  # the cap's worth wait out the request-line timeout; the rest were refused at once
-        conn.settimeout(REQUEST_LINE_TIMEOUT_S + 5)
+    for conn in idle:  # the oldest made room for the newer; the rest wait out their time to prove the token
+        conn.settimeout(UNPROVEN_TIMEOUT_S + 5)
         busy += "busy" in json.loads(conn.makefile("rb").readline() or b"{}").get("message", "")
         conn.close()
-    assert busy >= 50 - 16
+    assert busy >= 10
     assert wait_until(lambda: rank.num_threads() <= threads, 10), (rank.num_threads(), threads)
     r = post(fleet["generation"], {"prompt": "x", "max_tokens": 3, "disaggregated_params": params}, headers=INTERNAL)
     assert r.status_code == 200 and wait_until(lambda: kv_used(fleet) == 0, 10)
+
+
+def test_strangers_holding_more_connections_than_a_rank_has_slots_take_none_of_them(fleet):
+    """Issue 25: a connection took one of a rank's slots before its proof was read, so strangers holding
+    17 (and reopening each one the server closed) made every pull 'busy' and every request fail."""
+    params = disaggregated_params(fleet)
+    host, port = params["kv_endpoint"].rsplit(":", 1)
+    with SilentCrowd((host, int(port)), 2 * MAX_CONNECTIONS + 8):
+        for i in range(3):  # the whole way: router, context step, the pull, generation
+            r = post(fleet["router"], {"prompt": f"through the crowd {i}", "max_tokens": 4, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+        r = post(fleet["generation"], {"prompt": "x", "max_tokens": 3, "disaggregated_params": params},
+                 headers=INTERNAL)
+        assert r.status_code == 200, r.text
+    assert wait_until(lambda: kv_used(fleet) == 0, 10)
 
 
 # -- 5: slow clients, big bodies, too many requests, the deadline ---------------------------------------

@@ -42,7 +42,7 @@ def held():
 @pytest.fixture
 def server(held):
     s = kv_transfer.KVTransferServer("127.0.0.1", 0, held.k, held.v, held.lookup, BS, token=TOKEN,
-                                     transfer_timeout_s=2.0, max_connections=4)
+                                     transfer_timeout_s=2.0, max_connections=4, max_unproven=6)
     yield s
     s.close()
 
@@ -109,18 +109,27 @@ def test_malformed_request_lines_are_refused_with_a_message(server, held, line, 
     conn.close()
 
 
-def test_idle_connections_are_closed_and_more_than_the_cap_are_refused_at_once(server, held):
+def reply(conn: socket.socket, within: float) -> dict:
+    conn.settimeout(within)
+    return json.loads(conn.makefile("rb").readline() or b"{}")
+
+
+def test_unproven_connections_take_no_slot_are_capped_on_their_own_and_closed_at_their_deadline(server, held):
+    """Issue 25: a connection took one of the rank's slots before its proof was read, so strangers
+    without the token holding more connections than there are slots made every pull 'busy'."""
     host, port = server.endpoint.rsplit(":", 1)
     threads = threading.active_count()
-    idle = [socket.create_connection((host, int(port)), timeout=10) for _ in range(4)]  # the cap
-    extra = socket.create_connection((host, int(port)), timeout=10)
-    assert "busy" in json.loads(extra.makefile("rb").readline())["message"]
-    for conn in idle:  # closed by the server once the request-line timeout passes
-        conn.settimeout(kv_transfer.REQUEST_LINE_TIMEOUT_S + 3)
-        assert json.loads(conn.makefile("rb").readline())["status"] == "error"
+    idle = [socket.create_connection((host, int(port)), timeout=10) for _ in range(6)]  # 6 unproven, 4 slots
+    payload = fetch(server.endpoint, "req-1", 5, layout_of(held), TOKENS, TOKEN)  # the 7th: its proof came at once
+    assert payload.k.shape[1] == TOKENS
+    assert "busy" in reply(idle[0], 3)["message"]  # the oldest made room for it
+    t0 = time.monotonic()
+    for conn in idle[1:]:  # the others: closed once their time to prove the token passed
+        assert "no whole request line" in reply(conn, kv_transfer.UNPROVEN_TIMEOUT_S + 3)["message"]
         conn.close()
+    assert time.monotonic() - t0 < kv_transfer.UNPROVEN_TIMEOUT_S + 3
+    idle[0].close()
     wait(lambda: threading.active_count() <= threads)
-    fetch(server.endpoint, "req-1", 5, layout_of(held), TOKENS, TOKEN)  # the slots came back
 
 
 LAYOUT = KVLayout(2, 2, 8, "float32")
@@ -242,11 +251,13 @@ def test_a_puller_reuses_its_connection_and_each_pull_gets_its_own_kv(server, he
         puller.close()
 
 
-def test_a_connection_waiting_between_pulls_gives_its_slot_to_a_new_one(server, held):
-    held.handles.update({"req-2": ([0, 4, 2], 12), "req-3": ([4], 3)})
+def test_a_connection_waiting_between_pulls_gives_its_slot_to_a_new_one(held):
+    held.handles.update({"req-2": ([0, 4, 2], 12), "req-3": ([4], 3)} | {f"busy-{i}": ([0], 4) for i in range(3)})
+    server = kv_transfer.KVTransferServer("127.0.0.1", 0, held.k, held.v, held.lookup, BS, token=TOKEN,
+                                          transfer_timeout_s=30.0, max_connections=4)
     puller = kv_transfer.KVPuller(layout_of(held), 5, TOKEN)
-    host, port = server.endpoint.rsplit(":", 1)
-    idle = [socket.create_connection((host, int(port)), timeout=10) for _ in range(3)]
+    busy = [raw_pull(server, f"ADPKV2 GET busy-{i} {proof(TOKEN, f'busy-{i}')}\n".encode())[0]
+            for i in range(3)]  # three slots held by pulls not yet acknowledged
     try:
         puller.pull(server.endpoint, "req-1", TOKENS)  # the fourth of 4 slots, kept open
         wait(lambda: server._waiting)  # acknowledged: it waits for its next pull
@@ -255,8 +266,9 @@ def test_a_connection_waiting_between_pulls_gives_its_slot_to_a_new_one(server, 
         assert torch.equal(payload.k, held.k[:, 16:19]) and server.accepted == 6
     finally:
         puller.close()
-        for conn in idle:
+        for conn in busy:
             conn.close()
+        server.close()
 
 
 CONTEXT_KV_SERVER = """
