@@ -64,6 +64,9 @@ DISK_FULL = "DiskFull"
 VOLUME_NOT_MOUNTED = "VolumeNotMounted"
 DIRECTORY_NOT_FOUND = "DirectoryNotFound"
 SOURCE_UNREACHABLE = "SourceUnreachable"
+UNSAFE_FILE_NAME = "UnsafeFileName"
+SIZE_MISMATCH = "SizeMismatch"
+FETCH_STALLED = "FetchStalled"
 
 REASONS: dict[str, tuple[int, str]] = {
     INVALID_MODEL_URI: (10, "the model URI is malformed"),
@@ -81,6 +84,10 @@ REASONS: dict[str, tuple[int, str]] = {
     VOLUME_NOT_MOUNTED: (22, "the pvc:// path is not there: the claim is not mounted or the path is wrong"),
     DIRECTORY_NOT_FOUND: (23, "the model directory does not exist"),
     SOURCE_UNREACHABLE: (24, "the hub or S3 endpoint could not be reached or failed"),
+    UNSAFE_FILE_NAME: (25, "the source names a file outside the model directory (an absolute path, '..', a symbolic "
+                           "link out): refused before it is written or read"),
+    SIZE_MISMATCH: (26, "the source served a file of another size than it listed (stopped once it served more)"),
+    FETCH_STALLED: (27, "the download made less than 1 MB of progress within the stall deadline"),
 }
 
 

@@ -1,15 +1,45 @@
-"""The files of a model directory: which safetensors files hold its weights (torch-free, so that
-`fetch-model` checks a model without importing torch)."""
+"""The files of a model directory: which safetensors files hold its weights, and the one rule for
+every file name a model's source gives (torch-free, so that `fetch-model` checks a model without
+importing torch)."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
-from adpfleet.model_uri import NO_SAFETENSORS
+from adpfleet.model_uri import NO_SAFETENSORS, UNSAFE_FILE_NAME
 from adpfleet.runtime.model.errors import ModelLoadError
 
 INDEX_FILE = "model.safetensors.index.json"
+
+
+def model_file(directory: Path, name: object, named_by: str) -> Path:
+    """`directory / name` for a file name that came from a model's source — a bucket's listing, a
+    hub's file list, a safetensors index — refused (UnsafeFileName) unless it stays inside
+    `directory`: a store that names `../../x` or `/home/u/.local/.../x.pth` is writing (or making
+    the loader read) outside the model, so neither the fetch nor the loader follows it."""
+    escape = _escape(directory, name)
+    if escape:
+        raise ModelLoadError(f"{named_by} names {name!r}, which escapes the model directory ({escape})",
+                             UNSAFE_FILE_NAME)
+    return directory / name
+
+
+def _escape(directory: Path, name: object) -> str | None:
+    if not isinstance(name, str) or not name:
+        return "not a file name"
+    if any(ord(c) < 32 or ord(c) == 127 for c in name):
+        return "a control character"
+    if name.startswith("/"):
+        return "an absolute path"
+    if ".." in name.split("/"):
+        return "a '..' segment"
+    root = os.path.realpath(directory)
+    real = os.path.realpath(directory / name)
+    if os.path.commonpath([root, real]) != root:
+        return f"a symbolic link to {real}"
+    return None
 
 
 def checkpoint_files(path: Path) -> list[Path]:
@@ -18,15 +48,15 @@ def checkpoint_files(path: Path) -> list[Path]:
     index = path / INDEX_FILE
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = [path / name for name in sorted(set(weight_map.values()))]
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise ModelLoadError(f"{index} is not a safetensors index ({e})") from None
+        files = [model_file(path, name, str(index)) for name in names]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise ModelLoadError(f"{index} names shards that are missing: {', '.join(missing)}", NO_SAFETENSORS)
         return files
-    files = sorted(path.glob("*.safetensors"))
+    files = [model_file(path, f.name, str(path)) for f in sorted(path.glob("*.safetensors"))]
     if not files:
         raise ModelLoadError(f"{path} has no *.safetensors weights", NO_SAFETENSORS)
     return files

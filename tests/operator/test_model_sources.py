@@ -6,6 +6,9 @@ ModelUnavailable with the real cause). Pure, except the reconcile passes against
 import asyncio
 import json
 import logging
+from pathlib import Path
+
+import pytest
 
 from adpfleet.model_uri import (ModelSourceError, fetched_message, progress_line, progress_start_line,
                                 termination_message)
@@ -366,6 +369,24 @@ def test_a_pass_over_servers_that_cannot_have_their_model_is_degraded_with_the_c
     assert ("Warning", "ModelUnavailable", degraded["message"]) in api.events
     assert api.last_status["model"] == {"source": "hf://acme/gated", "phase": "Unavailable", "reason": "Unauthorized"}
     assert not [c for c in api.calls if c[0] == "log"]  # nothing is downloading
+
+
+def test_a_store_that_names_a_file_outside_the_model_is_degraded_naming_the_file():
+    """The refusal as the fetch writes it (checkpoint.model_file), read back from the pod."""
+    from adpfleet.runtime.model.checkpoint import model_file
+
+    with pytest.raises(ModelSourceError) as refused:
+        model_file(Path("/var/cache/adpfleet/models/s3--models--evil.partial"), "../../escape/evil.safetensors",
+                   "s3://models/evil: model.safetensors.index.json")
+    broken = pod_body(failure(refused.value.reason, refused.value.message, "s3://models/evil"))
+    api = FakeApi()
+    reconcile(api, observation({"uri": "s3://models/evil"}, [("context", broken), ("generation", broken)]))
+    degraded = condition(api.last_status, "Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "ModelUnavailable")
+    assert degraded["message"] == ("UnsafeFileName: s3://models/evil: model.safetensors.index.json names "
+                                   "'../../escape/evil.safetensors', which escapes the model directory (a '..' "
+                                   "segment) (f-context-0, f-generation-0)")
+    assert api.last_status["model"]["reason"] == "UnsafeFileName"
 
 
 def test_no_server_is_created_while_a_claim_the_model_needs_is_missing():

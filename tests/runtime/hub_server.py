@@ -14,7 +14,9 @@ What it answers, as the Hub does:
   `RevisionNotFound` (404), `EntryNotFound` (404), `GatedRepo` (401 without a valid token, 403
   with a token that was not granted access; the repo's info stays public, as on the Hub).
 Faults for tests: `cut_after[file] = n` ends the first response for that file after n bytes;
-`throttle[file] = bytes/s` slows its body. `log` records (method, path, Range) of every request.
+`throttle[file] = bytes/s` slows its body; `listed_size[file] = n` makes the repo's info list it
+at n bytes whatever it serves; `add_commit(..., files={name: path})` publishes files under names a
+directory cannot hold (`../x`). `log` records (method, path, Range) of every request.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ class LocalHub:
         self.tokens = set(tokens)  # tokens the hub knows (valid logins)
         self.cut_after: dict[str, int] = {}
         self.throttle: dict[str, float] = {}
+        self.listed_size: dict[str, int] = {}
         self.log: list[tuple[str, str, str | None]] = []
         self._lfs: dict[str, Blob] = {}
         self._lock = threading.Lock()
@@ -71,13 +74,15 @@ class LocalHub:
         self._cdn: ThreadingHTTPServer | None = None
 
     # -- content ---------------------------------------------------------------------------------
-    def add_commit(self, repo_id: str, directory: Path, ref: str = "main", gated: bool = False,
-                   granted: set[str] = frozenset()) -> str:
-        """Publishes `directory` as a new commit of `repo_id` and points `ref` at it; returns the sha."""
+    def add_commit(self, repo_id: str, directory: Path | None, ref: str = "main", gated: bool = False,
+                   granted: set[str] = frozenset(), files: dict[str, Path] | None = None) -> str:
+        """Publishes `directory` (and `files`, name -> path) as a new commit of `repo_id` and points
+        `ref` at it; returns the sha."""
         repo = self.repos.setdefault(repo_id, Repo())
         repo.gated = repo.gated or gated
         repo.granted |= set(granted)
-        files = {p.relative_to(directory).as_posix(): p for p in sorted(Path(directory).rglob("*")) if p.is_file()}
+        files = {**({p.relative_to(directory).as_posix(): p for p in sorted(Path(directory).rglob("*"))
+                     if p.is_file()} if directory else {}), **(files or {})}
         blobs = {name: _blob(p, name) for name, p in files.items()}
         sha = hashlib.sha1(json.dumps([repo_id, len(repo.commits)] +
                                       [[n, b.git_sha1] for n, b in blobs.items()]).encode()).hexdigest()
@@ -191,7 +196,8 @@ class _Handler(BaseHTTPRequestHandler):
                                 **({"lfs": {"oid": b.sha256, "size": b.size, "pointerSize": 134}} if b.sha256 else {})}
                                for name, b in blobs.items()], body)
         with_blobs = "blobs=true" in (urlsplit(self.path).query or "").lower()
-        siblings = [{"rfilename": name, **({"size": b.size, "blobId": b.git_sha1} if with_blobs else {}),
+        siblings = [{"rfilename": name, **({"size": self.hub.listed_size.get(name, b.size), "blobId": b.git_sha1}
+                                           if with_blobs else {}),
                      **({"lfs": {"sha256": b.sha256, "size": b.size, "pointerSize": 134}}
                         if with_blobs and b.sha256 else {})} for name, b in blobs.items()]
         self._json({"_id": sha[:24], "id": repo_id, "modelId": repo_id, "sha": sha, "private": False,

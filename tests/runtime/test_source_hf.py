@@ -2,11 +2,10 @@
 checkpoints saved with `save_pretrained`; every failure is a specific reason."""
 
 import json
-import os
 import shutil
 import signal
 import subprocess
-import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,12 +17,23 @@ from adpfleet.model_uri import (COMPLETE_MARKER, ModelSourceError, parse_fetched
 from adpfleet.runtime.model.loader import load_model
 from adpfleet.runtime.model.sources.fetch import resolve_model
 
+from fetch_cli import fetch_process
 from hf_models import save_hf_model
 from hub_server import LocalHub
 
 ROOT = Path(__file__).resolve().parents[2]
 REPO = "acme/tiny-llama"
 SHARDS = [f"model-0000{i}-of-00005.safetensors" for i in range(1, 6)]
+ESCAPE = "../../escape/evil.safetensors"  # from the fill directory <cache>/<key>.partial: <tmp>/escape
+BACKSLASH = "..\\evil.safetensors"  # a plain name on POSIX; huggingface_hub refuses it everywhere
+
+
+def escape_index(index: Path) -> Path:
+    """A copy of the index whose every tensor is in ESCAPE."""
+    raw = json.loads(index.read_text())
+    out = index.parent.parent / "escape-index.json"  # beside the checkpoints, in none of them
+    out.write_text(json.dumps({**raw, "weight_map": dict.fromkeys(raw["weight_map"], ESCAPE)}))
+    return out
 
 
 def save_tokenizer(directory: Path) -> None:
@@ -72,6 +82,13 @@ def hub(checkpoints):
         hub.add_commit("acme/gated", dirs[0], gated=True, granted={"hf_granted"})
         hub.add_commit("acme/pickles", no_st)
         hub.add_commit("acme/gpt2", gpt2)
+        # hostile repositories: an index naming a shard outside the model, a name only the client refuses
+        escape = dirs[0] / "model.safetensors.index.json"
+        hub.add_commit("acme/escape", None, files={"config.json": dirs[0] / "config.json",
+                                                   "model.safetensors.index.json": escape_index(escape),
+                                                   ESCAPE: dirs[0] / SHARDS[0]})
+        hub.add_commit("acme/backslash", None, files={"config.json": dirs[0] / "config.json",
+                                                      BACKSLASH: dirs[0] / SHARDS[0]})
         yield hub
 
 
@@ -157,12 +174,6 @@ def test_a_dropped_connection_resumes_where_it_stopped(env, hub, tmp_path):
     first, resumed = hub.gets("model.safetensors")
     assert first is None and resumed.startswith("bytes=") and 0 < int(resumed[6:-1]) <= 11_000_000
     assert (Path(model.path) / "model.safetensors").read_bytes() == data
-
-
-def fetch_process(env_dir: Path, uri: str, **extra_env) -> subprocess.Popen:
-    env = {**os.environ, "ADPFLEET_PROGRESS_INTERVAL": "0.2", **extra_env}
-    return subprocess.Popen([sys.executable, "-m", "adpfleet", "fetch-model", uri], env=env, cwd=env_dir,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def test_a_killed_fetch_is_continued_without_fetching_complete_files_again(env, hub):
@@ -256,3 +267,48 @@ def test_a_cache_size_limit_the_file_system_does_not_show_is_disk_full_before_th
     assert not [p for m, p, _ in hub.log if m == "GET" and "/lfs-objects/" in p]
     monkeypatch.setenv("ADPFLEET_CACHE_SIZE_LIMIT", str(weights + 1_000_000))
     assert resolve_model(f"hf://{REPO}").revision == hub.latest
+
+
+# ---- a hostile or broken hub -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("repo, name", [("acme/escape", ESCAPE), ("acme/backslash", BACKSLASH)])
+def test_a_file_name_out_of_the_model_directory_exits_unsafe_file_name_with_a_termination_message(
+        env, monkeypatch, capsys, repo, name):
+    """Ours refuses '..' and absolute names before the weights; the client's own refusals (a
+    Windows traversal) are the same reason, not a bare ValueError."""
+    from adpfleet.cli import main
+
+    monkeypatch.setenv("ADPFLEET_TERMINATION_LOG", str(env / "termination-log"))
+    assert main(["fetch-model", f"hf://{repo}"]) == 25
+    assert "UnsafeFileName" in capsys.readouterr().err
+    failure = parse_termination_message((env / "termination-log").read_text())
+    assert (failure.reason, failure.uri) == ("UnsafeFileName", f"hf://{repo}") and name in failure.message
+    assert not (env / "escape").exists() and not list(env.rglob("evil.safetensors"))
+
+
+def test_a_file_served_larger_than_listed_is_a_size_mismatch_naming_it(env, hub):
+    hub.listed_size[SHARDS[2]] = 1
+    try:
+        with pytest.raises(ModelSourceError) as err:
+            resolve_model(f"hf://{REPO}")
+    finally:
+        hub.listed_size.clear()
+    assert err.value.reason == "SizeMismatch" and SHARDS[2] in str(err.value), err.value
+    assert not list((env / "cache").glob(f"*/{COMPLETE_MARKER}"))
+
+
+def test_a_shard_trickling_in_past_the_stall_deadline_ends_the_fetch_as_fetch_stalled(env, hub):
+    """The issue's probe: a shard at 2 KB/s held the init container for ever. The process ends,
+    though the stalled download is still in a socket read (its thread must not hold the exit)."""
+    hub.throttle[SHARDS[-1]] = 500  # a minute for its 30 KB
+    log = env / "termination-log"
+    t0 = time.monotonic()
+    proc = fetch_process(env, f"hf://{REPO}", ADPFLEET_FETCH_STALL_TIMEOUT="1", ADPFLEET_TERMINATION_LOG=str(log))
+    try:
+        out, err = proc.communicate(timeout=45)
+    finally:
+        proc.kill()
+        del hub.throttle[SHARDS[-1]]
+    assert proc.returncode == 27 and time.monotonic() - t0 < 30, err
+    failure = parse_termination_message(log.read_text())
+    assert failure.reason == "FetchStalled" and SHARDS[-1] in failure.message, failure.message

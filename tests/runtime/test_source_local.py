@@ -41,6 +41,10 @@ def test_a_pvc_model_is_found_under_its_claims_mount(env, claim_root, capsys):
     ("{tmp}/model", "model_type", "UnsupportedModelType", 16),
     ("{tmp}/model", "weights", "NoSafetensors", 15),
     ("{tmp}/model", "config", "InvalidModel", 17),
+    ("{tmp}/model", "index-escape", "UnsafeFileName", 25),  # the loader would read what the index names
+    ("{tmp}/model", "symlink", "UnsafeFileName", 25),
+    ("{tmp}/model", "index-nul", "UnsafeFileName", 25),  # not an OS error with no reason
+    ("{tmp}/model", "index-number", "UnsafeFileName", 25),
 ])
 def test_an_unusable_local_model_exits_with_its_reason(env, claim_root, capsys, uri, breakage, reason, code):
     model = env / "model"
@@ -52,6 +56,16 @@ def test_an_unusable_local_model_exits_with_its_reason(env, claim_root, capsys, 
         (model / "model.safetensors").unlink()
     elif breakage == "config":
         (model / "config.json").unlink()
+    elif breakage == "index-escape":
+        (model / "model.safetensors").rename(env / "outside.safetensors")
+        (model / "model.safetensors.index.json").write_text(json.dumps(
+            {"weight_map": {"model.embed_tokens.weight": "../outside.safetensors"}}))
+    elif breakage in ("index-nul", "index-number"):
+        (model / "model.safetensors.index.json").write_text(json.dumps(
+            {"weight_map": {"model.embed_tokens.weight": "evil\0.safetensors" if breakage == "index-nul" else 7}}))
+    elif breakage == "symlink":
+        (model / "model.safetensors").rename(env / "outside.safetensors")
+        (model / "model.safetensors").symlink_to(env / "outside.safetensors")
     text = uri.format(tmp=env)
     assert main(["fetch-model", text]) == code
     assert reason in capsys.readouterr().err
@@ -63,3 +77,14 @@ def test_fetch_model_does_not_import_torch(claim_root):
     code = (f"import sys; from adpfleet.cli import main; assert main(['fetch-model', '{claim_root}/store/qwen2']) == 0; "
             "assert 'torch' not in sys.modules, 'fetch-model imported torch'")
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "soon", "inf"])
+def test_a_stall_deadline_that_is_not_seconds_above_zero_is_refused_naming_the_variable(monkeypatch, value):
+    from adpfleet.runtime.model.sources.transfer import stall_timeout
+
+    monkeypatch.setenv("ADPFLEET_FETCH_STALL_TIMEOUT", value)
+    with pytest.raises(ValueError, match=f"ADPFLEET_FETCH_STALL_TIMEOUT={value!r}"):
+        stall_timeout()
+    monkeypatch.setenv("ADPFLEET_FETCH_STALL_TIMEOUT", "2.5")
+    assert stall_timeout() == 2.5

@@ -3,7 +3,9 @@
 
 A directory or pvc:// source is checked where it is; hf:// and s3:// are fetched once into the
 cache (`cache.fill_once`): metadata first, then checked (config.json, a supported model_type,
-safetensors present, room on the disk) before a single weight byte is downloaded.
+safetensors present, names that stay inside the model directory, room on the disk) before a single
+weight byte is downloaded; every file is fetched under watch (`transfer.fetch_files`: no more than
+listed, no stall past the deadline).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from adpfleet.model_uri import (CACHE_LIMIT_ENV, DIRECTORY_NOT_FOUND, DISK_FULL,
 from adpfleet.runtime.model.sources.cache import fill_once
 from adpfleet.runtime.model.sources.files import metadata_files, weight_files
 from adpfleet.runtime.model.sources.progress import Progress, bytes_under
+from adpfleet.runtime.model.sources.transfer import fetch_files, size_of
 
 log = logging.getLogger("adpfleet.fetch")
 
@@ -67,17 +70,16 @@ def _download(uri: ModelURI, partial: Path) -> dict:
         if "config.json" not in listing:
             raise ModelSourceError(OBJECT_NOT_FOUND if uri.kind == "s3" else INVALID_MODEL,
                                    f"{uri.uri} has no config.json (is it a Hugging Face model?)")
-        metadata = metadata_files(listing)
-        source.download(metadata, partial)
         label = f"hf://{uri.name}@{source.revision}" if uri.kind == "hf" else uri.uri  # the commit it pins
+        metadata = metadata_files(listing)
+        _fetch(source, metadata, listing, partial, label)
         cfg = ModelConfig.from_dir(partial)  # refuses an unsupported model_type before the weights
         weights = weight_files(listing, partial, uri.uri)
         total = sum(listing[n] for n in weights)
-        _check_room(partial, total - sum(_size(partial / n) for n in weights))
         log.info("%s: %s, %d weight files", label, cfg.model_type, len(weights))
         t0 = time.monotonic()
-        with Progress(partial, total + bytes_under(partial), label):
-            source.download(weights, partial)
+        with Progress(partial, total + bytes_under(partial) - sum(size_of(partial / n) for n in weights), label):
+            _fetch(source, weights, listing, partial, label)
         log.info("%s: fetched in %.1f s", label, time.monotonic() - t0)
     return {"uri": uri.uri, "revision": source.revision, "files": sorted(metadata + weights),
             "bytes": total + sum(listing[n] for n in metadata),
@@ -92,8 +94,11 @@ def _source(uri: ModelURI):
     return S3Source(uri)
 
 
-def _size(path: Path) -> int:
-    return path.stat().st_size if path.is_file() else 0
+def _fetch(source, names: list[str], listing: dict[str, int], partial: Path, label: str) -> None:
+    """`names` into `partial`, at the sizes listed: room for them first, then under watch."""
+    files = {n: listing[n] for n in names}
+    _check_room(partial, sum(files.values()) - sum(size_of(partial / n) for n in names))
+    fetch_files(lambda name: source.fetch(name, partial), files, partial, label)
 
 
 def _check_room(directory: Path, needed: int) -> None:

@@ -14,11 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from adpfleet.model_uri import (ACCESS_DENIED, REPOSITORY_NOT_FOUND, REVISION_NOT_FOUND, SOURCE_UNREACHABLE,
-                                UNAUTHORIZED, ModelSourceError, ModelURI)
-
-# Files downloaded at once: parallel streams hide a remote hub's latency, but each costs a core
-# (measured on 2 cores against a local hub: 8 streams took 1.6x as long as 1 or 2).
-DOWNLOAD_WORKERS = min(8, os.cpu_count() or 1)
+                                UNAUTHORIZED, UNSAFE_FILE_NAME, ModelSourceError, ModelURI)
 
 
 class HubSource:
@@ -39,12 +35,12 @@ class HubSource:
         self.revision = info.sha
         return {s.rfilename: s.size or 0 for s in info.siblings or ()}
 
-    def download(self, names: list[str], dest: Path) -> None:
-        from huggingface_hub import snapshot_download
+    def fetch(self, name: str, dest: Path) -> None:
+        """One file at the listed commit into `dest` (which `transfer.fetch_files` watches)."""
+        from huggingface_hub import hf_hub_download
 
-        if names:
-            snapshot_download(self.uri.name, revision=self.revision, allow_patterns=names, local_dir=dest,
-                              endpoint=self.endpoint, token=self.token, max_workers=DOWNLOAD_WORKERS)
+        hf_hub_download(self.uri.name, name, revision=self.revision, local_dir=dest, endpoint=self.endpoint,
+                        token=self.token)
 
     @contextmanager
     def errors(self):
@@ -76,3 +72,8 @@ class HubSource:
                 raise ModelSourceError(ACCESS_DENIED, f"{repo}: the HF_TOKEN given is not allowed this "
                                                       "repository") from None
             raise ModelSourceError(SOURCE_UNREACHABLE, f"{repo}: the Hub answered {status}: {e}") from None
+        except ValueError as e:  # the client's own refusal of a file name it will not write
+            if "Invalid filename" not in str(e):
+                raise
+            raise ModelSourceError(UNSAFE_FILE_NAME, f"{repo}: the hub lists a file huggingface_hub refuses to "
+                                                     f"write ({e})") from None

@@ -4,7 +4,8 @@ Credentials come from the usual AWS environment (AWS_ACCESS_KEY_ID, AWS_SECRET_A
 AWS_SESSION_TOKEN, AWS_REGION, a profile or an instance role); AWS_ENDPOINT_URL (or
 AWS_ENDPOINT_URL_S3) points at an S3-compatible store such as MinIO or Ceph, addressed path-style.
 Each object lands under its own name once complete (boto3 writes a temporary file and renames
-it), so a later attempt fetches only what is missing.
+it), so a later attempt fetches only what is missing. One file is one stream (boto3's own threads
+would keep a process that gave up on a stalled fetch from exiting); files run in parallel instead.
 """
 
 from __future__ import annotations
@@ -47,14 +48,14 @@ class S3Source:
             raise ModelSourceError(OBJECT_NOT_FOUND, f"no object under {self.uri.uri}")
         return listing
 
-    def download(self, names: list[str], dest: Path) -> None:
-        for name in names:
-            target = dest / name
-            size = self.client.head_object(Bucket=self.uri.name, Key=self.prefix + name)["ContentLength"]
-            if target.is_file() and target.stat().st_size == size:
-                continue  # complete from an earlier attempt
-            target.parent.mkdir(parents=True, exist_ok=True)
-            self.client.download_file(self.uri.name, self.prefix + name, str(target))
+    def fetch(self, name: str, dest: Path) -> None:
+        """One object into `dest` (which `transfer.fetch_files` watches)."""
+        from boto3.s3.transfer import TransferConfig
+
+        target = dest / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        self.client.download_file(self.uri.name, self.prefix + name, str(target),
+                                  Config=TransferConfig(use_threads=False))
 
     @contextmanager
     def errors(self):
