@@ -18,9 +18,10 @@ with `namespace`, `fleet` and `pod` labels; everything else (resolved alerts, th
 alerts) is acknowledged and ignored. What the operator keeps of an alert is bounded whatever the
 sender chose: the fleet and the pod must exist (the stall loop keys its Events by the pod), the
 fingerprint and startsAt are short (as Alertmanager's are), the summary is cut, no other label is
-kept, and the seen set holds a fixed-size digest per alert; the checks are linear in the alerts. Queuing (`inbox.py`) is all the receiver does: the fleet's
-stall loop takes the alert, re-checks the pod with fresh scrapes and goes through the same policy
-as its own detection (mode, cooldown, budget).
+kept, and the seen set holds a fixed-size digest per alert; the checks are linear in the alerts.
+Queuing (`inbox.py`) is all the receiver does: the fleet's stall loop takes the alert, re-checks
+the pod with fresh scrapes and goes through the same policy as its own detection (mode, cooldown,
+budget).
 """
 
 from __future__ import annotations

@@ -263,10 +263,10 @@ class Router:
             async for event in events:  # hold events until one carries output: until then a retry is invisible
                 if event.error:  # e.g. a failed KV pull reported in the stream instead of as a 502
                     kv = event.error.get("type") == "kv_transfer_failed"
+                    what = ": the KV transfer from the context server failed" if kv else ""
                     raise AttemptFailed(Failure("kv_transfer_failed" if kv else "server_error",
-                                                "error event before any token" + (": the KV transfer from the "
-                                                                                  "context server failed" if kv else ""),
-                                                server, detail=str(event.error.get("message"))[:300]))
+                                                f"error event before any token{what}", server,
+                                                detail=str(event.error.get("message"))[:300]))
                 held.append(event.raw)
                 if event.is_done or event.has_output:
                     relay = Relay(held, events, server)

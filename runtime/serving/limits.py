@@ -102,7 +102,7 @@ def parse_json_object(raw: bytes) -> JsonBody:
         raise Refused(400, f"the request body is not valid JSON: {e}") from None
     if not isinstance(fields, dict):
         raise Refused(400, "the request body must be a JSON object")
-    return JsonBody(fields, sys.getsizeof(fields) + sum(_checked_footprint(key, value) for key, value in fields.items()))
+    return JsonBody(fields, sys.getsizeof(fields) + sum(_checked_footprint(k, v) for k, v in fields.items()))
 
 
 _STRUCTURE = b'",[{'
