@@ -92,7 +92,7 @@ def test_the_bodies_waiting_take_at_most_max_bytes_and_one_more_is_refused_at_on
         await asyncio.sleep(0.01)
         assert queue.held_bytes == 600 and sample(metrics, "adpfleet_router_queue_bytes") == 600
         t0 = loop.time()
-        assert await queue.wait(lambda: False, loop.time() + 60, body_bytes=401) == "over_bytes"
+        assert await asyncio.wait_for(queue.wait(lambda: False, loop.time() + 60, body_bytes=401), 1) == "over_bytes"
         assert loop.time() - t0 < 0.05 and sample(metrics, "adpfleet_router_queued_total", outcome="over_bytes") == 1
         second = waiter(400)  # fits exactly
         await asyncio.sleep(0.01)

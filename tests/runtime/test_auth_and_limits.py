@@ -178,6 +178,8 @@ def test_commas_and_brackets_inside_strings_are_no_values(value_limit):
     with pytest.raises(Refused) as err:
         parse_json_object(hidden)
     assert err.value.status == 413
+    across = json.dumps({"p": "," * 3 * limits._COUNT_CHUNK + '"', "x": [0, 0]}).encode()  # strings span chunks
+    assert _json_values(across, limit=-1) == 1 + 2 + 2
 
 
 json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.text(alphabet=',[{]}"\\ab\u00e9'),
