@@ -56,19 +56,6 @@ def attack(router: Proc, requests: int, objects: int) -> dict:
             "answers": dict(sorted(codes.items()))}
 
 
-def unusable(router: Proc, timeout: float = 60) -> None:
-    """Until the router answers and its probe found its server unusable: every request waits."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(router.url + "/health", timeout=2, trust_env=False).status_code == 503:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(f"{router.url} did not report its server unusable within {timeout:g} s")
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--label", default="after")
@@ -80,7 +67,7 @@ def main() -> int:
             router = Proc(["router", "--aggregated", f"http://127.0.0.1:{free_port()}", "--queue-timeout", "20",
                            "--health-interval", "0.5"], Path(logs) / "router.log")
             try:
-                unusable(router)
+                router.wait_healthy(60, status=503)  # its probe found the server unusable: every request waits
                 results[name] = attack(router, requests, objects)
             finally:
                 router.stop()
