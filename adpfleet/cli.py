@@ -149,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--queue-timeout", type=float, default=60.0,
                         help="seconds a request may wait in all for a server before the router answers 503 with "
                              "Retry-After")
+    router.add_argument("--queue-max-bytes", type=int, default=None,
+                        help="bytes the bodies of the held requests may take in memory in all (parsed JSON); one "
+                             "more is answered 429 with Retry-After at once (default 256 MiB)")
     _add_http_args(router)
     router.set_defaults(run="adpfleet.runtime.router.app:main")
 

@@ -51,18 +51,19 @@ class Proc:
                                       "--port", str(self.port)], stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
-    def wait_healthy(self, timeout: float = 300) -> None:
+    def wait_healthy(self, timeout: float = 300, status: int = 200) -> None:
+        """Until /health answers `status` (another than 200: e.g. a router that found its servers unusable)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.url} exited with {self.proc.returncode}; see {self.log.name}")
             try:
-                if httpx.get(self.url + "/health", timeout=2, trust_env=False).status_code == 200:
+                if httpx.get(self.url + "/health", timeout=2, trust_env=False).status_code == status:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
-        raise TimeoutError(f"{self.url} not healthy within {timeout} s; see {self.log.name}")
+        raise TimeoutError(f"{self.url}/health did not answer {status} within {timeout} s; see {self.log.name}")
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -9,26 +9,31 @@ in constant time) and a JSON body as Alertmanager sends it. Answers:
 - 415 for a body that is not `application/json`, 413 for one over 1 MiB, 400 (with what is wrong
   and where) for invalid JSON or a payload that is not version 4;
 - 404 when nothing was queued because every actionable alert names a fleet the operator does not
-  run; 503 (Retry-After) when the inbox is full;
+  run, or a pod that is not one of that fleet's server pods; 503 (Retry-After) when the inbox is full;
 - 202 once every actionable alert is queued (or was already: a firing alert is identified by its
   fingerprint and startsAt, so Alertmanager's repeats and retries are acted on once).
 
 Actionable alerts are the firing stall alerts (`AdpfleetServerStalled`, `AdpfleetRankStarving`)
 with `namespace`, `fleet` and `pod` labels; everything else (resolved alerts, the operator's own
-alerts) is acknowledged and ignored. Queuing (`inbox.py`) is all the receiver does: the fleet's
-stall loop takes the alert, re-checks the pod with fresh scrapes and goes through the same policy
-as its own detection (mode, cooldown, budget).
+alerts) is acknowledged and ignored. What the operator keeps of an alert is bounded whatever the
+sender chose: the fleet and the pod must exist (the stall loop keys its Events by the pod), the
+fingerprint and startsAt are short (as Alertmanager's are), the summary is cut, no other label is
+kept, and the seen set holds a fixed-size digest per alert; the checks are linear in the alerts.
+Queuing (`inbox.py`) is all the receiver does: the fleet's stall loop takes the alert, re-checks
+the pod with fresh scrapes and goes through the same policy as its own detection (mode, cooldown,
+budget).
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Mapping, Protocol
+from typing import Callable, Collection, Mapping, Protocol
 
 from aiohttp import web
 
@@ -44,6 +49,7 @@ SEEN_LIMIT = 10_000          # remembered (fingerprint, startsAt) pairs
 SEEN_TTL_SECONDS = 24 * 3600.0
 TOKEN_TTL_SECONDS = 10.0     # the token Secret is re-read this often
 SUMMARY_LIMIT = 512          # characters of an alert's summary annotation kept
+ID_LIMIT = 64                # characters of a fingerprint or startsAt (Alertmanager's are 16 and ~30)
 RETRY_AFTER_NO_TOKEN = "10"  # seconds Alertmanager is told to wait: the token Secret is being created
 RETRY_AFTER_FULL = "5"       # ... the inbox is being drained by the fleets' loops
 
@@ -85,7 +91,7 @@ def parse_payload(body: object, now: float) -> ParsedPayload:
         if not isinstance(annotations, dict):
             raise PayloadError(f"{where}.annotations must be an object")
         alertname = labels.get("alertname", "")
-        tag = f"{alertname or '(no alertname)'} ({alert['fingerprint']})"
+        tag = f"{alertname[:ID_LIMIT] or '(no alertname)'} ({alert['fingerprint'][:ID_LIMIT]})"
         if alert["status"] != "firing":
             ignored.append(f"{tag}: {alert['status']}, not firing")
             continue
@@ -96,31 +102,41 @@ def parse_payload(body: object, now: float) -> ParsedPayload:
         if missing:
             ignored.append(f"{tag}: lacks label(s) {', '.join(missing)}; the rule must keep namespace, fleet, pod")
             continue
+        long = [n for n in ("fingerprint", "startsAt") if len(alert[n]) > ID_LIMIT]
+        if long:
+            ignored.append(f"{tag}: {' and '.join(long)} longer than {ID_LIMIT} characters (not Alertmanager's)")
+            continue
         actionable.append(StallAlert(alertname=alertname, namespace=labels["namespace"], fleet=labels["fleet"],
                                      pod=labels["pod"], fingerprint=alert["fingerprint"],
-                                     starts_at=alert["startsAt"], received_at=now, labels=dict(labels),
+                                     starts_at=alert["startsAt"], received_at=now,
                                      summary=str(annotations.get("summary", ""))[:SUMMARY_LIMIT]))
     return ParsedPayload(actionable, ignored)
 
 
 class SeenAlerts:
-    """(fingerprint, startsAt) pairs already queued: bounded in count and in age."""
+    """(fingerprint, startsAt) pairs already queued: bounded in count and in age, each held as a
+    16-byte digest (the sender chooses the strings)."""
 
     def __init__(self, limit: int = SEEN_LIMIT, ttl: float = SEEN_TTL_SECONDS):
         self.limit, self.ttl = limit, ttl
-        self._seen: OrderedDict[tuple[str, str], float] = OrderedDict()
+        self._seen: OrderedDict[bytes, float] = OrderedDict()
 
-    def __contains__(self, key) -> bool:
-        return key in self._seen
+    def __contains__(self, key: tuple[str, str]) -> bool:
+        return _digest(key) in self._seen
 
-    def add(self, key, now: float) -> None:
-        self._seen[key] = now
-        self._seen.move_to_end(key)
+    def add(self, key: tuple[str, str], now: float) -> None:
+        digest = _digest(key)
+        self._seen[digest] = now
+        self._seen.move_to_end(digest)
         while self._seen and (len(self._seen) > self.limit or now - next(iter(self._seen.values())) > self.ttl):
             self._seen.popitem(last=False)
 
     def __len__(self) -> int:
         return len(self._seen)
+
+
+def _digest(key: tuple[str, str]) -> bytes:
+    return hashlib.blake2b("\0".join(key).encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 
 class TokenSource(Protocol):
@@ -167,13 +183,14 @@ def token_source(api: KubeApi, reference: str) -> TokenSource:
 
 
 class AlertReceiver:
-    """The webhook handler. `fleet_known(namespace, name)` says whether the operator runs that fleet."""
+    """The webhook handler. `fleet_pods(namespace, name)`: the names of that fleet's server pods,
+    or None when the operator does not run that fleet."""
 
-    def __init__(self, token: TokenSource, inbox: AlertInbox, fleet_known: Callable[[str, str], bool],
+    def __init__(self, token: TokenSource, inbox: AlertInbox, fleet_pods: Callable[[str, str], Collection[str] | None],
                  *, clock: Callable[[], float] = time.time, count: Callable[[str, int], None] | None = None):
         self.token = token
         self.inbox = inbox
-        self.fleet_known = fleet_known
+        self.fleet_pods = fleet_pods
         self.clock = clock
         self.seen = SeenAlerts()
         self.count = count or (lambda result, n: None)
@@ -228,15 +245,21 @@ class AlertReceiver:
         return None
 
     def _queue(self, parsed: ParsedPayload, now: float) -> web.Response:
-        fresh, duplicates, unknown = [], 0, []
+        fresh, fresh_keys, duplicates, unknown = [], set(), 0, []
+        pods: dict[tuple[str, str], Collection[str] | None] = {}  # each fleet's pods, looked up once
         for alert in parsed.actionable:
-            if alert.key in self.seen or any(a.key == alert.key for a in fresh):
+            fleet = (alert.namespace, alert.fleet)
+            if fleet not in pods:
+                pods[fleet] = self.fleet_pods(*fleet)
+            if alert.key in fresh_keys or alert.key in self.seen:
                 duplicates += 1
-            elif not self.fleet_known(alert.namespace, alert.fleet):
-                unknown.append(f"{alert.alertname} ({alert.fingerprint}): no fleet {alert.namespace}/{alert.fleet} "
-                               f"is managed by this operator")
+            elif pods[fleet] is None or alert.pod not in pods[fleet]:
+                unknown.append(f"{alert.alertname} ({alert.fingerprint}): " + (
+                    f"no fleet {alert.namespace[:253]}/{alert.fleet[:253]} is managed by this operator"
+                    if pods[fleet] is None else f"{alert.pod[:253]} is not a server pod of {alert.fleet}"))
             else:
                 fresh.append(alert)
+                fresh_keys.add(alert.key)
         if len(fresh) > self.inbox.room():
             self.count("refused", len(fresh))
             return _error(503, f"the alert inbox is full ({len(self.inbox)} queued); retry later",

@@ -5,8 +5,8 @@ own, re-checks the named server and decides as it does for its own verdicts."""
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from dataclasses import dataclass
+from typing import Callable
 
 from adpfleet.operator.resource.names import FleetKey
 
@@ -23,7 +23,6 @@ class StallAlert:
     fingerprint: str
     starts_at: str
     received_at: float
-    labels: Mapping[str, str] = field(default_factory=dict)
     summary: str = ""
 
     @property

@@ -16,6 +16,7 @@ Lease exits at once with code 1; a leader stopped by SIGTERM hands the Lease bac
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import secrets
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from adpfleet.operator.decisions.leadership import Timing
+from adpfleet.operator.resource import names
 
 if TYPE_CHECKING:  # the process imports them when it runs (the CLI's other commands need none of them)
     from adpfleet.operator.adapters.scrape import HttpScraper
@@ -196,6 +198,17 @@ def operator_settings(settings) -> None:
         prefix="adpfleet.io", key="last-handled-configuration")
 
 
+def fleet_pods(stall, namespace: str, name: str) -> set[str] | None:
+    """The server pods of a fleet the stall loop watches, as the pods an alert may name (None: it
+    watches no such fleet). The stall loop keys its Events by the pod an alert names: only real
+    pods, so a sender cannot grow that memory with names of its own."""
+    fleet = stall.fleets.get((namespace, name))
+    if fleet is None:
+        return None
+    observed = fleet.observe()
+    return {pod.name for role in names.ROLES for pod in observed.role_pods(role)}
+
+
 async def run(args, namespaces: list[str]) -> None:
     """The operator: its parts wired, its HTTP endpoints served, and kopf run once this replica leads."""
     from adpfleet.operator.adapters.kube import CONNECTION_POOL
@@ -263,7 +276,7 @@ def _wire(args) -> _Parts:
     loops = FleetLoops(Reconciler(api, metrics, status_part=stall, drains=drains,
                                   security_config=security_config(args)), metrics, heartbeats,
                        resync_seconds=args.resync_seconds)
-    receiver = AlertReceiver(token_source(api, args.alerts_token_secret), inbox, stall.fleet_known,
+    receiver = AlertReceiver(token_source(api, args.alerts_token_secret), inbox, functools.partial(fleet_pods, stall),
                              count=lambda result, n: stall.metrics.alerts.labels(result).inc(n))
     timing = election_timing(args)
     elector = LeaderElector(api, metrics, namespace=args.leader_election_namespace, name=args.leader_election_id,

@@ -152,7 +152,7 @@ def build_app(engine, model_name: str, role: str = "aggregated", options: Server
 
     def prepare(raw: bytes, model_cls, fmt_cls, principal: str) -> Prepared:
         """Off the event loop: parse, validate, render the chat template, tokenize."""
-        req = protocol.parse(model_cls, parse_json_object(raw))
+        req = protocol.parse(model_cls, parse_json_object(raw).fields)
         if req.model is not None and req.model != model_name:
             raise Refused(404, f"the model '{req.model}' does not exist; this server serves '{model_name}'",
                           "model", code="model_not_found")
@@ -301,7 +301,7 @@ def build_app(engine, model_name: str, role: str = "aggregated", options: Server
         @app.post("/faults")
         async def inject(request: Request):
             try:
-                body = parse_json_object(await read_body(request, options.max_request_bytes))
+                body = parse_json_object(await read_body(request, options.max_request_bytes)).fields
                 kind, rank = body.get("kind"), body.get("rank", 0)
                 if kind not in faults.KINDS:
                     raise ValueError(f"'kind' must be one of {', '.join(faults.KINDS)}")

@@ -48,6 +48,19 @@ def test_benchmarks_md_disagg_tables_are_bench_results_disagg_serving_json():
         assert payloads[p["payload"]] == expected, p["payload"]
 
 
+def test_the_router_memory_figures_are_bench_results_router_memory_json():
+    result = json.loads((ROOT / "bench/results/router_memory.json").read_text())
+    page = (ROOT / "docs/benchmarks.md").read_text()
+    for label, runs in result.items():
+        for attack, r in runs.items():
+            row = (f"| {label.split()[0]} | {attack} | {r['requests']} | {r['rss_before_mib']} MiB | "
+                   f"{r['rss_peak_mib']} MiB | {r['rss_after_mib']} MiB |")
+            assert row in page, row
+    before = next(runs for label, runs in result.items() if label.startswith("before"))["over the value limit"]
+    cited = f"from {before['rss_before_mib']:.0f} to {before['rss_peak_mib']:.0f} MiB"
+    assert cited in " ".join((ROOT / "docs/security.md").read_text().split())
+
+
 def test_readme_cites_the_recorded_demo_run_of_bench_results_demo_summary_json():
     demo = json.loads((ROOT / "bench/results/demo-summary.json").read_text())
     readme = " ".join((ROOT / "README.md").read_text().split())

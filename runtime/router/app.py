@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import httpx
@@ -15,15 +16,20 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from adpfleet.runtime.router.discovery import KubeDiscovery, static_endpoints
 from adpfleet.runtime.router.metrics import CONTENT_TYPE, RouterMetrics
-from adpfleet.runtime.router.pipeline import Answer, Relay, Router
+from adpfleet.runtime.router.pipeline import Relay, Router
 from adpfleet.runtime.router.retry import error_body
 from adpfleet.runtime.router.pool import ROLES, ServerPool
+from adpfleet.runtime.router.queue import DEFAULT_MAX_BYTES as DEFAULT_QUEUE_MAX_BYTES
 from adpfleet.runtime.router.queue import RequestQueue
 from adpfleet.runtime.serving.auth import BearerAuth, Credentials
-from adpfleet.runtime.serving.limits import (DEFAULT_MAX_REQUEST_BYTES, DEFAULT_READ_TIMEOUT_S, Refused,
+from adpfleet.runtime.serving.limits import (DEFAULT_MAX_REQUEST_BYTES, DEFAULT_READ_TIMEOUT_S, JsonBody, Refused,
                                              parse_json_object, read_body, uvicorn_config)
 
 log = logging.getLogger("adpfleet.router")
+# Large bodies are parsed off the event loop, on this many threads: what parsing holds at once is
+# bounded too (a body of MAX_JSON_VALUES values takes up to ~35 MiB), and under the GIL more would
+# not parse faster.
+PARSE_THREADS = 2
 
 
 @dataclass
@@ -41,6 +47,7 @@ class RouterConfig:
     cooldown: float = 5.0
     queue_size: int = 256
     queue_timeout: float = 60.0
+    queue_max_bytes: int = DEFAULT_QUEUE_MAX_BYTES
     credentials: Credentials = field(default_factory=Credentials)
     enable_docs: bool = False
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
@@ -48,7 +55,7 @@ class RouterConfig:
 
     @classmethod
     def from_args(cls, args) -> "RouterConfig":
-        limits = {name: value for name in ("max_request_bytes", "read_timeout")
+        limits = {name: value for name in ("max_request_bytes", "read_timeout", "queue_max_bytes")
                   if (value := getattr(args, name)) is not None}
         config = cls(context=args.context, generation=args.generation, aggregated=args.aggregated,
                      kube_namespace=args.kube_namespace, kube_selector=args.kube_selector,
@@ -79,7 +86,7 @@ class RouterConfig:
             raise ValueError("disaggregated serving needs both --context and --generation servers")
         static_endpoints(self.context, self.generation, self.aggregated)  # URLs parse
         for name, value in (("--request-timeout", self.request_timeout), ("--health-interval", self.health_interval),
-                            ("--queue-timeout", self.queue_timeout),
+                            ("--queue-timeout", self.queue_timeout), ("--queue-max-bytes", self.queue_max_bytes),
                             ("--max-request-bytes", self.max_request_bytes), ("--read-timeout", self.read_timeout)):
             if not value > 0:
                 raise ValueError(f"{name} must be positive, got {value}")
@@ -139,30 +146,44 @@ async def until_disconnect(request: Request, work):
 
 
 def build_app(config: RouterConfig, *, kube_api_client=None) -> FastAPI:
-    pool = ServerPool(cooldown_s=config.cooldown)
-    metrics = RouterMetrics()
-    state: dict = {}
+    """The router's HTTP front: the client's credential, the OpenAI routes, /health and /metrics."""
+    front = RouterFront(config, kube_api_client)
+    pages = {} if config.enable_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="adpfleet router", version="0.1.0", lifespan=front.lifespan, **pages)
+    # clients hold the API key; the internal token is only what the router sends to its servers
+    app.add_middleware(BearerAuth, credentials=Credentials(api_key=config.credentials.api_key))
+    app.state.pool, app.state.metrics = front.pool, front.metrics
+    app.add_api_route("/v1/completions", front.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", front.chat_completions, methods=["POST"])
+    app.add_api_route("/v1/models", front.models, methods=["GET"])
+    app.add_api_route("/health", front.health, methods=["GET"])
+    app.add_api_route("/metrics", front.prometheus, methods=["GET"])
+    return app
 
+
+class RouterFront:
+    """What the routes share: the pool, the metrics, and (while the app runs) the `Router` with
+    its HTTP client, queue, discovery and health prober."""
+
+    def __init__(self, config: RouterConfig, kube_api_client=None):
+        self.config, self.kube_api_client = config, kube_api_client
+        self.pool = ServerPool(cooldown_s=config.cooldown)
+        self.metrics = RouterMetrics()
+        self.router: Router | None = None
+        self.parsing: ThreadPoolExecutor | None = None
+
+    # -- start and stop ------------------------------------------------------------------------
     @contextlib.asynccontextmanager
-    async def lifespan(app):
-        loop = asyncio.get_running_loop()
+    async def lifespan(self, app):
+        config = self.config
         http = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), trust_env=False,
                                  limits=httpx.Limits(max_connections=None, max_keepalive_connections=512))
-        queue = RequestQueue(config.queue_size, config.queue_timeout, metrics)
-        state["router"] = Router(pool, metrics, http, queue, request_timeout=config.request_timeout,
-                                 max_attempts=config.max_attempts, first_token_timeout=config.first_token_timeout)
-
-        def set_endpoints(endpoints) -> None:
-            pool.set_endpoints(endpoints)
-            queue.notify()
-        discovery = None
-        if config.uses_kubernetes:
-            discovery = KubeDiscovery(config.kube_namespace, config.kube_selector, config.server_port,
-                                      lambda eps: loop.call_soon_threadsafe(set_endpoints, eps),
-                                      api_client=kube_api_client).start()
-        else:
-            set_endpoints(static_endpoints(config.context, config.generation, config.aggregated))
-        prober = asyncio.create_task(probe_forever(pool, http, config.health_interval,
+        queue = RequestQueue(config.queue_size, config.queue_timeout, self.metrics, config.queue_max_bytes)
+        self.router = Router(self.pool, self.metrics, http, queue, request_timeout=config.request_timeout,
+                             max_attempts=config.max_attempts, first_token_timeout=config.first_token_timeout)
+        self.parsing = ThreadPoolExecutor(PARSE_THREADS, thread_name_prefix="parse")
+        discovery = self._discover(queue)
+        prober = asyncio.create_task(probe_forever(self.pool, http, config.health_interval,
                                                    config.credentials.upstream_headers(None), queue.notify))
         try:
             yield
@@ -171,91 +192,109 @@ def build_app(config: RouterConfig, *, kube_api_client=None) -> FastAPI:
             if discovery is not None:
                 discovery.stop()
             await http.aclose()
+            self.parsing.shutdown(wait=False, cancel_futures=True)
 
-    pages = {} if config.enable_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
-    app = FastAPI(title="adpfleet router", version="0.1.0", lifespan=lifespan, **pages)
-    # clients hold the API key; the internal token is only what the router sends to its servers
-    app.add_middleware(BearerAuth, credentials=Credentials(api_key=config.credentials.api_key))
-    app.state.pool, app.state.metrics = pool, metrics
+    def _discover(self, queue: RequestQueue) -> KubeDiscovery | None:
+        """Fill the pool — from Kubernetes (the discovery returned runs until stopped) or from the
+        static URLs — and wake the queue whenever it changes."""
+        config, loop = self.config, asyncio.get_running_loop()
 
-    def reject(message: str, param: str | None, status: int = 400) -> JSONResponse:
-        metrics.requests.labels(str(status)).inc()
-        return JSONResponse(error_body(message, "invalid_request_error", param=param), status_code=status)
+        def set_endpoints(endpoints) -> None:
+            self.pool.set_endpoints(endpoints)
+            queue.notify()
+        if not config.uses_kubernetes:
+            set_endpoints(static_endpoints(config.context, config.generation, config.aggregated))
+            return None
+        return KubeDiscovery(config.kube_namespace, config.kube_selector, config.server_port,
+                             lambda eps: loop.call_soon_threadsafe(set_endpoints, eps),
+                             api_client=self.kube_api_client).start()
 
-    async def route(request: Request, path: str):
-        router: Router = state["router"]
+    # -- the OpenAI routes ---------------------------------------------------------------------
+    async def completions(self, request: Request):
+        return await self.route(request, "/v1/completions")
+
+    async def chat_completions(self, request: Request):
+        return await self.route(request, "/v1/chat/completions")
+
+    async def route(self, request: Request, path: str) -> Response:
+        """One client request: its body within the limits, the router's own checks, the attempts
+        (cancelled if the client leaves), the answer."""
         try:
-            raw = await read_body(request, config.max_request_bytes)
-            # a large body takes a while to parse: off the event loop, so /health and streams go on
-            body = await asyncio.to_thread(parse_json_object, raw) if len(raw) > 65536 else parse_json_object(raw)
+            body = await self._read_json(request)
         except Refused as r:
-            metrics.requests.labels(str(r.status)).inc()
+            self.metrics.requests.labels(str(r.status)).inc()
             return r.response()
-        if "disaggregated_params" in body:
-            return reject("unrecognized request argument supplied: 'disaggregated_params' (set by the router)",
-                          "disaggregated_params")
-        if not isinstance(body.get("stream", False), bool):
-            return reject("'stream': Input should be a valid boolean", "stream")
-        if not isinstance(body.get("stream_options") or {}, dict):  # the router reads it when it answers itself
-            return reject("'stream_options': Input should be an object", "stream_options")
-        deadline = asyncio.get_running_loop().time() + config.request_timeout
+        refusal = self._refusal(body.fields)
+        if refusal is not None:
+            return refusal
+        deadline = asyncio.get_running_loop().time() + self.config.request_timeout
+        upstream = self.config.credentials.upstream_headers(request.headers.get("authorization"))
         try:
-            upstream = config.credentials.upstream_headers(request.headers.get("authorization"))
-            outcome = await until_disconnect(request, router.prepare(path, body, deadline, upstream))
+            outcome = await until_disconnect(request, self.router.prepare(path, body.fields, deadline, upstream,
+                                                                          body.footprint))
         except ClientGone:
-            metrics.requests.labels("client_closed").inc()
+            self.metrics.requests.labels("client_closed").inc()
             return Response(status_code=499)
         if isinstance(outcome, Relay):
-            return RelayResponse(router, outcome, deadline)
-        answer: Answer = outcome
-        metrics.requests.labels(str(answer.status)).inc()
-        content = answer.body if isinstance(answer.body, bytes) else json.dumps(answer.body).encode()
-        return Response(content, status_code=answer.status, media_type="application/json", headers=answer.headers)
+            return RelayResponse(self.router, outcome, deadline)
+        self.metrics.requests.labels(str(outcome.status)).inc()
+        content = outcome.body if isinstance(outcome.body, bytes) else json.dumps(outcome.body).encode()
+        return Response(content, status_code=outcome.status, media_type="application/json", headers=outcome.headers)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await route(request, "/v1/completions")
+    async def _read_json(self, request: Request) -> JsonBody:
+        """The body, parsed within the limits (limits.py); the raw bytes are not kept."""
+        raw = await read_body(request, self.config.max_request_bytes)
+        if len(raw) <= 65536:
+            return parse_json_object(raw)
+        # a large body takes a while to parse: off the event loop, so /health and streams go on
+        return await asyncio.get_running_loop().run_in_executor(self.parsing, parse_json_object, raw)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await route(request, "/v1/chat/completions")
+    def _refusal(self, body: dict) -> JSONResponse | None:
+        """The router's own 400 for what it reads of a body (the servers validate the rest)."""
+        if "disaggregated_params" in body:
+            message, param = ("unrecognized request argument supplied: 'disaggregated_params' (set by the router)",
+                              "disaggregated_params")
+        elif not isinstance(body.get("stream", False), bool):
+            message, param = "'stream': Input should be a valid boolean", "stream"
+        elif not isinstance(body.get("stream_options") or {}, dict):  # the router reads it when it answers itself
+            message, param = "'stream_options': Input should be an object", "stream_options"
+        else:
+            return None
+        self.metrics.requests.labels("400").inc()
+        return JSONResponse(error_body(message, "invalid_request_error", param=param), status_code=400)
 
-    @app.get("/v1/models")
-    async def models(request: Request):
-        http: httpx.AsyncClient = state["router"].http
-        upstream = config.credentials.upstream_headers(request.headers.get("authorization"))
+    # -- the other routes ----------------------------------------------------------------------
+    async def models(self, request: Request):
+        """/v1/models of the first server that answers (usable ones first)."""
+        upstream = self.config.credentials.upstream_headers(request.headers.get("authorization"))
         now = time.monotonic()
-        servers = [ep for role in ROLES for ep in pool.usable(role, now)] or pool.endpoints()
+        servers = [ep for role in ROLES for ep in self.pool.usable(role, now)] or self.pool.endpoints()
         for ep in servers:
             try:
-                resp = await http.get(ep.url + "/v1/models", timeout=5.0, headers=upstream)
+                resp = await self.router.http.get(ep.url + "/v1/models", timeout=5.0, headers=upstream)
             except httpx.HTTPError:
                 continue
             if resp.status_code == 200:
                 return Response(resp.content, media_type="application/json")
         return JSONResponse(error_body("no server answered /v1/models", code="no_server"), status_code=503)
 
-    @app.get("/health")
-    async def health():
+    async def health(self):
         now = time.monotonic()
-        mode = pool.mode(now)
-        servers = {role: len(pool.usable(role, now)) for role in ROLES}
+        mode = self.pool.mode(now)
+        servers = {role: len(self.pool.usable(role, now)) for role in ROLES}
         if mode is None:
             return JSONResponse({"status": "unhealthy", "servers": servers,
                                  "reason": "no usable context+generation pair and no usable aggregated server"},
                                 status_code=503)
         return {"status": "ok", "mode": mode, "servers": servers}
 
-    @app.get("/metrics")
-    async def prometheus():
+    async def prometheus(self):
         now = time.monotonic()
         for role in ROLES:
-            usable = len(pool.usable(role, now))
-            metrics.servers.labels(role, "true").set(usable)
-            metrics.servers.labels(role, "false").set(len(pool.endpoints(role)) - usable)
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
-
-    return app
+            usable = len(self.pool.usable(role, now))
+            self.metrics.servers.labels(role, "true").set(usable)
+            self.metrics.servers.labels(role, "false").set(len(self.pool.endpoints(role)) - usable)
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
 
 async def probe_forever(pool: ServerPool, http: httpx.AsyncClient, interval: float, headers: dict,

@@ -27,15 +27,18 @@ class RouterMetrics:
                              ["role", "usable"], registry=self.registry)
         self.queue_waiting = Gauge("adpfleet_router_queue_waiting", "Requests waiting for a usable server now.",
                                    registry=self.registry)
+        self.queue_bytes = Gauge("adpfleet_router_queue_bytes", "Bytes the bodies of the waiting requests take now "
+                                 "(at most --queue-max-bytes).", registry=self.registry)
         self.queued = Counter("adpfleet_router_queued", "Requests that found no usable server, by how their wait "
-                              "ended: placed, full (refused: the queue was full), timeout, left (client gone).",
+                              "ended: placed, full (refused: the queue was full), over_bytes (refused: the bodies "
+                              "waiting would take more than --queue-max-bytes), timeout, left (client gone).",
                               ["outcome"], registry=self.registry)
         self.queue_wait = Histogram("adpfleet_router_queue_wait_seconds", "Time requests waited for a usable server.",
                                     buckets=(0.01, 0.1, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300),
                                     registry=self.registry)
         for reason in REASONS:
             self.errors.labels(reason)
-        for outcome in ("placed", "full", "timeout", "left"):  # queue.OUTCOMES (queue.py imports this module)
+        for outcome in ("placed", "full", "over_bytes", "timeout", "left"):  # queue.OUTCOMES (queue.py imports this)
             self.queued.labels(outcome)
         self._shown: set[Endpoint] = set()
 

@@ -23,7 +23,7 @@ from adpfleet.runtime.router import sse
 from adpfleet.runtime.router.metrics import RouterMetrics
 from adpfleet.runtime.router.retry import (Failure, error_body, failure_from_status, final_error, is_client_error,
                                             retry_after, servers_to_avoid, should_retry)
-from adpfleet.runtime.router.pool import Endpoint, ServerPool
+from adpfleet.runtime.router.pool import ROLES, Endpoint, ServerPool
 from adpfleet.runtime.router.queue import RequestQueue
 from adpfleet.runtime.serving.limits import RETRY_AFTER_S
 
@@ -75,9 +75,9 @@ class _Attempt:
 
 
 def _transport_failure(server: Endpoint, exc: httpx.HTTPError) -> Failure:
-    if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
-        return Failure("connect_error", f"cannot connect: {exc!r}", server)
-    return Failure("server_error", f"connection lost: {exc!r}", server)
+    if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):  # its text may hold the address: logs only
+        return Failure("connect_error", "cannot connect", server, detail=repr(exc))
+    return Failure("server_error", "connection lost", server, detail=repr(exc))
 
 
 class Router:
@@ -88,9 +88,11 @@ class Router:
         self.first_token_timeout = first_token_timeout
 
     # -- the attempts ------------------------------------------------------------------------
-    async def prepare(self, path: str, body: dict, deadline: float, headers: dict | None = None) -> Answer | Relay:
+    async def prepare(self, path: str, body: dict, deadline: float, headers: dict | None = None,
+                      body_bytes: int = 0) -> Answer | Relay:
         """Attempts until one succeeds, a server rejects the input (4xx), or none is left.
-        `headers` go to every server (the credential, see auth.Credentials.upstream_headers)."""
+        `headers` go to every server (the credential, see auth.Credentials.upstream_headers);
+        `body_bytes`: what `body` takes in memory, counted by the queue while it waits."""
         loop = asyncio.get_running_loop()
         failures: list[Failure] = []
         avoid: set[Endpoint] = set()
@@ -102,7 +104,7 @@ class Router:
             return outcome
         for attempt in range(1, self.max_attempts + 1):
             waited_from = loop.time()
-            unplaceable = await self._wait_for_server(deadline, queue_until)
+            unplaceable = await self._wait_for_server(deadline, queue_until, body_bytes)
             queued += loop.time() - waited_from
             if unplaceable is not None:
                 failures.append(unplaceable)
@@ -137,7 +139,7 @@ class Router:
         status, err = final_error(failures, deadline_passed=loop.time() >= deadline)
         return told(Answer(status, err, {"Retry-After": str(RETRY_AFTER_S)} if retry_after(status, failures) else {}))
 
-    async def _wait_for_server(self, deadline: float, queue_until: list[float]) -> Failure | None:
+    async def _wait_for_server(self, deadline: float, queue_until: list[float], body_bytes: int) -> Failure | None:
         """None when the pool has usable servers for a mode, at once or after waiting in the
         queue; else why the request cannot be placed."""
         def placeable() -> bool:
@@ -147,17 +149,29 @@ class Router:
         if not queue_until:
             queue_until.append(asyncio.get_running_loop().time() + self.queue.timeout_s)
         outcome = await self.queue.wait(placeable, min(deadline, queue_until[0]),
-                                        lambda: self.pool.recovery_in(time.monotonic()))
+                                        lambda: self.pool.recovery_in(time.monotonic()), body_bytes)
         if outcome == "placed":
             return None
-        known = ", ".join(f"{ep.role} {ep.url}" for ep in self.pool.endpoints()) or "none"
-        need = f"the router needs a usable context and generation server, or an aggregated server (known: {known})"
         if asyncio.get_running_loop().time() >= deadline:
             return Failure("deadline", f"no usable server within the request deadline of {self.request_timeout:g} s")
+        need = f"the router needs a usable context and generation server, or an aggregated server ({self._usable()})"
+        known = "known: " + (", ".join(f"{ep.role} {ep.url}" for ep in self.pool.endpoints()) or "none")
         if outcome == "full":
             return Failure("queue_full", f"no usable server, and {self.queue.max_size} requests already wait for "
-                                         f"one; retry shortly ({need})")
-        return Failure("no_server", f"no usable server within the queue timeout of {self.queue.timeout_s:g} s; {need}")
+                                         f"one; retry shortly ({need})", detail=known)
+        if outcome == "over_bytes":
+            return Failure("queue_bytes", f"no usable server, and the bodies of the requests waiting for one take "
+                                          f"{self.queue.held_bytes} bytes: with this one's {body_bytes} they would "
+                                          f"pass the router's limit of {self.queue.max_bytes} (--queue-max-bytes); "
+                                          f"retry shortly ({need})", detail=known)
+        return Failure("no_server", f"no usable server within the queue timeout of {self.queue.timeout_s:g} s; {need}",
+                       detail=known)
+
+    def _usable(self) -> str:
+        """How many servers of each role the router knows and can use now, without their addresses."""
+        now = time.monotonic()
+        return "usable: " + ", ".join(f"{role} {len(self.pool.usable(role, now))} of {len(self.pool.endpoints(role))}"
+                                      for role in ROLES)
 
     async def _attempt(self, state: _Attempt, path: str, body: dict, avoid: set[Endpoint]) -> Answer | Relay:
         stream = bool(body.get("stream"))
@@ -170,7 +184,7 @@ class Router:
         ctx = state.context = self._pick("context", avoid)
         ctx_body = {k: v for k, v in body.items() if k != "stream_options"} | {"stream": False}
         status, raw = await self._post(state, ctx, path, ctx_body)
-        if is_client_error(status):
+        if is_client_error(status, raw):
             return Answer(status, raw)
         if status != 200:
             raise AttemptFailed(failure_from_status(ctx, status, raw))
@@ -188,8 +202,8 @@ class Router:
             raise AttemptFailed(Failure("bad_response", "the context server answered without "
                                         "'disaggregated_params' (is it running with --role context?)", ctx))
         if not _kv_on_host(params.get("kv_endpoint"), ctx):  # the generation server trusts what the router sends
-            raise AttemptFailed(Failure("bad_response", "the context server named a KV endpoint on another host: "
-                                        f"{str(params.get('kv_endpoint'))[:80]!r}", ctx))
+            raise AttemptFailed(Failure("bad_response", "the context server named a KV endpoint on another host",
+                                        ctx, detail=f"{str(params.get('kv_endpoint'))[:80]!r}"))
         gen = self._pick("generation", avoid)
         return await self._answer_from(state, gen, path, {**body, "disaggregated_params": params}, stream)
 
@@ -224,7 +238,7 @@ class Router:
         """The server that answers the whole request (generation or aggregated)."""
         if not stream:
             status, raw = await self._post(state, server, path, body)
-            if is_client_error(status):
+            if is_client_error(status, raw):
                 return Answer(status, raw)
             if status != 200:
                 raise AttemptFailed(failure_from_status(server, status, raw))
@@ -241,16 +255,18 @@ class Router:
                                                                 headers=state.headers), stream=True)
             if resp.status_code != 200:
                 raw = await resp.aread()
-                if is_client_error(resp.status_code):
+                if is_client_error(resp.status_code, raw):
                     return Answer(resp.status_code, raw)
                 raise AttemptFailed(failure_from_status(server, resp.status_code, raw))
             events = sse.events(resp.aiter_lines())
             held: list[bytes] = []
             async for event in events:  # hold events until one carries output: until then a retry is invisible
                 if event.error:  # e.g. a failed KV pull reported in the stream instead of as a 502
-                    reason = "kv_transfer_failed" if event.error.get("type") == "kv_transfer_failed" else "server_error"
-                    raise AttemptFailed(Failure(reason, f"error event before any token: {event.error.get('message')}",
-                                                server))
+                    kv = event.error.get("type") == "kv_transfer_failed"
+                    what = ": the KV transfer from the context server failed" if kv else ""
+                    raise AttemptFailed(Failure("kv_transfer_failed" if kv else "server_error",
+                                                f"error event before any token{what}", server,
+                                                detail=str(event.error.get("message"))[:300]))
                 held.append(event.raw)
                 if event.is_done or event.has_output:
                     relay = Relay(held, events, server)
@@ -291,18 +307,20 @@ class Router:
                                       "while streaming", relay.server)
                     break
                 except httpx.HTTPError as e:
-                    failure = Failure("stream_broken", f"connection lost after tokens were sent: {e!r}", relay.server)
+                    failure = Failure("stream_broken", "connection lost after tokens were sent", relay.server,
+                                      detail=repr(e))
                     break
                 except Exception as e:  # noqa: BLE001 - whatever it is, the client gets an explicit end
                     log.exception("relaying a stream failed")
-                    failure = Failure("stream_broken", f"the router failed to relay the stream: {e!r}", relay.server)
+                    failure = Failure("stream_broken", "the router failed to relay the stream", relay.server,
+                                      detail=repr(e))
                     break
                 if event is None:
                     failure = Failure("stream_broken", "the stream ended without [DONE]", relay.server)
                     break
                 if event.error:
-                    failure = Failure("stream_broken", f"server error after tokens were sent: "
-                                      f"{event.error.get('message')}", relay.server)
+                    failure = Failure("stream_broken", "server error after tokens were sent", relay.server,
+                                      detail=str(event.error.get("message"))[:300])
                     break
                 yield event.raw
                 if event.is_done:
@@ -311,7 +329,7 @@ class Router:
             self.metrics.errors.labels(failure.reason).inc()
             log.warning("stream failed after output: %s", failure.describe())
             code = "deadline_exceeded" if failure.reason == "deadline" else "stream_broken"
-            yield sse.encode(error_body(f"the answer is incomplete: {failure.describe()}", "server_error", code))
+            yield sse.encode(error_body(f"the answer is incomplete: {failure.public()}", "server_error", code))
             yield sse.DONE
             relay.outcome = "stream_error"
         finally:

@@ -4,6 +4,10 @@
   slowloris), the body within `--max-request-bytes` (413), as one standard JSON object (no NaN or
   Infinity) nested at most MAX_JSON_DEPTH deep whose strings are all valid Unicode (400 otherwise,
   never a 500);
+- what a body expands to: at most MAX_JSON_VALUES values, counted before anything is built (413);
+  a few MiB of `{"a":0},` would otherwise take ~25 times their size in Python objects. What the
+  parsed body then takes is measured (`JsonBody.footprint`), so the router bounds the bytes its
+  queue holds in all (`router/queue.py`);
 - waiting: a server answers 429 with Retry-After once `--max-waiting-requests` requests are
   accepted and not yet generating (`WaitingQueue`); the router tries another server.
 (The per-request deadline and the off-loop request preparation live where requests run:
@@ -15,6 +19,8 @@ from __future__ import annotations
 import functools
 import json
 import math
+import sys
+from dataclasses import dataclass
 
 import h11
 from fastapi import Request
@@ -23,6 +29,7 @@ from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 MAX_JSON_DEPTH = 64  # OpenAI bodies nest a handful of levels (tools' JSON schemas a few more)
+MAX_JSON_VALUES = 1 << 18  # array elements and object members: a prompt of 256k token ids fits
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
 DEFAULT_READ_TIMEOUT_S = 15.0
 DEFAULT_MAX_WAITING_REQUESTS = 128
@@ -71,22 +78,58 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
     return bytes(body)
 
 
-def parse_json_object(raw: bytes) -> dict:
-    """A request body as a JSON object, or Refused(400) saying why not. (CPU-bound for large
-    bodies: call it off the event loop.)"""
-    try:
-        body = json.loads(raw, parse_constant=_not_a_number, parse_float=_finite)
+@dataclass(frozen=True)
+class JsonBody:
+    """A request body parsed within the bounds."""
+    fields: dict
+    footprint: int  # bytes its parsed form takes (sys.getsizeof of every part; shared small values each time)
+
+
+def parse_json_object(raw: bytes) -> JsonBody:
+    """A request body as a JSON object, or Refused saying why not: 413 when it has more than
+    MAX_JSON_VALUES values (counted before it is parsed), else 400. (CPU-bound for large bodies:
+    call it off the event loop.)"""
+    values = _json_values(raw, MAX_JSON_VALUES)
+    if values > MAX_JSON_VALUES:
+        raise Refused(413, f"the request body has {values} JSON values (array elements and object members); "
+                           f"this server takes at most {MAX_JSON_VALUES}", code="too_many_values")
+    try:  # UTF-8 only (RFC 8259), which is what _json_values counts in
+        fields = json.loads(raw.decode("utf-8-sig", "surrogatepass"), parse_constant=_not_a_number,
+                            parse_float=_finite)
     except RecursionError:
         raise Refused(400, f"the request body is nested deeper than {MAX_JSON_DEPTH} levels") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise Refused(400, f"the request body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
+    if not isinstance(fields, dict):
         raise Refused(400, "the request body must be a JSON object")
-    for key, value in body.items():
-        problem = _nesting_or_text_problem(key, value)
-        if problem:
-            raise Refused(400, f"'{_printable(key)}': {problem}", _printable(key))
-    return body
+    return JsonBody(fields, sys.getsizeof(fields) + sum(_checked_footprint(k, v) for k, v in fields.items()))
+
+
+_STRUCTURE = b'",[{'
+_NOT_STRUCTURE = bytes(b for b in range(256) if b not in _STRUCTURE)
+_COUNT_CHUNK = 1 << 14
+
+
+def _json_values(raw: bytes, limit: int) -> int:
+    """How many values (array elements and object members; an empty array or object counts one) a
+    JSON text would build, or more, read without building anything: its commas, '[' and '{' outside
+    strings, plus one. When the quick count (strings included) is within `limit`, that is the
+    answer; else strings are skipped and the count is exact. Counted in UTF-8, where these bytes
+    are never part of another character; on a text with an error, exact up to the error, which is
+    as far as a parser builds anything."""
+    count = raw.count(b",") + raw.count(b"[") + raw.count(b"{") + 1
+    if count <= limit:  # commas in strings counted too: still at most the limit
+        return count
+    if b"\\" in raw:  # escapes go first, so that every quote left opens or closes a string
+        raw = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
+    structure = raw.translate(None, _NOT_STRUCTURE)
+    count, in_string = 1, False
+    for start in range(0, len(structure), _COUNT_CHUNK):  # in chunks: the pieces of a split are objects too
+        pieces = structure[start:start + _COUNT_CHUNK].split(b'"')
+        outside = b"".join(pieces[int(in_string)::2])
+        count += outside.count(b",") + outside.count(b"[") + outside.count(b"{")
+        in_string ^= len(pieces) % 2 == 0  # an odd number of quotes in the chunk
+    return count
 
 
 def _not_a_number(name: str):
@@ -100,24 +143,37 @@ def _finite(text: str) -> float:
     return value
 
 
-def _nesting_or_text_problem(key: str, value) -> str | None:
-    """Depth beyond MAX_JSON_DEPTH, or a string that is not valid Unicode (a lone surrogate such
-    as "\\ud800", which JSON allows and text cannot hold) — iteratively, so no depth recurses."""
-    stack = [(key, 1), (value, 1)]
-    while stack:
-        item, depth = stack.pop()
+def _checked_footprint(key: str, value) -> int:
+    """The bytes a top-level field takes; Refused(400) naming it when it is nested beyond
+    MAX_JSON_DEPTH or holds a string that is not valid Unicode (a lone surrogate such as "\\ud800",
+    which JSON allows and text cannot hold). Level by level, so no depth recurses."""
+    footprint, level = 0, [key, value]
+    for depth in range(1, MAX_JSON_DEPTH + 2):
+        if not level:
+            return footprint
         if depth > MAX_JSON_DEPTH:
-            return f"nested deeper than {MAX_JSON_DEPTH} levels"
-        if isinstance(item, str):
-            try:
-                item.encode("utf-8")
-            except UnicodeEncodeError as e:
-                return f"is not valid Unicode text ({e.reason} at position {e.start})"
-        elif isinstance(item, dict):
-            stack.extend((x, depth + 1) for kv in item.items() for x in kv)
-        elif isinstance(item, list):
-            stack.extend((x, depth + 1) for x in item)
-    return None
+            break
+        below: list = []
+        for item in level:
+            footprint += sys.getsizeof(item)
+            if isinstance(item, str):
+                if not item.isascii():
+                    _check_text(key, item)
+            elif isinstance(item, dict):
+                below += item.keys()
+                below += item.values()
+            elif isinstance(item, list):
+                below += item
+        level = below
+    raise Refused(400, f"'{_printable(key)}': nested deeper than {MAX_JSON_DEPTH} levels", _printable(key))
+
+
+def _check_text(key: str, text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise Refused(400, f"'{_printable(key)}': is not valid Unicode text ({e.reason} at position {e.start})",
+                      _printable(key)) from None
 
 
 def _printable(key: str) -> str:

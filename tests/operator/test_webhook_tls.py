@@ -94,7 +94,7 @@ def test_the_webhook_serves_tls_with_the_given_certificate_and_reloads_a_renewed
 
     async def scenario():
         inbox = AlertInbox()
-        receiver = AlertReceiver(StaticToken(TOKEN), inbox, lambda ns, name: True)
+        receiver = AlertReceiver(StaticToken(TOKEN), inbox, lambda ns, name: {"llama-context-0"})
         runner = await start_webhook_server("127.0.0.1", port, receiver.routes(), TlsFiles(str(crt), str(key)),
                                             reload_seconds=0.05)
         try:

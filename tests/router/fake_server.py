@@ -57,7 +57,7 @@ def tokens_for(prompt: str, max_tokens: int, stop: list[str]) -> tuple[list[str]
 def build(role: str, host: str, port: int) -> FastAPI:
     app = FastAPI()
     cfg = {"token_delay": 0.0, "fail_status": None, "hang": False, "kv_hang": False, "kv_timeout": 5.0,
-           "kv_fail": False, "kv_fail_in_stream": False, "healthy": True, "kv_host": None}
+           "kv_fail": False, "kv_fail_in_stream": False, "healthy": True, "kv_host": None, "refuse_params": False}
     received: list[dict] = []
     active = [0]  # streams being sent
     held: dict[str, float] = {}
@@ -95,7 +95,7 @@ def build(role: str, host: str, port: int) -> FastAPI:
             return error("the request body is not valid JSON")
         received.append(json.loads(json.dumps(body)))
         if cfg["fail_status"]:
-            return error("fake failure", kind="server_error", status=cfg["fail_status"])
+            return error(f"fake failure at {host}:{port}", kind="server_error", status=cfg["fail_status"])
         if cfg["hang"]:
             await asyncio.sleep(3600)
         if body.get("model") not in (None, MODEL):
@@ -111,6 +111,10 @@ def build(role: str, host: str, port: int) -> FastAPI:
         if role == "generation":
             if params is None:
                 return error("a generation server needs disaggregated_params", "disaggregated_params")
+            if cfg["refuse_params"]:  # as `adpfleet serve` refuses a KV peer it does not allow
+                host_of = str(params.get("kv_endpoint")).rpartition(":")[0]
+                return error(f"'disaggregated_params.kv_endpoint': {host_of} is not an allowed KV peer of this "
+                             "server (see --kv-peer)", "disaggregated_params", status=403, code="forbidden")
             try:  # "pull the KV" from the context server
                 async with httpx.AsyncClient(trust_env=False) as http:
                     r = await http.get(f"http://{params['kv_endpoint']}/kv/{params['kv_handle']}",
@@ -121,11 +125,12 @@ def build(role: str, host: str, port: int) -> FastAPI:
                 ok, why = False, repr(e)
             if cfg["kv_fail"]:
                 ok, why = False, "kv_fail is set"
-            if not ok:
-                return error(f"KV pull failed: {why}", kind="kv_transfer_failed", status=502)
+            if not ok:  # naming the endpoint, as `adpfleet serve` does
+                return error(f"KV transfer failed (from {params['kv_endpoint']}): {why}", kind="kv_transfer_failed",
+                             status=502)
             if cfg["kv_fail_in_stream"] and body.get("stream"):  # as `adpfleet serve` does: 200, then an error event
-                err = {"error": {"message": "KV pull failed in stream", "type": "kv_transfer_failed", "param": None,
-                                 "code": None}}
+                err = {"error": {"message": f"KV transfer failed (from {params['kv_endpoint']}) in stream",
+                                 "type": "kv_transfer_failed", "param": None, "code": None}}
                 return StreamingResponse(iter([f"data: {json.dumps(err)}\n\n"]), media_type="text/event-stream")
         elif params is not None:
             return error("unrecognized request argument supplied: 'disaggregated_params'", "disaggregated_params")

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from router_harness import FakeServer, wait_until
+from router_harness import FakeServer, free_port, wait_until
 
 
 @pytest.fixture
@@ -29,6 +29,14 @@ def direct(server, timeout=30):
 
 def all_received(fakes, *names):
     return [b for n in names for b in fakes[n].received()]
+
+
+def assert_names_no_address(text: str, *servers) -> None:
+    """What the router tells a client names roles, never where the servers are: no host, no port
+    of theirs (in a URL or a KV endpoint), nor the foreign KV host of the test below. The servers'
+    own words (which name them) stay in the router's log."""
+    leaked = [a for a in ("127.0.0.", "10.9.8.7", *(f":{s.port}" for s in servers)) if a in text]
+    assert not leaked, f"{leaked} in what the client got: {text!r}"
 
 
 # -- answers ---------------------------------------------------------------------------------
@@ -176,6 +184,43 @@ def test_a_body_over_the_limit_is_413_before_it_is_read(fresh_fakes, start_route
     assert fresh_fakes["agg"].received() == []
 
 
+def test_a_body_that_would_expand_too_far_or_overfill_the_queue_is_refused_naming_the_limit(start_router):
+    """A body's values are counted before it is parsed (413), and the queue holds bodies up to
+    --queue-max-bytes in all (429 with Retry-After): holding the API key no longer buys gigabytes."""
+    router = start_router("--aggregated", f"http://127.0.0.1:{free_port()}", "--queue-max-bytes", "1000000",
+                          "--queue-timeout", "2", healthy=False)
+    wait_until(lambda: httpx.get(router.url + "/health").status_code == 503, timeout=10, what="no usable server")
+    values = b'{"prompt": "x", "x": [' + b",".join([b"0"] * 300_000) + b"]}"
+    r = httpx.post(router.url + "/v1/completions", content=values, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "too_many_values"
+    assert "at most 262144" in r.json()["error"]["message"]
+    waiting = concurrent.futures.ThreadPoolExecutor(1).submit(
+        httpx.post, router.url + "/v1/completions", json={"prompt": "x" * 600_000}, timeout=30)
+    wait_until(lambda: router.metric("adpfleet_router_queue_bytes") > 600_000, timeout=10, what="the first waiting")
+    r = httpx.post(router.url + "/v1/completions", json={"prompt": "y" * 600_000}, timeout=30)
+    assert r.status_code == 429 and r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "queue_bytes"
+    assert "--queue-max-bytes" in r.json()["error"]["message"] and "1000000" in r.json()["error"]["message"]
+    assert waiting.result(timeout=10).status_code == 503  # it waited its 2 s: no server came
+    assert router.metric("adpfleet_router_queued_total", outcome="over_bytes") == 1
+    assert router.metric("adpfleet_router_queue_bytes") == 0
+
+
+@pytest.mark.parametrize("stream, failure, said", [
+    (False, {"fail_status": 503}, "generation server: HTTP 503"),
+    (False, {"refuse_params": True}, "generation server: HTTP 403: refused the disaggregated_params the router sent"),
+    (True, {"kv_fail_in_stream": True}, "generation server: error event before any token: the KV transfer"),
+])
+def test_no_error_the_router_gives_names_a_server_address(disagg, fresh_fakes, stream, failure, said):
+    """The servers' own messages name their address or the KV endpoint (as `adpfleet serve`'s
+    do); the client gets the roles and what went wrong, the log gets the rest."""
+    for name in ("gen1", "gen2"):
+        fresh_fakes[name].configure(**failure)
+    r = httpx.post(disagg.url + "/v1/completions", json={"prompt": "x", "max_tokens": 3, "stream": stream}, timeout=30)
+    assert r.status_code == 503 and said in r.json()["error"]["message"]
+    assert_names_no_address(r.text, *fresh_fakes.values())
+    assert fresh_fakes["gen1"].url in disagg.tail(100_000)
+
+
 # -- failures before any token: retried --------------------------------------------------------
 def test_a_generation_server_answering_429_is_retried_on_the_other_without_a_cooldown(disagg, fresh_fakes):
     fresh_fakes["gen1"].configure(fail_status=429)
@@ -200,6 +245,8 @@ def test_a_kv_endpoint_on_another_host_than_its_context_server_is_never_passed_o
     fresh_fakes["ctx"].configure(kv_host="10.9.8.7")  # a context server naming someone else's port
     r = httpx.post(disagg.url + "/v1/completions", json={"prompt": "x", "max_tokens": 3})
     assert r.status_code == 503 and "KV endpoint on another host" in r.json()["error"]["message"]
+    assert_names_no_address(r.text, *fresh_fakes.values())
+    assert "10.9.8.7" in disagg.tail(100_000)
     assert all_received(fresh_fakes, "gen1", "gen2") == []
 
 
@@ -237,7 +284,7 @@ def test_every_answer_says_how_many_attempts_it_took_and_how_long_it_waited_for_
     time.sleep(0.5)  # it waits at least this long
     fresh_fakes["gen2"].configure(healthy=True)
     r = held.result(timeout=10)
-    assert r.status_code == 200 and r.headers["x-adpfleet-attempts"] == "1"
+    assert r.status_code == 200 and r.headers["x-adpfleet-attempts"] == "1", r.text
     assert float(r.headers["x-adpfleet-queued-seconds"]) >= 0.5
 
 
@@ -246,7 +293,9 @@ def test_a_failed_kv_pull_reruns_the_whole_pipeline(disagg, fresh_fakes):
     fresh_fakes["gen2"].configure(kv_fail=True)
     with pytest.raises(openai.APIStatusError) as e:
         client(disagg).completions.create(model="fake", prompt="kv", max_tokens=3)
-    assert e.value.status_code == 503 and "kv_fail is set" in e.value.message
+    assert e.value.status_code == 503 and "the KV transfer from the context server failed" in e.value.message
+    assert_names_no_address(e.value.message, *fresh_fakes.values())
+    assert "kv_fail is set" in disagg.tail(100_000)  # what the server said: in the log
     assert len(fresh_fakes["ctx"].received()) == 3  # --max-attempts 3: the context step ran each time
     assert disagg.metric("adpfleet_router_errors_total", reason="kv_transfer_failed") == 3
     fresh_fakes["gen2"].configure(kv_fail=False)
@@ -278,7 +327,9 @@ def test_a_dead_context_server_fails_the_kv_pull_and_the_request_gets_an_explici
         doomed.kill()
         t.join(30)
         r = result["r"]
-        assert r.status_code == 503 and doomed.url in r.json()["error"]["message"]
+        assert r.status_code == 503 and "context server" in r.json()["error"]["message"]
+        assert_names_no_address(r.text, doomed, *fresh_fakes.values())
+        assert doomed.url in router.tail(100_000)
     finally:
         doomed.kill()
 
@@ -306,7 +357,8 @@ def test_when_every_server_hangs_the_request_ends_with_504_at_its_deadline(fresh
     r = httpx.post(router.url + "/v1/completions", json={"prompt": "x", "max_tokens": 4, "stream": stream}, timeout=30)
     elapsed = time.monotonic() - t0
     assert r.status_code == 504 and r.json()["error"]["code"] == "deadline_exceeded"
-    assert f["gen1"].url in r.json()["error"]["message"]
+    assert "generation server" in r.text and f["gen1"].url in router.tail(100_000)
+    assert_names_no_address(r.text, *f.values())
     assert 1.4 < elapsed < 4
     wait_until(lambda: router.metric("adpfleet_router_in_flight") == 0, timeout=5, what="in-flight back to 0")
 
@@ -317,7 +369,9 @@ def test_no_usable_server_at_all_is_a_503_naming_the_problem(fresh_fakes, start_
     gone.kill()
     r = httpx.post(router.url + "/v1/completions", json={"prompt": "x", "max_tokens": 3}, timeout=30)
     assert r.status_code == 503 and r.headers["retry-after"] == "1"  # after --queue-timeout 1: come back later
-    assert r.json()["error"]["code"] == "no_server" and gone.url in r.json()["error"]["message"]
+    assert r.json()["error"]["code"] == "no_server" and "generation 0 of 1" in r.json()["error"]["message"]
+    assert_names_no_address(r.text, gone, *fresh_fakes.values())
+    assert gone.url in router.tail(100_000)
     wait_until(lambda: httpx.get(router.url + "/health").status_code == 503, timeout=5,
                what="router /health to turn 503")
 
@@ -350,10 +404,11 @@ def test_a_server_dying_mid_stream_ends_the_stream_with_an_error_the_openai_clie
     stream = client(router).completions.create(model="fake", prompt="x", max_tokens=100, stream=True)
     got = [next(stream).choices[0].text, next(stream).choices[0].text]
     doomed.kill()
-    with pytest.raises(openai.APIError, match="incomplete"):
+    with pytest.raises(openai.APIError, match="incomplete") as e:
         for chunk in stream:
             got.append(chunk)
-    assert len(got) < 100
+    assert len(got) < 100 and "generation server: connection lost" in e.value.message
+    assert_names_no_address(e.value.message, doomed, *fresh_fakes.values())
     assert router.metric("adpfleet_router_requests_total", status="stream_error") == 1
     assert router.metric("adpfleet_router_errors_total", reason="stream_broken") == 1
 

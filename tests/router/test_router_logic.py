@@ -133,10 +133,20 @@ def test_only_non_4xx_failures_and_429_are_retried(status, retried):
     assert is_client_error(status) is not retried
 
 
+def test_a_refusal_of_the_routers_own_params_is_the_fleets_failure_not_the_clients():
+    refused = json.dumps({"error": {"message": "'disaggregated_params.kv_endpoint': 10.0.1.1 is not an allowed KV "
+                                               "peer of this server", "type": "invalid_request_error",
+                                    "param": "disaggregated_params"}}).encode()
+    assert not is_client_error(403, refused) and is_client_error(400, b'{"error": {"param": "max_tokens"}}')
+    f = failure_from_status(G1, 403, refused)
+    assert f.reason == "server_error" and should_retry(f, 1, 3, False, 10)
+    assert "10.0.1.1" in f.describe() and "10.0.1.1" not in f.public() and "internal token" in f.public()
+
+
 def test_a_429_is_an_overloaded_server_and_every_attempt_429_is_a_429_for_the_client():
     body = json.dumps({"error": {"message": "at its limit of 8 waiting requests", "type": "invalid_request_error"}})
     f = failure_from_status(G1, 429, body.encode())
-    assert f.reason == "overloaded" and "limit of 8" in f.message
+    assert f.reason == "overloaded" and "limit of 8" in f.describe() and "limit of 8" not in f.public()
     assert should_retry(f, 1, 3, False, 10)
     status, err = final_error([f, failure_from_status(G2, 429, b"")], deadline_passed=False)
     assert status == 429 and err["error"]["code"] == "overloaded"
@@ -147,7 +157,7 @@ def test_a_429_is_an_overloaded_server_and_every_attempt_429_is_a_429_for_the_cl
 def test_kv_transfer_failure_is_recognized_from_the_error_type():
     body = json.dumps({"error": {"message": "pull timed out", "type": "kv_transfer_failed"}}).encode()
     f = failure_from_status(G1, 502, body)
-    assert f.reason == "kv_transfer_failed" and "pull timed out" in f.message
+    assert f.reason == "kv_transfer_failed" and "pull timed out" in f.describe() and "pull timed out" not in f.public()
     assert failure_from_status(G1, 502, b"<html>bad gateway").reason == "server_error"
 
 
@@ -166,6 +176,7 @@ def test_a_failed_kv_pull_avoids_both_sides_next_time():
     ("deadline", 1, False, 10, False),
     ("no_server", 1, False, 10, False),
     ("queue_full", 1, False, 10, False),
+    ("queue_bytes", 1, False, 10, False),
     ("attempt_timeout", 1, False, 10, True),
     ("kv_transfer_failed", 1, False, 10, True),
     ("overloaded", 1, False, 10, True),
@@ -174,22 +185,26 @@ def test_should_retry(reason, attempt, token_sent, left, expected):
     assert should_retry(Failure(reason, "x", G1), attempt, 3, token_sent, left) is expected
 
 
-def test_final_error_names_every_attempt_and_uses_504_for_the_deadline():
-    failures = [Failure("connect_error", "refused", G1), Failure("server_error", "HTTP 503", G2)]
+def test_final_error_names_every_attempt_by_role_and_uses_504_for_the_deadline():
+    failures = [Failure("connect_error", "refused", G1, detail="ConnectError('10.0.0.1:8000')"),
+                Failure("server_error", "HTTP 503", C1)]
     status, body = final_error(failures, deadline_passed=False)
     assert status == 503 and body["error"]["code"] == "upstream_unavailable"
-    assert G1.url in body["error"]["message"] and G2.url in body["error"]["message"]
+    message = body["error"]["message"]
+    assert "attempt 1: generation server: refused" in message and "attempt 2: context server: HTTP 503" in message
+    assert "10.0." not in message and G1.url in failures[0].describe() and "ConnectError" in failures[0].describe()
     assert not retry_after(status, failures)
     status, body = final_error(failures + [Failure("deadline", "late", G1)], deadline_passed=True)
     assert status == 504 and body["error"]["code"] == "deadline_exceeded"
 
 
-@pytest.mark.parametrize("reason", ["no_server", "queue_full"])
-def test_a_request_no_server_could_take_is_a_503_with_retry_after_naming_its_attempts(reason):
+@pytest.mark.parametrize("reason, status", [("no_server", 503), ("queue_full", 503), ("queue_bytes", 429)])
+def test_a_request_no_server_could_take_gets_retry_after_naming_its_attempts(reason, status):
     failures = [Failure("connect_error", "refused", G1), Failure(reason, "no usable server")]
-    status, body = final_error(failures, deadline_passed=False)
-    assert status == 503 and body["error"]["code"] == reason and retry_after(status, failures)
-    assert body["error"]["message"].startswith("no usable server") and G1.url in body["error"]["message"]
+    got, body = final_error(failures, deadline_passed=False)
+    assert got == status and body["error"]["code"] == reason and retry_after(got, failures)
+    assert body["error"]["message"].startswith("no usable server")
+    assert "attempt 1: generation server: refused" in body["error"]["message"]
     assert retry_after(429, [Failure("overloaded", "full", G1)])
 
 

@@ -79,3 +79,35 @@ def test_a_client_leaving_frees_its_place():
             await waiter
         assert queue.waiting == 0 and sample(metrics, "adpfleet_router_queued_total", outcome="left") == 1
     run(scenario())
+
+
+def test_the_bodies_waiting_take_at_most_max_bytes_and_one_more_is_refused_at_once():
+    async def scenario():
+        metrics, loop = RouterMetrics(), asyncio.get_running_loop()
+        queue = RequestQueue(10, 60, metrics, max_bytes=1000)
+
+        def waiter(body_bytes):
+            return asyncio.create_task(queue.wait(lambda: False, loop.time() + 60, body_bytes=body_bytes))
+        first = waiter(600)
+        await asyncio.sleep(0.01)
+        assert queue.held_bytes == 600 and sample(metrics, "adpfleet_router_queue_bytes") == 600
+        t0 = loop.time()
+        assert await asyncio.wait_for(queue.wait(lambda: False, loop.time() + 60, body_bytes=401), 1) == "over_bytes"
+        assert loop.time() - t0 < 0.05 and sample(metrics, "adpfleet_router_queued_total", outcome="over_bytes") == 1
+        second = waiter(400)  # fits exactly
+        await asyncio.sleep(0.01)
+        assert queue.held_bytes == 1000 and queue.waiting == 2
+        for task in (first, second):  # leaving gives the bytes back
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        assert queue.held_bytes == 0 and sample(metrics, "adpfleet_router_queue_bytes") == 0
+    run(scenario())
+
+
+def test_the_router_help_states_the_queues_byte_default():
+    from adpfleet.cli import build_parser
+    from adpfleet.runtime.router.queue import DEFAULT_MAX_BYTES
+
+    text = " ".join(build_parser()._subparsers._group_actions[0].choices["router"].format_help().split())
+    assert f"(default {DEFAULT_MAX_BYTES >> 20} MiB)" in text

@@ -1,11 +1,17 @@
 """Credentials, KV peers and request limits as specifications (no processes: an ASGI app in memory)."""
 
+import json
+import tracemalloc
+
 import pytest
 from fastapi import FastAPI, Request
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from starlette.testclient import TestClient
 
+from adpfleet.runtime.serving import limits
 from adpfleet.runtime.serving.auth import ANONYMOUS, INTERNAL, USER, BearerAuth, Credentials, KVPeers, load_secret
-from adpfleet.runtime.serving.limits import MAX_JSON_DEPTH, Refused, WaitingQueue, parse_json_object
+from adpfleet.runtime.serving.limits import MAX_JSON_DEPTH, Refused, WaitingQueue, _json_values, parse_json_object
 
 BOTH = Credentials(api_key="user-key", internal_token="fleet-token")
 
@@ -108,8 +114,93 @@ def test_bodies_that_are_not_one_reasonable_json_object_are_400s_naming_the_fiel
 
 def test_nesting_up_to_the_limit_and_any_valid_text_pass():
     deep = b'{"stop": ' + b"[" * MAX_JSON_DEPTH + b"]" * MAX_JSON_DEPTH + b"}"
-    assert parse_json_object(deep)
-    assert parse_json_object('{"prompt": "h\u00e9llo \U0001F600 \\ud83d\\ude00"}'.encode())["prompt"].endswith("\U0001F600")
+    assert parse_json_object(deep).fields
+    text = parse_json_object('{"prompt": "h\u00e9llo \U0001F600 \\ud83d\\ude00"}'.encode()).fields["prompt"]
+    assert text.endswith("\U0001F600")
+
+
+def small_values(n: int) -> bytes:
+    """What the router's queue was attacked with (issue 25): a few MiB of tiny objects, ~100 bytes of
+    Python objects for every 4 bytes of JSON."""
+    return b'{"prompt": "x", "x": [' + b",".join([b'{"a":0}'] * n) + b"]}"
+
+
+def allocated_while(fn) -> tuple[object, int]:
+    """fn()'s result (or the Refused it raised) and the most memory it had allocated at once."""
+    tracemalloc.start()
+    try:
+        try:
+            result = fn()
+        except Refused as r:
+            result = r
+        return result, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.fixture
+def value_limit(monkeypatch):
+    """A small MAX_JSON_VALUES, so the bodies that test it are small too."""
+    monkeypatch.setattr(limits, "MAX_JSON_VALUES", 2000)
+    return 2000
+
+
+def test_a_body_of_more_json_values_than_the_limit_is_a_413_naming_it_before_anything_is_built(value_limit):
+    assert limits._json_values(small_values(value_limit // 2 - 1), value_limit) == value_limit + 1  # 2 values each
+    n = 20 * value_limit
+    raw = small_values(n)
+    refused, peak = allocated_while(lambda: parse_json_object(raw))
+    assert isinstance(refused, Refused) and refused.status == 413 and refused.code == "too_many_values"
+    assert f"has {2 * n + 3} JSON values" in refused.message and f"at most {value_limit}" in refused.message
+    assert peak < len(raw) + (1 << 20)  # counting takes at most a copy and a MiB; parsing, ~25 times the body
+
+
+def test_a_body_at_the_value_limit_parses_and_its_footprint_is_what_it_takes(value_limit):
+    raw = small_values(value_limit // 2 - 2)
+    body = parse_json_object(raw)
+    assert body.fields["prompt"] == "x" and len(body.fields["x"]) == value_limit // 2 - 2
+    held, taken = allocated_while(lambda: json.loads(raw))
+    assert taken <= body.footprint < 2 * taken and held  # shared keys and small ints are counted each time
+
+
+@pytest.mark.parametrize("text", ["x" * 300_000, "\U0001F600" * 100_000 + "x" * 200_000])
+def test_a_footprint_counts_the_characters_as_python_holds_them(text):
+    body = parse_json_object(json.dumps({"prompt": text}, ensure_ascii=False).encode())
+    width = 4 if not text.isascii() else 1  # one emoji makes every character of the string 4 bytes
+    assert len(text) * width <= body.footprint < len(text) * width + 1000
+
+
+def test_commas_and_brackets_inside_strings_are_no_values(value_limit):
+    prompt = "a,[{" * value_limit + '\\" ,[{ \\\\'
+    body = parse_json_object(json.dumps({"prompt": prompt, "stop": [","] * 10}).encode())
+    assert body.fields["prompt"] == prompt
+    hidden = b'{"prompt": "\\\\", "x": [' + b",".join([b"0"] * (value_limit + 1)) + b"]}"  # after a "\\"
+    with pytest.raises(Refused) as err:
+        parse_json_object(hidden)
+    assert err.value.status == 413
+    across = json.dumps({"p": "," * 3 * limits._COUNT_CHUNK + '"', "x": [0, 0]}).encode()  # strings span chunks
+    assert _json_values(across, limit=-1) == 1 + 2 + 2
+
+
+json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.text(alphabet=',[{]}"\\ab\u00e9'),
+                           lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(alphabet=',"{a'),
+                                                                                      inner, max_size=4),
+                           max_leaves=30)
+
+
+def values_built(value) -> int:
+    """Array elements and object members in all of `value`; an empty array or object counts one."""
+    children = value if isinstance(value, list) else list(value.values()) if isinstance(value, dict) else None
+    if children is None:
+        return 0
+    return max(len(children), 1) + sum(map(values_built, children))
+
+
+@settings(max_examples=100, deadline=None)
+@given(json_values)
+def test_the_value_count_of_a_json_text_is_exact_outside_strings(value):
+    raw = json.dumps(value, ensure_ascii=False).encode()
+    assert _json_values(raw, limit=-1) == 1 + values_built(value)  # -1: never the quick count
 
 
 def test_the_waiting_queue_refuses_beyond_its_limit_and_tickets_leave_once():
