@@ -19,7 +19,7 @@ from urllib.parse import urlparse
 import aiohttp
 import psutil
 
-from adpfleet.cluster import kubeconfig
+from adpfleet.cluster import kubeconfig, vllm_env
 from adpfleet.cluster.agent import hosts, logserver
 from adpfleet.cluster.agent.addresses import AddressPool
 from adpfleet.cluster.agent.container import PODINIT, terminate_group
@@ -61,6 +61,14 @@ def check_private_mounts() -> str | None:
     return None if proc.returncode == 0 else (proc.stdout.strip() or proc.stderr.strip() or "unknown error")
 
 
+def vllm_on_this_node() -> tuple[str, str]:
+    """(where pods find `vllm`, "") when the vLLM environment is built, else ("", why not)."""
+    try:
+        return str(vllm_env.locate().bin_dir), ""
+    except vllm_env.VllmUnavailable as exc:
+        return "", str(exc)
+
+
 class NodeAgent:
     def __init__(self, config: AgentConfig):
         self.config = config
@@ -91,7 +99,7 @@ class NodeAgent:
         await self.node.register()
         server = urlparse(credentials.server)
         node_context = NodeContext(HOST_IP, server.hostname, server.port or 443, self.node.capacity,
-                                   config.pass_env)
+                                   config.pass_env, *await asyncio.to_thread(vllm_on_this_node))
         self.lent = NodeServices(
             api=self.api, events=self.events, addresses=self.addresses, context=node_context,
             probe_session=self.probe_session, state_dir=config.state_dir, backoff_initial=config.backoff_initial,

@@ -290,7 +290,10 @@ class PodWorker:
         """Everything one run of `container` needs, read now (ConfigMaps and Secrets may have changed)."""
         markers = {"ADPFLEET_CLUSTER": str(self.node.state_dir), "ADPFLEET_POD_UID": self.uid,
                    "ADPFLEET_CONTAINER": container["name"]}
-        env = await podenv.container_env(self.pod, container, self.ip, self.node.context, self.fetch, markers)
+        tmpdir = self.dir.tmp(container["name"])
+        tmpdir.mkdir(parents=True, exist_ok=True)
+        env = await podenv.container_env(self.pod, container, self.ip, self.node.context, self.fetch, markers,
+                                         str(tmpdir))
         argv = podenv.command_line(container, env)
         mounts = self._mounts_for(container)
         cwd = Path(container.get("workingDir") or self.dir.work)

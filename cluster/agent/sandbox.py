@@ -12,6 +12,7 @@ The pod directory (`<agent state>/pods/<namespace>_<pod>_<uid>/`):
     run/<container>.start-error            why the last exec failed, written by podinit.py
     run/<container>.termination-log        bind-mounted at the container's terminationMessagePath
     etc-hosts                              bind-mounted at /etc/hosts (see hosts.py)
+    tmp/<container>/                       the container's TMPDIR (removed with the pod)
     work/                                  the default working directory
 """
 
@@ -57,6 +58,9 @@ class PodDirectory:
     @property
     def hosts(self) -> Path:
         return self.path / "etc-hosts"
+
+    def tmp(self, container: str) -> Path:
+        return self.path / "tmp" / container
 
     def log(self, container: str, restart_count: int) -> Path:
         return self.path / "logs" / container / f"{restart_count}.log"
