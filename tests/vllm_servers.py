@@ -125,8 +125,8 @@ class VllmServer(Process):
         super().__init__(command, port, workdir / "vllm.log", env=server_env,
                          headers={"Authorization": f"Bearer {api_key}"} if api_key else {}, cwd=workdir)
 
-    def wait_healthy(self, timeout: float = START_TIMEOUT_S) -> "VllmServer":
-        super().wait_healthy(timeout)
+    def wait_healthy(self, timeout: float | None = None) -> "VllmServer":
+        super().wait_healthy(START_TIMEOUT_S if timeout is None else timeout)
         return self
 
     def client(self, **kwargs) -> openai.OpenAI:
