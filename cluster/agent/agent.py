@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import shutil
 import subprocess
 import sys
 from collections import OrderedDict
@@ -29,7 +28,7 @@ from adpfleet.cluster.agent.kubeapi import KubeApi
 from adpfleet.cluster.agent.node import HOST_IP, NodeRegistration
 from adpfleet.cluster.agent.pod import NodeServices, PodWorker, pod_dir_name
 from adpfleet.cluster.agent.podenv import NodeContext
-from adpfleet.cluster.agent.sandbox import LogSource
+from adpfleet.cluster.agent.sandbox import LogSource, PodDirectory
 from adpfleet.cluster.agent.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -151,7 +150,7 @@ class NodeAgent:
         pods_dir = self.config.state_dir / "pods"
         for stale in (pods_dir.iterdir() if pods_dir.exists() else []):
             if stale.name not in keep:
-                shutil.rmtree(stale, ignore_errors=True)
+                PodDirectory(stale).remove()
         adopted = sum(len(v) for k, v in leaders.items() if k in bound)
         if adopted:
             log.info("adopted %d running container process(es)", adopted)
