@@ -79,6 +79,9 @@ class NodeAgent:
         self._dns_views: dict[str, tuple] = {}  # uid -> what of the pod its names depend on
         self._names_dirty = asyncio.Event()
         self.mount_problem = check_private_mounts()
+        # At start, like the mount check, and in no thread: with an idle executor thread left in the
+        # agent, its port was still held right after a SIGKILL (test_agent_restart, 2 runs of 4).
+        self.vllm = vllm_on_this_node()
         self.private_mounts = self.mount_problem is None
         if not self.private_mounts:
             log.warning("private mount namespaces are unavailable (%s): volumes will not be mounted at "
@@ -98,7 +101,7 @@ class NodeAgent:
         await self.node.register()
         server = urlparse(credentials.server)
         node_context = NodeContext(HOST_IP, server.hostname, server.port or 443, self.node.capacity,
-                                   config.pass_env, *await asyncio.to_thread(vllm_on_this_node))
+                                   config.pass_env, *self.vllm)
         self.lent = NodeServices(
             api=self.api, events=self.events, addresses=self.addresses, context=node_context,
             probe_session=self.probe_session, state_dir=config.state_dir, backoff_initial=config.backoff_initial,
