@@ -140,6 +140,47 @@ def processes_with_env(key: str, value: str) -> list[psutil.Process]:
     return found
 
 
+def titled_processes(roots: list[psutil.Process], title: str) -> list[psutil.Process]:
+    """The live processes among `roots` and their descendants whose title is `title`.
+
+    The title is argv[0] as a process rewrote it (setproctitle): vLLM names its engine processes
+    `VLLM::EngineCore` (`VLLM::EngineCore_DP0`, `_DP1`, ... under data parallelism). Such a process
+    is found by descent, not by its environment: retitling may overwrite the memory that
+    /proc/PID/environ reads."""
+    return [proc for proc, proc_title in process_titles(roots) if proc_title == title]
+
+
+def signal_pod_processes(pod_uid: str, title: str, sig: int) -> list[int]:
+    """Send `sig` to the processes of a pod on this node titled `title` (the node's side of a
+    fault: SIGSTOP freezes a vLLM engine the way a wedged one looks to the kernel, SIGCONT thaws it).
+    Returns their pids; LookupError names the titles the pod has when none matches."""
+    family = process_titles(processes_with_env("ADPFLEET_POD_UID", pod_uid))
+    targets = [proc for proc, proc_title in family if proc_title == title]
+    if not targets:
+        raise LookupError(f"pod {pod_uid} has no process titled {title!r} on this node (its processes: "
+                          f"{', '.join(sorted({t for _, t in family})) or 'none'})")
+    for proc in targets:
+        os.kill(proc.pid, sig)
+    return [proc.pid for proc in targets]
+
+
+def process_titles(roots: list[psutil.Process]) -> list[tuple[psutil.Process, str]]:
+    """(process, title) for the live processes among `roots` and their descendants, each once."""
+    found: dict[int, tuple[psutil.Process, str]] = {}
+    for root in roots:
+        try:
+            family = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            continue
+        for proc in family:
+            try:
+                if proc.pid not in found and proc.status() != psutil.STATUS_ZOMBIE:
+                    found[proc.pid] = (proc, (proc.cmdline() or [""])[0])
+            except psutil.Error:
+                continue
+    return list(found.values())
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))

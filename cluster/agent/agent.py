@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import shutil
 import subprocess
 import sys
 from collections import OrderedDict
@@ -19,7 +18,7 @@ from urllib.parse import urlparse
 import aiohttp
 import psutil
 
-from adpfleet.cluster import kubeconfig
+from adpfleet.cluster import kubeconfig, vllm_env
 from adpfleet.cluster.agent import hosts, logserver
 from adpfleet.cluster.agent.addresses import AddressPool
 from adpfleet.cluster.agent.container import PODINIT, terminate_group
@@ -29,7 +28,7 @@ from adpfleet.cluster.agent.kubeapi import KubeApi
 from adpfleet.cluster.agent.node import HOST_IP, NodeRegistration
 from adpfleet.cluster.agent.pod import NodeServices, PodWorker, pod_dir_name
 from adpfleet.cluster.agent.podenv import NodeContext
-from adpfleet.cluster.agent.sandbox import LogSource
+from adpfleet.cluster.agent.sandbox import LogSource, PodDirectory
 from adpfleet.cluster.agent.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -61,6 +60,14 @@ def check_private_mounts() -> str | None:
     return None if proc.returncode == 0 else (proc.stdout.strip() or proc.stderr.strip() or "unknown error")
 
 
+def vllm_on_this_node() -> tuple[str, str]:
+    """(where pods find `vllm`, "") when the vLLM environment is built, else ("", why not)."""
+    try:
+        return str(vllm_env.locate().bin_dir), ""
+    except vllm_env.VllmUnavailable as exc:
+        return "", str(exc)
+
+
 class NodeAgent:
     def __init__(self, config: AgentConfig):
         self.config = config
@@ -72,6 +79,9 @@ class NodeAgent:
         self._dns_views: dict[str, tuple] = {}  # uid -> what of the pod its names depend on
         self._names_dirty = asyncio.Event()
         self.mount_problem = check_private_mounts()
+        # At start, like the mount check, and in no thread: with an idle executor thread left in the
+        # agent, its port was still held right after a SIGKILL (test_agent_restart, 2 runs of 4).
+        self.vllm = vllm_on_this_node()
         self.private_mounts = self.mount_problem is None
         if not self.private_mounts:
             log.warning("private mount namespaces are unavailable (%s): volumes will not be mounted at "
@@ -91,7 +101,7 @@ class NodeAgent:
         await self.node.register()
         server = urlparse(credentials.server)
         node_context = NodeContext(HOST_IP, server.hostname, server.port or 443, self.node.capacity,
-                                   config.pass_env)
+                                   config.pass_env, *self.vllm)
         self.lent = NodeServices(
             api=self.api, events=self.events, addresses=self.addresses, context=node_context,
             probe_session=self.probe_session, state_dir=config.state_dir, backoff_initial=config.backoff_initial,
@@ -143,7 +153,7 @@ class NodeAgent:
         pods_dir = self.config.state_dir / "pods"
         for stale in (pods_dir.iterdir() if pods_dir.exists() else []):
             if stale.name not in keep:
-                shutil.rmtree(stale, ignore_errors=True)
+                PodDirectory(stale).remove()
         adopted = sum(len(v) for k, v in leaders.items() if k in bound)
         if adopted:
             log.info("adopted %d running container process(es)", adopted)

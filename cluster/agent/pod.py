@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -280,7 +279,7 @@ class PodWorker:
                     log.warning("%s/%s: deleting the pod object failed: %s", self.namespace, self.name, exc)
             except Exception as exc:  # noqa: BLE001 - the next agent start finalises it
                 log.warning("%s/%s: deleting the pod object failed: %s", self.namespace, self.name, exc)
-        shutil.rmtree(self.dir.path, ignore_errors=True)
+        self.dir.remove()
         self.node.addresses.release(self.uid)
         self.node.done(self)
 
@@ -290,7 +289,8 @@ class PodWorker:
         """Everything one run of `container` needs, read now (ConfigMaps and Secrets may have changed)."""
         markers = {"ADPFLEET_CLUSTER": str(self.node.state_dir), "ADPFLEET_POD_UID": self.uid,
                    "ADPFLEET_CONTAINER": container["name"]}
-        env = await podenv.container_env(self.pod, container, self.ip, self.node.context, self.fetch, markers)
+        env = await podenv.container_env(self.pod, container, self.ip, self.node.context, self.fetch, markers,
+                                         str(self._tmpdir(container["name"])))
         argv = podenv.command_line(container, env)
         mounts = self._mounts_for(container)
         cwd = Path(container.get("workingDir") or self.dir.work)
@@ -302,6 +302,14 @@ class PodWorker:
             if self.pod["spec"].get("setHostnameAsFQDN") and hosts.pod_fqdn(self.pod):
                 hostname = hosts.pod_fqdn(self.pod)
         return Launch(argv=argv, env=env, cwd=cwd, mounts=mounts, hostname=hostname)
+
+    def _tmpdir(self, container: str) -> Path:
+        """The container's TMPDIR: its directory in the pod's, by its short link."""
+        target, link = self.dir.tmp(container), self.dir.tmp_link(container)
+        target.mkdir(parents=True, exist_ok=True)
+        if not link.is_symlink():
+            link.symlink_to(target)
+        return link
 
     def _pod_mounts(self, container: dict) -> list[dict]:
         """What the kubelet mounts into every container: the pod's /etc/hosts (unless it uses the

@@ -1,10 +1,14 @@
 """A container's environment and command line, as the kubelet builds them.
 
 Order: the agent's base variables (PATH with this Python's bin first, HOME, HOSTNAME, the
-`kubernetes` Service variables pointing at the loopback apiserver, and what the adpfleet images
-set — `image_env()`, since the local node runs this Python instead of an image), then `envFrom`,
-then `env` in order, each value `$(VAR)`-expanded against what came before; finally `command` and `args` are
-expanded against the result.
+`kubernetes` Service variables pointing at the loopback apiserver, the container's own TMPDIR, and
+what the adpfleet images set — `image_env()`, since the local node runs this Python instead of an
+image), then `envFrom`, then `env` in order, each value `$(VAR)`-expanded against what came before;
+finally `command` and `args` are expanded against the result.
+
+vLLM's images run `vllm` (their entrypoint is `vllm serve`): the local node runs it from the vLLM
+environment (`adpfleet.cluster.vllm_env`), whose `bin/` (holding only `vllm`) follows this Python's
+on the PATH when it is built.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ class NodeContext:
     apiserver_port: int
     allocatable: dict[str, str]
     pass_env: tuple[str, ...] = ()
+    vllm_bin: str = ""       # the vLLM environment's bin/ (only `vllm`), "" when it is not built ...
+    vllm_missing: str = ""   # ... and then why, with how to build it
 
 
 def expand(text: str, env: dict[str, str]) -> str:
@@ -64,10 +70,10 @@ def image_env() -> dict[str, str]:
             "PYTHONDONTWRITEBYTECODE": "1"}
 
 
-def base_env(pod: dict, node: NodeContext) -> dict[str, str]:
-    bin_dir = os.path.join(sys.prefix, "bin")  # so `adpfleet serve` resolves in pods
+def base_env(pod: dict, node: NodeContext, tmpdir: str = "") -> dict[str, str]:
+    bin_dirs = [os.path.join(sys.prefix, "bin")] + ([node.vllm_bin] if node.vllm_bin else [])  # `adpfleet`, `vllm`
     env = {
-        "PATH": f"{bin_dir}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        "PATH": ":".join(bin_dirs + ["/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]),
         "HOME": os.environ.get("HOME", "/root"),
         "HOSTNAME": hosts.pod_hostname(pod),
         # No kube-proxy: in-cluster clients reach the apiserver on loopback directly.
@@ -77,6 +83,8 @@ def base_env(pod: dict, node: NodeContext) -> dict[str, str]:
         "KUBERNETES_PORT": f"tcp://{node.apiserver_host}:{node.apiserver_port}",
         **image_env(),
     }
+    if tmpdir:  # a container's /tmp is its own; here every pod would share the host's (vLLM leaves sockets there)
+        env["TMPDIR"] = tmpdir
     env.update({k: os.environ[k] for k in node.pass_env if k in os.environ})
     return env
 
@@ -114,8 +122,11 @@ def resource_field_ref(pod: dict, ref: dict, default_container: str, node: NodeC
 
 
 async def container_env(pod: dict, container: dict, pod_ip: str, node: NodeContext, fetch: Fetch,
-                        markers: dict[str, str]) -> dict[str, str]:
-    env = base_env(pod, node)
+                        markers: dict[str, str], tmpdir: str = "") -> dict[str, str]:
+    if (container.get("command") or [""])[0] == "vllm" and not node.vllm_bin:
+        raise ContainerConfigError(f"the container runs `vllm`, which this node runs from the vLLM environment: "
+                                   f"{node.vllm_missing}; then restart the node agent (`adpfleet cluster down`, `up`)")
+    env = base_env(pod, node, tmpdir)
     for source in container.get("envFrom") or []:
         kind, ref = ("ConfigMap", source["configMapRef"]) if "configMapRef" in source \
             else ("Secret", source["secretRef"])

@@ -12,11 +12,16 @@ The pod directory (`<agent state>/pods/<namespace>_<pod>_<uid>/`):
     run/<container>.start-error            why the last exec failed, written by podinit.py
     run/<container>.termination-log        bind-mounted at the container's terminationMessagePath
     etc-hosts                              bind-mounted at /etc/hosts (see hosts.py)
+    tmp/<container>/                       the container's TMPDIR, reached through a short link in the
+                                           host's temporary directory (`tmp_link`)
     work/                                  the default working directory
 """
 
 from __future__ import annotations
 
+import hashlib
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Awaitable, Callable
@@ -57,6 +62,21 @@ class PodDirectory:
     @property
     def hosts(self) -> Path:
         return self.path / "etc-hosts"
+
+    def tmp(self, container: str) -> Path:
+        return self.path / "tmp" / container
+
+    def tmp_link(self, container: str) -> Path:
+        """The short name a container gets for tmp(container): a Unix socket's path must fit in 108
+        bytes (vLLM binds its IPC sockets in TMPDIR, named by a UUID), which a pod directory exceeds."""
+        digest = hashlib.sha256(str(self.tmp(container)).encode()).hexdigest()[:16]
+        return Path(tempfile.gettempdir()) / f"adpfleet-tmp-{digest}"
+
+    def remove(self) -> None:
+        """Delete the directory and the links to its containers' temporary directories."""
+        for tmp in (self.path / "tmp").glob("*"):
+            self.tmp_link(tmp.name).unlink(missing_ok=True)
+        shutil.rmtree(self.path, ignore_errors=True)
 
     def log(self, container: str, restart_count: int) -> Path:
         return self.path / "logs" / container / f"{restart_count}.log"

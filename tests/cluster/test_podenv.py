@@ -1,6 +1,7 @@
 """A container's environment and command line are built the way the kubelet builds them."""
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -12,10 +13,10 @@ POD = {"metadata": {"name": "web-0", "namespace": "fleet", "uid": "u-1", "labels
        "spec": {"nodeName": "adpfleet-node", "serviceAccountName": "router", "containers": []}}
 
 
-def build(container: dict, objects: dict | None = None) -> dict:
+def build(container: dict, objects: dict | None = None, node: podenv.NodeContext = NODE, tmpdir: str = "") -> dict:
     async def fetch(kind, name):
         return (objects or {}).get((kind, name))
-    return asyncio.run(podenv.container_env(POD, container, "127.0.1.7", NODE, fetch, {}))
+    return asyncio.run(podenv.container_env(POD, container, "127.0.1.7", node, fetch, {}, tmpdir))
 
 
 def test_dollar_paren_expands_known_variables_and_keeps_unknown_ones():
@@ -76,3 +77,23 @@ def test_config_map_and_secret_references_are_read_and_missing_ones_are_config_e
 def test_a_container_without_command_cannot_run_because_images_are_ignored():
     with pytest.raises(podenv.ContainerConfigError, match="ignores images"):
         podenv.command_line({"name": "c", "image": "nginx"}, {})
+
+
+def test_vllm_runs_from_the_vllm_environment_whose_bin_follows_this_pythons_on_the_path():
+    import sys
+    env = build({"name": "c", "command": ["vllm", "serve"]}, node=dataclasses.replace(NODE, vllm_bin="/vllm-env/bin"))
+    assert env["PATH"].split(":")[:2] == [f"{sys.prefix}/bin", "/vllm-env/bin"]
+    assert build({"name": "c"})["PATH"].split(":")[1] == "/usr/local/sbin"  # no vLLM environment: nothing added
+
+
+def test_a_vllm_container_on_a_node_without_the_vllm_environment_is_refused_with_how_to_build_it():
+    node = dataclasses.replace(NODE, vllm_missing="not built; build it with `scripts/setup --with-vllm`")
+    with pytest.raises(podenv.ContainerConfigError, match=r"runs `vllm`.*scripts/setup --with-vllm"):
+        build({"name": "c", "command": ["vllm", "serve", "/models/m"]}, node=node)
+    assert build({"name": "c", "command": ["adpfleet", "serve"]}, node=node)  # other containers do not need it
+
+
+def test_each_container_gets_its_own_tmpdir_and_the_pods_env_wins():
+    assert build({"name": "c"}, tmpdir="/pods/p/tmp/c")["TMPDIR"] == "/pods/p/tmp/c"
+    mine = {"name": "c", "env": [{"name": "TMPDIR", "value": "/scratch"}]}
+    assert build(mine, tmpdir="/pods/p/tmp/c")["TMPDIR"] == "/scratch"

@@ -1,8 +1,12 @@
 """Pods bound to the node agent are real processes: addressed, probed, restarted, stopped."""
 
+import signal
 import time
 import urllib.request
+import uuid
+from pathlib import Path
 
+import psutil
 import pytest
 
 from adpfleet.cluster import processes
@@ -247,3 +251,34 @@ def test_a_startup_probe_holds_back_readiness_until_it_passes_inside_the_pods_mo
     (volume / "started").touch()
     pod = k8s_cluster.wait_for_pod(k8s_namespace, "slow", timeout=10)
     assert container_status(pod).started
+
+
+def test_each_container_has_a_tmpdir_of_its_own_that_goes_with_the_pod(k8s_cluster, k8s_namespace):
+    # vLLM binds IPC sockets in TMPDIR: in a container /tmp is its own, here it would be the host's;
+    # and a socket's path must fit in 108 bytes, which the pod directory's path does not.
+    k8s_cluster.apply(pod_manifest("scratch", ["sh", "-c", 'touch "$TMPDIR/ipc.sock" && echo "$TMPDIR" && sleep 1000']),
+                      k8s_namespace)
+    pod = k8s_cluster.wait_for_pod(k8s_namespace, "scratch")
+    tmpdir = Path(wait_for(lambda: logs(k8s_cluster, k8s_namespace, "scratch").strip(), timeout=10, what="TMPDIR"))
+    where = tmpdir.resolve()
+    assert where.name == "main" and pod.metadata.uid in str(where) and (where / "ipc.sock").exists()
+    assert len(f"{tmpdir}/{uuid.uuid4()}") < 108
+    k8s_cluster.core.delete_namespaced_pod("scratch", k8s_namespace)
+    k8s_cluster.wait_for_pod_gone(k8s_namespace, "scratch", timeout=10)
+    assert not where.exists() and not tmpdir.is_symlink()
+
+
+def test_the_node_signals_a_pods_process_by_its_title_even_one_that_left_the_pods_environment(k8s_cluster,
+                                                                                              k8s_namespace):
+    # vLLM's engine retitles itself VLLM::EngineCore, and retitling may overwrite the environment
+    # that marks a pod's processes: the engine is found under the pod's main process instead.
+    engine = "env -u ADPFLEET_POD_UID bash -c 'exec -a VLLM::EngineCore sleep 1000' & wait"
+    k8s_cluster.apply(pod_manifest("engine", ["bash", "-c", engine]), k8s_namespace)
+    uid = k8s_cluster.wait_for_pod(k8s_namespace, "engine").metadata.uid
+    frozen = wait_for(lambda: processes.signal_pod_processes(uid, "VLLM::EngineCore", signal.SIGSTOP), timeout=10,
+                      what="the engine process to start")
+    wait_for(lambda: psutil.Process(frozen[0]).status() == psutil.STATUS_STOPPED, timeout=5, what="the freeze")
+    assert processes.signal_pod_processes(uid, "VLLM::EngineCore", signal.SIGCONT) == frozen
+    wait_for(lambda: psutil.Process(frozen[0]).status() != psutil.STATUS_STOPPED, timeout=5, what="the thaw")
+    with pytest.raises(LookupError, match=r"no process titled 'VLLM::Worker'.*VLLM::EngineCore"):
+        processes.signal_pod_processes(uid, "VLLM::Worker", signal.SIGSTOP)

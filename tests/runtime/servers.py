@@ -36,14 +36,14 @@ class Process:
     """A child process in its own session, reachable at `url`, killed with its group."""
 
     def __init__(self, cmd: list[str], port: int, log_path: Path | None = None, env: dict | None = None,
-                 host: str = "127.0.0.1", headers: dict | None = None):
+                 host: str = "127.0.0.1", headers: dict | None = None, cwd: Path | None = None):
         self.host, self.port = host, port
         self.url = f"http://{host}:{port}"
         self.headers = headers or {}  # what a client of this process sends (e.g. its API key)
         self.log_path = log_path
         self.log = open(log_path, "wb") if log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+                                     env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, cwd=cwd)
 
     def wait_healthy(self, timeout: float = 120) -> "Process":
         deadline = time.monotonic() + timeout
