@@ -167,6 +167,15 @@ def test_a_hit_costs_the_cached_blocks_nobody_holds_and_no_block_someone_holds()
     assert kv.admit(b, b.max_total_tokens) and kv.num_available_blocks == 0
 
 
+def test_a_hit_on_cached_blocks_nobody_holds_is_refused_when_they_and_the_rest_do_not_fit():
+    kv = KVCacheManager(num_blocks=6, tokens_per_block=2)
+    served(kv, [1, 2, 3, 4, 5])  # 2 cached, unreferenced
+    kv.grow(fresh([0] * 4, name="holder"), 4)  # 2 uncached blocks held
+    big = fresh([1, 2, 3, 4, 5, 6, 7, 8, 9], max_tokens=3)  # 6 blocks: 2 found, 4 new, only 4 free in all
+    assert not kv.admit(big, big.max_total_tokens)
+    assert big.block_table == [] and big.num_computed_tokens == 0 and kv.num_available_blocks == 4
+
+
 def test_a_rolled_back_pass_keeps_the_hit_and_returns_only_the_tentative_blocks():
     kv = KVCacheManager(num_blocks=8, tokens_per_block=2)
     served(kv, [1, 2, 3, 4, 5])

@@ -144,7 +144,8 @@ def test_a_rank_whose_free_blocks_are_all_cached_pads_and_admits_as_an_empty_one
         fleet.close()
 
 
-def test_no_prefix_cache_turns_it_off_for_serve_and_generate():
+def test_the_cache_is_on_by_default_and_no_prefix_cache_turns_it_off_for_serve_and_generate():
+    assert EngineConfig().prefix_cache is True and LLMEngine(EngineConfig(model="tiny-dense"), model=MODEL).kv.prefix_cache
     for command in (["serve"], ["generate", "hi"]):
         assert EngineConfig.from_args(build_parser().parse_args(command)).prefix_cache is True
         assert EngineConfig.from_args(build_parser().parse_args(command + ["--no-prefix-cache"])).prefix_cache is False
