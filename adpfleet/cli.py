@@ -42,6 +42,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="longest n-gram prompt lookup matches")
     p.add_argument("--prompt-lookup-min", type=int, default=default.prompt_lookup_min,
                    help="shortest n-gram prompt lookup matches")
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                   help="recompute every prompt instead of sharing cached KV blocks of common prefixes")
     p.add_argument("--seed", type=int, default=default.seed, help="seed of the built-in tiny models")
 
 

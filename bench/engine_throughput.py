@@ -129,7 +129,8 @@ def prepare_engine(workdir: Path, spec: dict):
                           tokens_per_block=tpb,
                           kv_blocks=len(prompts) * blocks_per_request + 16,  # every request fits at once
                           max_num_tokens=spec["max_num_tokens"], max_batch_size=len(prompts),
-                          max_num_active_requests=len(prompts))
+                          max_num_active_requests=len(prompts),
+                          prefix_cache=spec.get("prefix_cache", True))  # bench/prefix_cache.py turns it off
     engine = LLMEngine(config)
     engine.generate([p[:16] for p in prompts[:4]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
 
@@ -138,7 +139,7 @@ def prepare_engine(workdir: Path, spec: dict):
         return [r.output_token_ids for r in engine.generate(prompts, params)]
 
     settings = {k: getattr(config, k) for k in ("kv_blocks", "tokens_per_block", "max_num_tokens",
-                                                "max_batch_size", "max_num_active_requests")}
+                                                "max_batch_size", "max_num_active_requests", "prefix_cache")}
     from adpfleet.runtime.model.attention import default_decode_backend
 
     backend = default_decode_backend(torch.device(spec["device"]))

@@ -32,6 +32,9 @@ class EngineConfig:
     prompt_lookup_min: int = 1
     # ADP: admission keeps the padding dummy's blocks free (off only to measure what it rescues)
     padding_reserve: bool = True
+    # per rank: full KV blocks kept under their chained hash and shared by requests with the same
+    # prefix (runtime/engine/kv_cache.py); off only to compare
+    prefix_cache: bool = True
     seed: int = 0
 
     def validate(self) -> None:

@@ -47,11 +47,14 @@ class RankStats:
     generation_tokens: int = 0
     spec_decode_draft_tokens: int = 0
     spec_decode_accepted_tokens: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
     requests_finished: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FINISH_REASONS, 0))
     requests_running: int = 0
     requests_waiting: int = 0
     kv_cache_blocks_used: int = 0
     kv_cache_capacity_blocks: int = 0
+    prefix_cache_blocks: int = 0
     kv_transfers_in_flight: int = 0
     kv_transfers_awaiting_pull: int = 0
     last_progress_timestamp: float = field(default_factory=time.time)
@@ -77,12 +80,18 @@ _COUNTERS = [
      "Draft tokens verified by decode steps (speculative decoding; 0 without --draft-tokens)."),
     ("spec_decode_accepted_tokens", "adpfleet_spec_decode_accepted_tokens_total",
      "Draft tokens the verification accepted (each saves one decode step)."),
+    ("prefix_cache_queries", "adpfleet_prefix_cache_queries_total",
+     "Prompt tokens of admitted requests looked up in the prefix cache (0 with --no-prefix-cache)."),
+    ("prefix_cache_hits", "adpfleet_prefix_cache_hits_total",
+     "Of those, tokens found there: their prefill was skipped."),
 ]
 _GAUGES = [
     ("requests_running", "adpfleet_requests_running", "Requests admitted (context or generation)."),
     ("requests_waiting", "adpfleet_requests_waiting", "Requests waiting for KV cache or for a rank."),
     ("kv_cache_blocks_used", "adpfleet_kv_cache_blocks_used", "KV cache blocks in use."),
     ("kv_cache_capacity_blocks", "adpfleet_kv_cache_capacity_blocks", "KV cache blocks in the pool."),
+    ("prefix_cache_blocks", "adpfleet_prefix_cache_blocks",
+     "KV cache blocks in the prefix cache, referenced or not (the unreferenced ones count as free)."),
     ("kv_transfers_in_flight", "adpfleet_kv_transfers_in_flight", "KV blocks held for or awaiting transfer."),
     ("kv_transfers_awaiting_pull", "adpfleet_kv_transfers_awaiting_pull",
      "Of those, blocks no generation server is pulling or has pulled yet."),

@@ -2,7 +2,8 @@
 
 One `step()` is: fetch pending requests (up to max_num_active_requests), schedule (and draft,
 when speculative decoding is on), forward, sample and verify, update request states (next
-chunk, new tokens, stop checks), free what finished, release held KV that was pulled or expired.
+chunk, new tokens, stop checks, newly full blocks into the prefix cache), free what finished,
+release held KV that was pulled or expired.
 The ADP executor drives the same phases in lockstep across ranks.
 """
 
@@ -50,7 +51,7 @@ class LLMEngine:
         self.model = model or load_model(config.model, par, config.device, config.torch_dtype, config.seed)
         self.model_config = self.model.cfg
         self.tokenizer = load_tokenizer(config.model, self.model_config)
-        self.kv = KVCacheManager(config.kv_blocks, config.tokens_per_block)
+        self.kv = KVCacheManager(config.kv_blocks, config.tokens_per_block, config.prefix_cache)
         self.scheduler = Scheduler(self.kv, SchedulerConfig(
             config.max_num_tokens, config.max_batch_size, config.decode_query_len))
         # context role: finished prompts keep their KV for the generation server (see KVHold)
@@ -132,7 +133,11 @@ class LLMEngine:
     def schedule_batch(self) -> ScheduledBatch:
         waiting = [r for r in self.active if r.state is RequestState.WAITING and r.remote_kv is None]
         running = [r for r in self.active if r.state in (RequestState.CONTEXT, RequestState.GENERATION)]
-        batch, _ = self.scheduler.schedule(waiting, running)
+        batch, admitted = self.scheduler.schedule(waiting, running)
+        if self.kv.prefix_cache:  # as vLLM counts: prompt tokens looked up at admission, and found
+            for req in admitted:
+                self.stats.prefix_cache_queries += req.num_prompt_tokens
+                self.stats.prefix_cache_hits += req.num_computed_tokens
         if self.drafter is not None:
             for req in batch.generation:
                 self.drafter.propose(req)
@@ -161,6 +166,7 @@ class LLMEngine:
         s.requests_waiting = len(self.pending) + sum(
             1 for r in self.active if r.state is RequestState.WAITING and not r.is_dummy)
         s.kv_cache_blocks_used = self.kv.num_used_blocks
+        s.prefix_cache_blocks = self.kv.num_cached_blocks
         s.kv_transfers_in_flight = self.kv_hold.blocks_in_flight if self.kv_hold else 0
         s.kv_transfers_awaiting_pull = self.kv_hold.blocks_awaiting_pull if self.kv_hold else 0
 
@@ -188,12 +194,14 @@ class LLMEngine:
         self.stats.prompt_tokens += prompt_tokens
         failed = []
         for req in batch.requests:
-            if req not in sampled:
-                continue
-            if req.error is not None:  # its sampling failed: it ends here, the batch goes on
-                failed.append(self.fail(req, req.error))
-                continue
-            outputs.append(self._append_tokens(req, sampled[req]))
+            if req in sampled:
+                if req.error is not None:  # its sampling failed: it ends here, the batch goes on
+                    failed.append(self.fail(req, req.error))
+                    continue
+                outputs.append(self._append_tokens(req, sampled[req]))
+            # full blocks enter the prefix cache once their tokens are known (accepted drafts
+            # included) and before a finished request lets its blocks go
+            self.kv.cache_computed_blocks(req)
             self._finish_if_done(req)
         if prompt_tokens or outputs:
             self.stats.last_progress_timestamp = time.time()

@@ -29,6 +29,10 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)
     reserved_blocks: int = 0  # blocks promised at admission (guaranteed no evict)
+    # prefix cache: the chained hashes of its full blocks (computed once, as far as needed), and
+    # how many leading blocks of its table were offered to the cache (found there or entered)
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_blocks: int = 0
     finish_reason: str | None = None
     output_text: str = ""
     dummy_phase: str | None = None  # padding dummies: "pre_schedule" / "post_schedule"

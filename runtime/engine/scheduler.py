@@ -2,7 +2,8 @@
 
 The capacity scheduler admits waiting requests in arrival order while the KV blocks for their
 prompt + max_tokens (+ the draft lookahead) fit, and stops at the first that does not
-(head-of-line, as upstream).
+(head-of-line, as upstream). A request starts from its cached prefix: those blocks are shared and
+its prefill continues from the first token not found in the prefix cache.
 The micro-batch scheduler then fills the batch: generation requests first (one decode step
 of 1 + draft tokens each), then prompt chunks, within `max_num_tokens` tokens and
 `max_batch_size` requests.
@@ -58,9 +59,8 @@ class CapacityScheduler:
     def admit(self, waiting: list[Request]) -> list[Request]:
         admitted = []
         for req in waiting:
-            if not self.kv.can_reserve(req, self.kv_tokens(req)):
+            if not self.kv.admit(req, self.kv_tokens(req)):  # from its cached prefix, if any
                 break  # head-of-line: later requests wait behind it
-            self.kv.reserve(req, self.kv_tokens(req))
             req.state = RequestState.CONTEXT
             admitted.append(req)
         return admitted

@@ -95,7 +95,8 @@ class KVHold:
 
     @property
     def blocks_in_flight(self) -> int:
-        return sum(len(h.request.block_table) for h in self.held.values())
+        """Distinct blocks: held prompts may share a cached prefix."""
+        return len({block for h in self.held.values() for block in h.request.block_table})
 
     @property
     def blocks_awaiting_pull(self) -> int:
@@ -105,8 +106,9 @@ class KVHold:
         completed = getattr(self.puller, "completed", ())
         now = self.clock()
         with self._lock:
-            return sum(len(h.request.block_table) for rid, h in self.held.items()
-                       if (h.transfer_deadline is None or now >= h.transfer_deadline) and rid not in completed)
+            return len({block for rid, h in self.held.items()
+                        if (h.transfer_deadline is None or now >= h.transfer_deadline) and rid not in completed
+                        for block in h.request.block_table})
 
     def reap(self) -> list[str]:
         """Free the KV of every pulled or expired request; returns their ids."""

@@ -115,7 +115,8 @@ class TableModel:
         self.forwards = 0
 
     def allocate_kv_cache(self, num_slots: int):
-        return torch.zeros(1, 1, 1, 1), torch.zeros(1, 1, 1, 1)
+        # one layer of one value per slot: enough for a generation rank to place pulled KV
+        return torch.zeros(1, num_slots, 1, 1), torch.zeros(1, num_slots, 1, 1)
 
     def __call__(self, input_ids, positions, meta, kv_cache):
         check_uniform_decode(meta)

@@ -58,6 +58,17 @@ def test_pulled_kv_is_freed_on_the_context_server(fleet):
     assert wait_until(lambda: metric(fleet["generation"], "adpfleet_kv_cache_blocks_used") == 0, 10)
 
 
+def test_the_context_server_keeps_the_prefixes_it_computed_and_the_generation_server_caches_none(fleet):
+    system = "Shared instructions for every session of this fleet. " * 4
+    hits = metric(fleet["context"], "adpfleet_prefix_cache_hits_total")
+    for question in ("first?", "second?"):
+        disaggregated(fleet, "/v1/completions", {"prompt": system + question, "max_tokens": 4, "temperature": 0})
+    assert metric(fleet["context"], "adpfleet_prefix_cache_hits_total") - hits >= len(system) // 16 * 16 - 16
+    assert metric(fleet["context"], "adpfleet_prefix_cache_blocks") > 0
+    assert metric(fleet["generation"], "adpfleet_prefix_cache_blocks") == 0
+    assert metric(fleet["generation"], "adpfleet_prefix_cache_queries_total") == 0
+
+
 def test_a_request_that_ends_at_its_first_token_needs_no_generation_server(fleet):
     r = post(fleet["context"], "/v1/completions", {"prompt": "one", "max_tokens": 1}).json()
     assert r["choices"][0]["finish_reason"] == "length" and "disaggregated_params" not in r

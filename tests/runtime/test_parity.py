@@ -104,9 +104,9 @@ def greedy_reference(hf, prompts: list[list[int]], max_tokens: int) -> list[list
 
     hf.generation_config.eos_token_id = None  # run every prompt the full length, as ignore_eos does
     gen_cfg = transformers.GenerationConfig(do_sample=False, max_new_tokens=max_tokens, pad_token_id=0)
-    with torch.no_grad():
-        return [hf.generate(torch.tensor([p], device=hf.device), generation_config=gen_cfg)[0, len(p):].tolist()
-                for p in prompts]
+    with torch.no_grad():  # the mask says every token counts: a 0 (the pad id) in a prompt is a token too
+        return [hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen_cfg)[0, len(p):].tolist()
+                for p in prompts for ids in [torch.tensor([p], device=hf.device)]]
 
 
 MIXED = [prompt(n, seed=10 + n) for n in (3, 17, 40, 9, 64, 1)]
@@ -124,11 +124,46 @@ def test_greedy_batch_of_mixed_lengths_is_token_identical(models, device, dtype,
     assert engine.kv.num_used_blocks == 0
 
 
+SHARED = prompt(22, seed=20)  # a system prompt: 5 blocks of 4 tokens and 2 more
+
+
+def prefix_waves(history: list[list[int]]):
+    """Three waves of prompts on one engine, each wave after the last has finished: sharing a prefix
+    that ends inside a block, exactly on a boundary (the whole prompt cached: its last block runs
+    again), repeated whole, continued as the next turn of a conversation (its prompt and answer
+    cached, decode blocks included), and after the small pool evicted some of it."""
+    yield [SHARED + prompt(5, seed=21), prompt(17, seed=22)]
+    yield [SHARED + prompt(3, seed=23), SHARED[:20], SHARED + prompt(5, seed=21)]
+    yield [history[2] + prompt(4, seed=24), prompt(17, seed=22), SHARED[:9] + prompt(30, seed=25)]
+
+
+@pytest.mark.parametrize("draft_tokens", [0, 2])
+def test_greedy_outputs_are_the_same_with_the_prefix_cache_on_and_off(models, device, dtype, draft_tokens):
+    if dtype != torch.float32:
+        pytest.skip("greedy tokens are compared in float32 (a bfloat16 near-tie may flip)")
+    path, _, _ = models
+    engines = {on: LLMEngine(EngineConfig(model=str(path), device=device, kv_blocks=24, tokens_per_block=4,
+                                          max_num_tokens=12, max_batch_size=4, draft_tokens=draft_tokens,
+                                          prefix_cache=on)) for on in (True, False)}
+    params = SamplingParams(max_tokens=9, ignore_eos=True)
+    history: list[list[int]] = []  # each finished request's prompt and answer
+    for wave in prefix_waves(history):
+        outputs = {on: [r.all_token_ids for r in e.generate(wave, params)] for on, e in engines.items()}
+        assert outputs[True] == outputs[False]
+        history += outputs[True]
+    cached = engines[True]
+    assert cached.stats.prefix_cache_hits >= 5 * 4 * 3 and cached.kv.evictions > 0
+    assert cached.stats.prompt_tokens == engines[False].stats.prompt_tokens - cached.stats.prefix_cache_hits
+    assert cached.kv.num_used_blocks == 0 and engines[False].stats.prefix_cache_queries == 0
+
+
 @pytest.mark.multiproc
 @pytest.mark.slow
 def test_two_adp_ranks_of_qwen3_generate_what_transformers_does(tmp_path, device, dtype):
     """Two real rank processes (gloo): the MLP is split across them (each rank reads only its
-    half of gate/up/down from the checkpoint) and the requests are spread over both."""
+    half of gate/up/down from the checkpoint) and the requests are spread over both. Then the
+    second turn of each conversation, on the rank that holds the first: each rank's prefix cache
+    serves its prompt and answer."""
     if (device, dtype) != ("cpu", torch.float32):
         pytest.skip("gloo ranks on the CPU in float32 (NCCL needs one GPU per rank)")
     from adpfleet.runtime.executor.offline import OfflineRanks
@@ -137,9 +172,14 @@ def test_two_adp_ranks_of_qwen3_generate_what_transformers_does(tmp_path, device
     prompts = MIXED[:4]
     ranks = OfflineRanks(2, str(tmp_path), kv_blocks=64, tokens_per_block=4, max_num_tokens=48)
     try:
-        ids = [ranks.submit(p, max_tokens=12, ignore_eos=True) for p in prompts]
+        ids = [ranks.submit(p, rank=i % 2, max_tokens=12, ignore_eos=True) for i, p in enumerate(prompts)]
         assert ranks.wait(ids, 120)
-        assert [ranks.tokens[i] for i in ids] == greedy_reference(hf, prompts, 12)
-        assert ranks.stats(0).prompt_tokens > 0 and ranks.stats(1).prompt_tokens > 0
+        answers = [ranks.tokens[i] for i in ids]
+        assert answers == greedy_reference(hf, prompts, 12)
+        turns = [p + answer + prompt(5, seed=40 + i) for i, (p, answer) in enumerate(zip(prompts, answers))]
+        ids = [ranks.submit(p, rank=i % 2, max_tokens=12, ignore_eos=True) for i, p in enumerate(turns)]
+        assert ranks.wait(ids, 120)
+        assert [ranks.tokens[i] for i in ids] == greedy_reference(hf, turns, 12)
+        assert ranks.stats(0).prefix_cache_hits > 0 and ranks.stats(1).prefix_cache_hits > 0
     finally:
         ranks.close()

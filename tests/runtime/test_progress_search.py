@@ -1,7 +1,9 @@
 """The progress guarantee, by search (tests/runtime/progress_sim.py): the real executor loop of
-2–4 ranks over random configurations and events. With padding on it must find nothing; with
-padding off it must find the stall — that is how we know the search can see one. A fixed-seed
-budget here; `progress_sim.py --deep` searches for minutes."""
+2–4 ranks over random configurations and events, shared-prefix workloads with the prefix cache
+on or off, in the aggregated, context and generation roles. With padding on it must find
+nothing (the cache's invariants included); with padding off it must find the stall — that is how
+we know the search can see one. A fixed-seed budget here; `progress_sim.py --deep` searches for
+minutes."""
 
 import pytest
 
@@ -12,7 +14,12 @@ pytestmark = pytest.mark.slow
 CI_SEEDS = range(40)
 EVENTS_REACHED = ("burst above the cap on one rank", "empty batch at the active-request cap", "starve fault",
                   "abort", "transfer abandoned", "hold expired at its lease", "hold pulled",
-                  "draft tokens accepted", "pre_schedule dummy committed", "post_schedule dummy committed")
+                  "draft tokens accepted", "pre_schedule dummy committed", "post_schedule dummy committed",
+                  # the prefix cache, and the roles
+                  "prefix hit", "hit on a block another request holds", "hit up to the last token's block",
+                  "cached block evicted", "prefix cache full (no uncached free block)", "admitted from a full cache",
+                  "pre_schedule dummy from the cache", "post_schedule dummy from the cache", "pulled KV placed",
+                  "aggregated role", "context role", "generation role")
 
 
 def test_with_padding_no_pass_is_vetoed_no_work_stalls_nothing_leaks_and_every_counter_agrees():

@@ -96,7 +96,9 @@ def test_metrics_expose_every_counter_from_startup(server):
     for name in ("adpfleet_iterations_total", "adpfleet_forward_steps_total", "adpfleet_forward_vetoed_total",
                  "adpfleet_empty_batch_iterations_total", "adpfleet_padding_dummies_total",
                  "adpfleet_prompt_tokens_total", "adpfleet_generation_tokens_total",
-                 "adpfleet_requests_finished_total", "adpfleet_kv_cache_capacity_blocks"):
+                 "adpfleet_requests_finished_total", "adpfleet_kv_cache_capacity_blocks",
+                 "adpfleet_prefix_cache_queries_total", "adpfleet_prefix_cache_hits_total",
+                 "adpfleet_prefix_cache_blocks"):
         assert f"\n{name}{{" in text, name
     assert 'adpfleet_kv_cache_capacity_blocks{role="aggregated",rank="0"} 64.0' in text
 
@@ -118,3 +120,21 @@ def test_a_client_that_disconnects_aborts_its_request_and_frees_its_kv(server, s
                 assert wait_until(lambda: metric(server, "adpfleet_requests_running") >= 1, 15)
     assert wait_until(lambda: metric(server, "adpfleet_requests_finished_total", finish_reason="abort") == aborted + 1, 15)
     assert wait_until(lambda: metric(server, "adpfleet_kv_cache_blocks_used") == 0, 10)
+
+
+def test_the_next_turn_of_a_chat_is_prefilled_from_the_prefix_cache(server, client):
+    """The whole conversation is sent again; only what the cache does not hold runs (greedy output
+    identical with the cache on and off: tests/runtime/test_parity.py)."""
+    messages = [{"role": "system", "content": "You answer in the style of a ship's log. " * 4},
+                {"role": "user", "content": "Where are we?"}]
+    first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
+    hits, queried = (metric(server, f"adpfleet_prefix_cache_{n}_total") for n in ("hits", "queries"))
+    prompt_tokens = metric(server, "adpfleet_prompt_tokens_total")
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "And now?"}]
+    second = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
+    hit = metric(server, "adpfleet_prefix_cache_hits_total") - hits
+    assert metric(server, "adpfleet_prefix_cache_queries_total") - queried == second.usage.prompt_tokens
+    assert hit >= first.usage.prompt_tokens // 16 * 16 - 16  # turn 1's prompt, all but its last block at most
+    assert metric(server, "adpfleet_prompt_tokens_total") - prompt_tokens == second.usage.prompt_tokens - hit
+    assert metric(server, "adpfleet_prefix_cache_blocks") > 0
