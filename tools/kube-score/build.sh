@@ -9,10 +9,20 @@ version=$(awk '$1 == "github.com/zegl/kube-score" {print $2}' "$here/go.mod")
 cache=${ADPFLEET_CACHE:-$HOME/.cache/adpfleet}
 out="$cache/kube-score/$version/kube-score"
 if [ ! -x "$out" ]; then
-  echo "kube-score/build.sh: building kube-score $version; the first build takes a few minutes" >&2
   mkdir -p "$(dirname "$out")"
-  (cd "$here" && CGO_ENABLED=0 GOFLAGS=-buildvcs=false go build -trimpath -ldflags "-s -w -X main.version=$version" \
-    -o "$out.tmp" github.com/zegl/kube-score/cmd/kube-score)
+  # Go's own output (a `go: downloading` line per module on a first build) goes to a log beside the
+  # binary; the terminal gets one line, and the end of the log when the build fails.
+  buildlog="$(dirname "$out")/build.log"
+  echo -n "kube-score/build.sh: building kube-score $version (Go's output: $buildlog) ... " >&2
+  start=$SECONDS
+  if ! (cd "$here" && CGO_ENABLED=0 GOFLAGS=-buildvcs=false go build -trimpath \
+        -ldflags "-s -w -X main.version=$version" -o "$out.tmp" github.com/zegl/kube-score/cmd/kube-score) \
+        > "$buildlog" 2>&1; then
+    echo "failed; $buildlog ends with:" >&2
+    tail -n 30 "$buildlog" | sed 's/^/    /' >&2
+    exit 1
+  fi
   mv "$out.tmp" "$out"
+  echo "$((SECONDS - start)) s" >&2
 fi
 echo "$out"
