@@ -66,12 +66,13 @@ class Scrape:
         return any(r in before.ranks and s.progressed_since(before.ranks[r]) for r, s in self.ranks.items())
 
     def rank(self, rank: int) -> "Scrape":
-        """This scrape of one rank alone (a failed one as it is): how a rank that steps on its own is judged."""
+        """This scrape of one rank alone (a failed one as it is), judged as a whole: how a rank that
+        steps on its own is judged."""
         if not self.ok:
             return self
         ranks = {rank: self.ranks[rank]} if rank in self.ranks else {}
         pods = {rank: self.rank_pods[rank]} if self.rank_pods and rank in self.rank_pods else None
-        return replace(self, ranks=ranks, rank_pods=pods)
+        return replace(self, ranks=ranks, rank_pods=pods, lockstep=True)
 
 
 def metrics_url(pod_ip: str, port: int = names.SERVER_HTTP_PORT) -> str:

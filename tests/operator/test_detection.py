@@ -297,6 +297,56 @@ def test_progress_resuming_clears_the_stall():
     assert verdict(samples + [resumed]).state is ServerState.PROGRESSING
 
 
+# ---- engines that export less (a dialect's None is unknown, never 0) -------------------------------
+
+def engine_rank(**kw) -> RankSample:
+    """A rank of an engine without loop, veto or transfer counters (vLLM's dialect)."""
+    return RankSample(**{"iterations": None, "forward_steps": None, "forward_vetoed": None,
+                         "empty_batch_iterations": None, "kv_transfers_in_flight": None,
+                         "kv_transfers_awaiting_pull": None, **kw})
+
+
+def test_a_rank_whose_work_is_unknown_is_never_judged():
+    v = verdict(series(lambda k: {0: engine_rank(requests_running=None, requests_waiting=None)}, 40))
+    assert v.state is ServerState.WARMING_UP and "unknown" in v.reason
+
+
+def test_unknown_work_inside_the_window_is_not_work_pending():
+    unknown = engine_rank(requests_running=None, requests_waiting=None)
+    v = verdict(series(lambda k: {0: unknown if k < 35 else engine_rank(requests_running=2)}, 40))
+    assert v.state is ServerState.SUSPECT  # the work is known pending for 5 s only
+
+
+def test_an_engine_without_a_loop_counter_that_moves_nothing_and_has_no_work_is_idle():
+    assert verdict(series(lambda k: {0: engine_rank(generation_tokens=9)}, 40)).state is ServerState.IDLE
+
+
+def test_an_engine_without_a_loop_counter_with_work_and_no_step_is_hung():
+    v = verdict(series(lambda k: {0: engine_rank(requests_running=2, generation_tokens=9, step_marks=(4, 0.5))}, 40))
+    assert v.stalled and (v.signature, v.ranks) == (Signature.HUNG, (0,))
+    assert "iterations_delta" not in v.evidence  # what the engine does not export is not shown as 0
+
+
+def test_a_step_without_new_tokens_is_progress():
+    v = verdict(series(lambda k: {0: engine_rank(requests_running=1, step_marks=(1, k // 8))}, 40))
+    assert v.state is ServerState.PROGRESSING and "engine steps" in v.reason
+
+
+def test_ranks_that_step_alone_are_judged_alone_and_the_server_is_its_worst():
+    def step(k):
+        return {0: engine_rank(requests_running=2, generation_tokens=100), 1: engine_rank(requests_running=2,
+                                                                                    generation_tokens=100 + k)}
+    scrapes = [Scrape(at=k * I, ranks=step(k), lockstep=False) for k in range(40)]
+    v = verdict(scrapes)
+    assert v.stalled and (v.signature, v.ranks) == (Signature.HUNG, (0,))
+    assert verdict([Scrape(at=s.at, ranks=s.ranks) for s in scrapes]).state is ServerState.PROGRESSING  # summed
+
+
+def test_an_unknown_counter_is_not_a_restart():
+    scrapes = series(lambda k: {0: rank(iterations=None if k % 2 else 100.0, requests_running=1)}, 40)
+    assert verdict(scrapes).stalled  # one incarnation: no token over the whole window
+
+
 # ---- unreachable ------------------------------------------------------------------------------
 
 def test_failed_scrape_is_unreachable_never_stalled():
