@@ -1,4 +1,4 @@
-"""The per-rank metric families of an adpfleet server (DESIGN §3.3; docs/adp.md lists them): each
+"""The per-rank metric families of an adpfleet server (docs/adp.md lists them): each
 family's name, help, the field that holds it and whether the operator reads it.
 
 A family's `field` is the runtime's `RankStats` attribute that counts it; `read` is the `RankSample`

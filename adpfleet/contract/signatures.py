@@ -1,4 +1,4 @@
-"""The stall signatures (DESIGN §3.5): the operator's detection records one on every stalled
+"""The stall signatures (docs/remediation.md): the operator's detection records one on every stalled
 verdict, its CRD enums and Events carry them, and the local cluster's synthetic servers are told by
 these words which one to show.
 """

@@ -9,7 +9,7 @@ from adpfleet.contract.rank_sample import RankSample
 from adpfleet.operator.adapters.dialects.exposition import SampleReader, ScrapeError, per_rank
 
 ENGINE = "adpfleet"
-LOCKSTEP = True  # ADP ranks step together: a server's progress is its ranks' together (DESIGN §1)
+LOCKSTEP = True  # ADP ranks step together: a server's progress is its ranks' together (docs/adp.md)
 
 _FIELDS = metrics.read_fields()
 _READER = SampleReader(_FIELDS)
