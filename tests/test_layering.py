@@ -232,8 +232,8 @@ def test_known_violations_only_shrink():
      "adpfleet.cluster.synthetic_metrics", "across"),
     ("from adpfleet.contract import quantity\n", "adpfleet.cluster.agent.scheduling", "adpfleet.contract.quantity",
      "fine"),
-    ("from adpfleet.contract.rank_sample import RankSample\n", "adpfleet.operator.decisions.detection",
-     "adpfleet.contract.rank_sample", "fine"),
+    ("from adpfleet.contract.metrics import RankSample\n", "adpfleet.operator.decisions.detection",
+     "adpfleet.contract.metrics", "fine"),
     ("from adpfleet.contract.env import API_KEY_ENV\n", "adpfleet.runtime.serving.auth", "adpfleet.contract.env",
      "fine"),
 ])

@@ -4,9 +4,9 @@ Standard library only, and importing nothing of adpfleet's but itself (and `adpf
 neighbour on the same floor): every tower imports it, the operator's image has no torch, and the
 node agent runs without kopf or pydantic (tests/test_layering.py keeps it so).
 
-    metrics        the per-rank families a server exports (name, kind, help, what the operator reads)
+    metrics        the per-rank families a server exports (name, help, what the operator reads) and
+                   RankSample, one rank at one scrape as the operator judges it, whatever the engine
     exposition     their Prometheus text, rendered once for the runtime and the synthetic servers
-    rank_sample    one rank at one scrape, as the operator judges it, whatever the engine
     signatures     the words for how a stalled server makes no progress
     env, ports     environment variable names and ports a pod and its server agree on
     quantity       Kubernetes resource quantities: the grammar and a parser

@@ -15,7 +15,7 @@ from typing import Awaitable, Callable, Mapping, Sequence
 
 import aiohttp
 
-from adpfleet.contract.rank_sample import RankSample
+from adpfleet.contract.metrics import RankSample
 from adpfleet.operator.adapters.dialects import ADPFLEET, Dialect
 from adpfleet.operator.adapters.dialects.exposition import MAX_METRICS_BYTES, ScrapeError
 from adpfleet.operator.resource import names

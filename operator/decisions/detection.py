@@ -42,7 +42,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Mapping, Sequence
 
-from adpfleet.contract.rank_sample import RankSample
+from adpfleet.contract.metrics import RankSample
 from adpfleet.operator.adapters.scrape import Scrape
 from adpfleet.operator.decisions.observed import ServerView
 from adpfleet.operator.resource.vocabulary import ServerState, Signature

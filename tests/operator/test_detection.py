@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from adpfleet.contract.rank_sample import RankSample
+from adpfleet.contract.metrics import RankSample
 from adpfleet.operator.adapters.dialects import ADPFLEET
 from adpfleet.operator.adapters.scrape import Scrape
 from adpfleet.operator.decisions.detection import SampleWindows, StallVerdict, attribute, judge, keep_seconds

@@ -1,5 +1,5 @@
 """How a server's /metrics are read, per engine: a dialect turns one exposition into the per-rank
-samples the detection judges (adpfleet/contract/rank_sample.py), whatever the engine calls things.
+samples the detection judges (RankSample, adpfleet/contract/metrics.py), whatever the engine calls things.
 
     dialect_for("adpfleet" | "vllm") -> Dialect
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from adpfleet.contract.rank_sample import RankSample
+from adpfleet.contract.metrics import RankSample
 from adpfleet.operator.adapters.dialects import adpfleet, vllm
 from adpfleet.operator.adapters.dialects.exposition import ScrapeError  # noqa: F401 - what parse raises
 

@@ -5,7 +5,7 @@ rank without one is a text that is not an adpfleet server's, and nothing is unkn
 from __future__ import annotations
 
 from adpfleet.contract import metrics
-from adpfleet.contract.rank_sample import RankSample
+from adpfleet.contract.metrics import RankSample
 from adpfleet.operator.adapters.dialects.exposition import SampleReader, ScrapeError, per_rank
 
 ENGINE = "adpfleet"

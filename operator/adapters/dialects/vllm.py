@@ -17,7 +17,7 @@ server can show only the `hung` signature: work, and no step for the stall windo
 
 from __future__ import annotations
 
-from adpfleet.contract.rank_sample import RankSample
+from adpfleet.contract.metrics import RankSample
 from adpfleet.operator.adapters.dialects.exposition import SampleReader, ScrapeError, integer_label, label, per_rank
 
 ENGINE = "vllm"
