@@ -34,6 +34,8 @@ import re
 from dataclasses import dataclass
 from urllib.parse import quote
 
+from adpfleet.contract import name_patterns
+
 BUILTIN_MODELS = ("tiny", "tiny-dense")
 # Where the operator mounts a pvc:// source's claim (read-only), and the download cache volume.
 PVC_MOUNT_ROOT = "/mnt/adpfleet/pvc"
@@ -119,11 +121,10 @@ class ModelURIError(ModelSourceError):
         self.part = part
 
 
-_HF_NAME = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?$")
-_REVISION = re.compile(r"^[A-Za-z0-9._][A-Za-z0-9._/-]{0,254}$")
-_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
-_DNS_LABEL = r"[a-z0-9](?:[-a-z0-9]{0,61}[a-z0-9])?"
-_CLAIM = re.compile(rf"^{_DNS_LABEL}(?:\.{_DNS_LABEL})*$")
+_HF_NAME = re.compile(f"^{name_patterns.HF_NAME}$")
+_REVISION = re.compile(f"^{name_patterns.HF_REVISION}$")
+_BUCKET = re.compile(f"^{name_patterns.S3_BUCKET}$")
+_CLAIM = re.compile(rf"^{name_patterns.DNS_LABEL}(\.{name_patterns.DNS_LABEL})*$")
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 SCHEMES = ("hf", "s3", "pvc", "file")
 

@@ -16,11 +16,12 @@ pod, per role or per fleet:
     POST /load  {"fleet": F, "role": R, "pod": P, "waiting": 1.5, "running": 4, "kv": 0.6,
                  "ttft": 0.2, "itl": 0.02}          (every key optional; the matching pods take it)
     POST /stall {"pod": P, "signature": "vetoed" | "hung"}   (tokens stop; vetoed: the loop spins)
+                                                              (any other signature's word reads as hung)
     GET  /pods  -> {pod: {"ip", "since", "stalled_at"}}
 
-The metric names are the runtime's (runtime/metrics.py); this module may not import the runtime
-(it is development infrastructure), and the operator's parser reading it in the tests keeps the
-two in step.
+The exposition is the runtime's own, written by the contract (adpfleet/contract/exposition.py) from
+these servers' made-up counters; the signatures are the contract's words. This module may not import
+the runtime or the operator (it is development infrastructure).
 """
 
 from __future__ import annotations
@@ -32,6 +33,12 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+from adpfleet.contract.exposition import render
+from adpfleet.contract.metrics import (COUNTERS, FINISH_REASONS, GAUGES, LATENCY_BUCKETS, PADDING_OUTCOMES,
+                                       PADDING_PHASES, LatencyHistogram)
+from adpfleet.contract.signatures import Signature
 
 log = logging.getLogger("adpfleet.cluster.synthetic_metrics")
 
@@ -41,7 +48,6 @@ ITERATIONS_PER_SECOND = 50.0
 TOKENS_PER_SECOND = 40.0
 KV_BLOCKS = 64
 FINISH_SECONDS = 1.0  # how long a drained server takes to finish its requests
-BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 @dataclass
@@ -65,7 +71,7 @@ class SyntheticServer:
     since: float = field(default_factory=time.time)
     load: Load = field(default_factory=Load)
     stalled_at: float | None = None
-    signature: str = "vetoed"
+    signature: Signature = Signature.VETOED
     drained_at: float | None = None  # the router stopped sending it requests (the drain annotation)
     server: asyncio.AbstractServer | None = None
 
@@ -78,58 +84,40 @@ class SyntheticServer:
     def render(self, now: float) -> bytes:
         progress_until = now if self.stalled_at is None else self.stalled_at
         moving = progress_until - self.since
-        spinning = (now if self.signature == "vetoed" or self.stalled_at is None else self.stalled_at) - self.since
-        stalled_for = spinning - moving
-        lines: list[str] = []
-        role = self.role
+        spinning = (now if self.signature == Signature.VETOED or self.stalled_at is None else self.stalled_at) \
+            - self.since
         load = self.working(now)
+        ranks = [(r, self._rank(r, load, moving, spinning - moving, progress_until)) for r in range(RANKS)]
+        return render(self.role, ranks).encode()
 
-        def family(name: str, kind: str, values) -> None:
-            lines.append(f"# HELP {name} synthetic")
-            lines.append(f"# TYPE {name} {kind}")
-            for labels, value in values:
-                lines.append(f'{name}{{role="{role}",{labels}}} {float(value)!r}')
-
-        ranks = range(RANKS)
+    def _rank(self, rank: int, load: Load, moving: float, stalled_for: float, progress_until: float):
+        """One rank's counters: tokens and forwards while moving; while stalled, vetoed passes on every
+        rank, empty batches on rank 1 (the starving one), and work that stays."""
+        stats = SimpleNamespace(**{f.field: 0.0 for f in (*COUNTERS, *GAUGES)})
         tokens = TOKENS_PER_SECOND * moving
-        family("adpfleet_iterations_total", "counter", [(f'rank="{r}"', ITERATIONS_PER_SECOND * spinning)
-                                                        for r in ranks])
-        family("adpfleet_forward_steps_total", "counter", [(f'rank="{r}"', ITERATIONS_PER_SECOND * moving)
-                                                           for r in ranks])
-        family("adpfleet_forward_vetoed_total", "counter", [(f'rank="{r}"', ITERATIONS_PER_SECOND * stalled_for)
-                                                            for r in ranks])
-        family("adpfleet_empty_batch_iterations_total", "counter",
-               [(f'rank="{r}"', ITERATIONS_PER_SECOND * stalled_for if r == 1 else 0.0) for r in ranks])
-        family("adpfleet_padding_dummies_total", "counter",
-               [(f'rank="{r}",phase="{p}",outcome="{o}"', 0.0) for r in ranks
-                for p in ("pre_schedule", "post_schedule") for o in ("committed", "rolled_back", "unaffordable",
-                                                                     "failed")])
-        family("adpfleet_prompt_tokens_total", "counter", [(f'rank="{r}"', tokens * 4) for r in ranks])
-        family("adpfleet_generation_tokens_total", "counter", [(f'rank="{r}"', tokens) for r in ranks])
-        family("adpfleet_requests_finished_total", "counter",
-               [(f'rank="{r}",finish_reason="{k}"', tokens / 32 if k == "length" else 0.0) for r in ranks
-                for k in ("stop", "length", "abort", "error")])
-        work = load.running if self.stalled_at is None else max(1.0, load.running)
-        family("adpfleet_requests_running", "gauge", [(f'rank="{r}"', work) for r in ranks])
-        family("adpfleet_requests_waiting", "gauge", [(f'rank="{r}"', load.waiting) for r in ranks])
-        family("adpfleet_kv_cache_blocks_used", "gauge", [(f'rank="{r}"', round(load.kv * KV_BLOCKS))
-                                                          for r in ranks])
-        family("adpfleet_kv_cache_capacity_blocks", "gauge", [(f'rank="{r}"', KV_BLOCKS) for r in ranks])
-        family("adpfleet_kv_transfers_in_flight", "gauge", [(f'rank="{r}"', 0.0) for r in ranks])
-        family("adpfleet_last_progress_timestamp_seconds", "gauge", [(f'rank="{r}"', progress_until) for r in ranks])
-        for name, mean, per_second in (("adpfleet_time_to_first_token_seconds", load.ttft, TOKENS_PER_SECOND / 32),
-                                       ("adpfleet_inter_token_latency_seconds", load.itl, TOKENS_PER_SECOND)):
-            count = per_second * moving
-            lines.append(f"# HELP {name} synthetic")
-            lines.append(f"# TYPE {name} histogram")
-            for r in ranks:
-                for bound in BUCKETS:
-                    lines.append(f'{name}_bucket{{role="{role}",rank="{r}",le="{bound}"}} '
-                                 f'{float(count if bound >= mean else 0.0)!r}')
-                lines.append(f'{name}_bucket{{role="{role}",rank="{r}",le="+Inf"}} {float(count)!r}')
-                lines.append(f'{name}_sum{{role="{role}",rank="{r}"}} {float(count * mean)!r}')
-                lines.append(f'{name}_count{{role="{role}",rank="{r}"}} {float(count)!r}')
-        return ("\n".join(lines) + "\n").encode()
+        stats.iterations = ITERATIONS_PER_SECOND * (moving + stalled_for)
+        stats.forward_steps = ITERATIONS_PER_SECOND * moving
+        stats.forward_vetoed = ITERATIONS_PER_SECOND * stalled_for
+        stats.empty_batch_iterations = ITERATIONS_PER_SECOND * stalled_for if rank == 1 else 0.0
+        stats.prompt_tokens, stats.generation_tokens = tokens * 4, tokens
+        stats.padding_dummies = {(p, o): 0.0 for p in PADDING_PHASES for o in PADDING_OUTCOMES}
+        stats.requests_finished = {k: tokens / 32 if k == "length" else 0.0 for k in FINISH_REASONS}
+        stats.requests_running = load.running if self.stalled_at is None else max(1.0, load.running)
+        stats.requests_waiting = load.waiting
+        stats.kv_cache_blocks_used, stats.kv_cache_capacity_blocks = round(load.kv * KV_BLOCKS), KV_BLOCKS
+        stats.last_progress_timestamp = progress_until
+        stats.time_to_first_token = _histogram(load.ttft, TOKENS_PER_SECOND / 32 * moving)
+        stats.inter_token_latency = _histogram(load.itl, TOKENS_PER_SECOND * moving)
+        return stats
+
+
+def _histogram(mean: float, count: float) -> LatencyHistogram:
+    """`count` observations all of `mean` seconds."""
+    buckets = [0.0] * len(LATENCY_BUCKETS)
+    first = next((i for i, bound in enumerate(LATENCY_BUCKETS) if bound >= mean), None)
+    if first is not None:
+        buckets[first] = count
+    return LatencyHistogram(buckets=buckets, sum=count * mean, count=count)
 
 
 class Farm:
@@ -187,7 +175,7 @@ class Farm:
 
     def stall(self, pod: str, signature: str) -> float:
         server = self.servers[pod]
-        server.stalled_at, server.signature = time.time(), signature
+        server.stalled_at, server.signature = time.time(), Signature(signature)
         return server.stalled_at
 
     async def _serve(self, server: SyntheticServer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
@@ -288,7 +276,7 @@ async def control_server(farm: Farm, port: int) -> asyncio.AbstractServer:
             if path == b"/load":
                 out = {"pods": farm.set_load({k: body.get(k) for k in ("pod", "fleet", "role")}, body)}
             elif path == b"/stall":
-                out = {"stalled_at": farm.stall(body["pod"], body.get("signature", "vetoed"))}
+                out = {"stalled_at": farm.stall(body["pod"], body.get("signature", Signature.VETOED))}
             else:
                 out = {p: {"ip": s.ip, "since": s.since, "stalled_at": s.stalled_at}
                        for p, s in farm.servers.items()}

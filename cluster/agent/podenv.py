@@ -21,7 +21,8 @@ import sys
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
-from adpfleet.cluster.agent import hosts, quantity
+from adpfleet.cluster.agent import hosts
+from adpfleet.contract import quantity
 
 Fetch = Callable[[str, str], Awaitable[dict | None]]  # (kind, name) -> object or None
 _ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")

@@ -6,47 +6,15 @@ the pod fits, else the message the scheduler would put in a FailedScheduling eve
 
 from __future__ import annotations
 
-from adpfleet.cluster.agent import quantity
+from decimal import Decimal
+
+from adpfleet.contract import quantity
+from adpfleet.contract.pod_requests import add_requests, pod_requests
 
 # Taints the node lifecycle controller sets when the node agent stops heartbeating. The agent is
 # also the scheduler, so while it schedules it is alive: these never block a binding.
 _LIFECYCLE_TAINT_PREFIX = "node.kubernetes.io/"
 DEFAULT_SCHEDULER = "default-scheduler"
-
-
-def pod_requests(pod: dict) -> dict[str, float]:
-    """Effective requests, the scheduler's formula: the containers and the sidecars (init containers
-    with `restartPolicy: Always`) together, at least what any init container needs beside the
-    sidecars started before it; plus the pod's overhead."""
-    spec = pod["spec"]
-    requests = _sum(spec.get("containers") or [])
-    sidecars: dict[str, float] = {}
-    peak_init: dict[str, float] = {}
-    for init in spec.get("initContainers") or []:
-        own = _sum([init])
-        if init.get("restartPolicy") == "Always":
-            sidecars = _add(sidecars, own)
-            own = {}
-        for name, value in _add(sidecars, own).items():
-            peak_init[name] = max(peak_init.get(name, 0.0), value)
-    requests = _add(requests, sidecars)
-    for name, value in peak_init.items():
-        requests[name] = max(requests.get(name, 0.0), value)
-    return _add(requests, {k: quantity.parse(v) for k, v in (spec.get("overhead") or {}).items()})
-
-
-def _sum(containers: list[dict]) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for c in containers:
-        resources = c.get("resources") or {}
-        # Defaulting copies limits into missing requests; extended resources only have limits.
-        out = _add(out, {k: quantity.parse(v)
-                         for k, v in {**(resources.get("limits") or {}), **(resources.get("requests") or {})}.items()})
-    return out
-
-
-def _add(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
-    return {k: a.get(k, 0.0) + b.get(k, 0.0) for k in {**a, **b}}
 
 
 def is_terminal(pod: dict) -> bool:
@@ -68,14 +36,13 @@ def unschedulable_reason(pod: dict, node: dict, bound_pods: list[dict]) -> str |
                                                                    untolerated[0].get("value", "")))
     allocatable = {k: quantity.parse(v) for k, v in node["status"].get("allocatable", {}).items()}
     live = [p for p in bound_pods if not is_terminal(p)]
-    if len(live) + 1 > allocatable.get("pods", float("inf")):
+    if "pods" in allocatable and len(live) + 1 > allocatable["pods"]:
         reasons.append("Too many pods")
-    used: dict[str, float] = {}
+    used: dict[str, Decimal] = {}
     for other in live:
-        for name, value in pod_requests(other).items():
-            used[name] = used.get(name, 0.0) + value
-    for name, value in sorted(pod_requests(pod).items()):
-        if value > 0 and used.get(name, 0.0) + value > allocatable.get(name, 0.0):
+        add_requests(used, pod_requests(other["spec"]))
+    for name, value in sorted(pod_requests(pod["spec"]).items()):
+        if value > 0 and used.get(name, 0) + value > allocatable.get(name, 0):
             reasons.append(f"Insufficient {name}")
     if not reasons:
         return None

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from adpfleet.cluster.agent import quantity
 from adpfleet.cluster.agent.scheduling import label_selector_matches, node_selector_matches
+from adpfleet.contract import quantity
 
 
 @dataclass

@@ -1,24 +1,24 @@
 """Reading a server's /metrics: the only network stall detection does, and what it yields.
 
-`scrape` fetches one server's exposition and returns a `Scrape`: the per-rank samples
-(`parse_metrics`), or, for every failure — refused, timed out, an HTTP error, a body that is not
-an adpfleet exposition — the reason, so the server is judged Unreachable, never stalled.
+`scrape` fetches one server's exposition and returns a `Scrape`: the per-rank samples as its
+engine's dialect reads them (adapters/dialects/: adpfleet's unless told), or, for every failure —
+refused, timed out, an HTTP error, a body that is not that engine's exposition — the reason, so the
+server is judged Unreachable, never stalled.
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
-import re
 import time
 from dataclasses import dataclass, replace
 from typing import Awaitable, Callable, Mapping, Sequence
 
 import aiohttp
 
+from adpfleet.contract.metrics import RankSample
+from adpfleet.operator.adapters.dialects import ADPFLEET, Dialect
+from adpfleet.operator.adapters.dialects.exposition import MAX_METRICS_BYTES, ScrapeError
 from adpfleet.operator.resource import names
-
-MAX_METRICS_BYTES = 4 * 1024 * 1024  # a server's /metrics is a few KiB; more is not a server of ours
 TIMEOUT_FRACTION = 0.8     # of a scrape interval: a scrape is over before the next one is due ...
 MIN_TIMEOUT_SECONDS = 1.0  # ... but gets at least this long ...
 MAX_TIMEOUT_SECONDS = 5.0  # ... and at most this long (a slow /metrics is a sick server)
@@ -28,163 +28,6 @@ KEEPALIVE_SECONDS = 75.0   # an idle connection to a server is kept this long (l
 def timeout_for(interval_seconds: float) -> float:
     """How long one scrape of a fleet scraped every `interval_seconds` may take."""
     return min(max(MIN_TIMEOUT_SECONDS, interval_seconds * TIMEOUT_FRACTION), MAX_TIMEOUT_SECONDS)
-
-
-# metric name -> RankSample field; every server exports all of them for every rank (docs/adp.md lists them)
-_REQUIRED = {
-    "adpfleet_iterations_total": "iterations",
-    "adpfleet_forward_steps_total": "forward_steps",
-    "adpfleet_forward_vetoed_total": "forward_vetoed",
-    "adpfleet_empty_batch_iterations_total": "empty_batch_iterations",
-    "adpfleet_prompt_tokens_total": "prompt_tokens",
-    "adpfleet_generation_tokens_total": "generation_tokens",
-    "adpfleet_requests_running": "requests_running",
-    "adpfleet_requests_waiting": "requests_waiting",
-    "adpfleet_kv_transfers_in_flight": "kv_transfers_in_flight",
-}
-_OPTIONAL = {
-    "adpfleet_kv_cache_blocks_used": "kv_cache_blocks_used",
-    "adpfleet_kv_cache_capacity_blocks": "kv_cache_capacity_blocks",
-    "adpfleet_kv_transfers_awaiting_pull": "kv_transfers_awaiting_pull",
-    "adpfleet_last_progress_timestamp_seconds": "last_progress_timestamp",
-    # latency histograms: only their sums and counts (means over an interval), never the buckets
-    "adpfleet_time_to_first_token_seconds_sum": "ttft_sum",
-    "adpfleet_time_to_first_token_seconds_count": "ttft_count",
-    "adpfleet_inter_token_latency_seconds_sum": "itl_sum",
-    "adpfleet_inter_token_latency_seconds_count": "itl_count",
-}
-_WANTED = {**_REQUIRED, **_OPTIONAL}
-_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*\Z")
-_RANK = re.compile(r'(?:^|,)\s*rank\s*=\s*"([^"]*)"')
-
-
-class ScrapeError(ValueError):
-    """The text is not a server's /metrics: what is wrong, in one line."""
-
-
-@dataclass(frozen=True)
-class RankSample:
-    """One rank's counters and gauges at one scrape."""
-    iterations: float = 0.0
-    forward_steps: float = 0.0
-    forward_vetoed: float = 0.0
-    empty_batch_iterations: float = 0.0
-    prompt_tokens: float = 0.0
-    generation_tokens: float = 0.0
-    requests_running: float = 0.0
-    requests_waiting: float = 0.0
-    kv_transfers_in_flight: float = 0.0
-    kv_cache_blocks_used: float = 0.0
-    kv_cache_capacity_blocks: float = 0.0
-    kv_transfers_awaiting_pull: float = 0.0  # of the held blocks, those no generation server has begun to pull
-    last_progress_timestamp: float | None = None
-    ttft_sum: float = 0.0   # adpfleet_time_to_first_token_seconds: sum and count of observations
-    ttft_count: float = 0.0
-    itl_sum: float = 0.0    # adpfleet_inter_token_latency_seconds
-    itl_count: float = 0.0
-
-    @property
-    def tokens(self) -> float:
-        """Real tokens processed or produced: the only measure of progress."""
-        return self.prompt_tokens + self.generation_tokens
-
-    @property
-    def work(self) -> float:
-        return self.requests_running + self.requests_waiting + self.kv_transfers_in_flight
-
-    @property
-    def kv_pulled_held(self) -> float:
-        """Held blocks whose pull began (under way, or done and not freed): the holder's own part."""
-        return max(0.0, self.kv_transfers_in_flight - self.kv_transfers_awaiting_pull)
-
-
-def parse_metrics(text: str) -> dict[int, RankSample]:
-    """Per-rank samples from a server's Prometheus text. Raises `ScrapeError` for anything that is
-    not a complete adpfleet server exposition (garbage, HTML, truncated, a metric missing).
-
-    A scrape of every rank of every server every few seconds is most of the operator's work at
-    scale, so the labels and values of only the families it uses are parsed. Every line's shape is
-    still checked (garbage is refused, not skipped): by one regular expression over the whole text
-    in the common case, and line by line, to name the bad line, when that does not match."""
-    if len(text) > MAX_METRICS_BYTES:
-        raise ScrapeError(f"/metrics is {len(text)} bytes, more than {MAX_METRICS_BYTES}: not an adpfleet server")
-    if _EXPOSITION.fullmatch(text) is not None:
-        wanted = ((m.group(1), m.group(2) or "", float(m.group(3))) for m in _WANTED_SAMPLE.finditer("\n" + text))
-    else:
-        wanted = _wanted_line_by_line(text)
-    values: dict[int, dict[str, float]] = {}
-    seen: dict[int, set[str]] = {}
-    for name, labels, value in wanted:
-        attr = _WANTED[name]
-        match = _RANK.search(labels)
-        try:
-            rank = int(match.group(1)) if match else None
-        except ValueError:
-            rank = None
-        if rank is None:
-            raise ScrapeError(f"{name} has no integer 'rank' label: {{{labels}}}")
-        if math.isnan(value) or math.isinf(value) or (value < 0 and attr != "last_progress_timestamp"):
-            raise ScrapeError(f"{name}{{rank={rank}}} is {value}")
-        values.setdefault(rank, {})[attr] = value
-        seen.setdefault(rank, set()).add(name)
-    if not values:
-        raise ScrapeError("no adpfleet_* series: not an adpfleet server (or no rank is alive)")
-    for rank, exported in seen.items():
-        missing = sorted(set(_REQUIRED) - exported)
-        if missing:
-            raise ScrapeError(f"rank {rank} lacks {', '.join(missing)}")
-    return {rank: RankSample(**fields) for rank, fields in sorted(values.items())}
-
-
-# The fast path's grammar: a strict subset of what the line-by-line path accepts (so both agree on
-# every text it matches): `name{labels} value [timestamp]` with single spaces' worth of separators,
-# the value in Prometheus's own forms, no '}' after the labels (the labels end at the line's last '}').
-_VALUE_RE = r"[-+]?(?:(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?|Inf)|NaN"
-_SAMPLE_RE = r"[a-zA-Z_:][a-zA-Z0-9_:]*(?:\{[^\n]*\})? +(?:" + _VALUE_RE + r")(?: +[^\s}]+)? *"
-_EXPOSITION = re.compile(r"(?:(?:#[^\n]*|" + _SAMPLE_RE + r")?\n)*(?:#[^\n]*|" + _SAMPLE_RE + r")?")
-# a wanted sample at a line's start ("\n" + text: a literal "\n" to search for is faster than ^ in MULTILINE)
-_WANTED_SAMPLE = re.compile(r"\n(" + "|".join(map(re.escape, _WANTED)) + r")(?:\{([^\n]*)\})? +(" + _VALUE_RE + ")")
-
-
-def _wanted_line_by_line(text: str):
-    """(name, labels, value) of the wanted families' samples, checking every line's shape; raises
-    `ScrapeError` naming the first line that is not Prometheus text."""
-    for number, line in enumerate(text.split("\n"), 1):
-        if not line or line[0] == "#":
-            continue
-        name, labels, rest = _split_line(line)
-        value = _value(rest) if name is not None else None
-        if value is None:
-            raise ScrapeError(f"not Prometheus text: line {number}: {line[:80]!r}")
-        if name in _WANTED:
-            yield name, labels, value
-
-
-def _split_line(line: str) -> tuple[str | None, str, str]:
-    """(metric name, label text, the rest) of one sample line; name None when it is not one."""
-    brace = line.find("{")
-    space = line.find(" ")
-    if brace >= 0 and (space < 0 or brace < space):
-        close = line.rfind("}")
-        if close < brace:
-            return None, "", ""
-        name, labels, rest = line[:brace], line[brace + 1:close], line[close + 1:]
-    elif space > 0:
-        name, labels, rest = line[:space], "", line[space:]
-    else:
-        return None, "", ""
-    return (name if _NAME.match(name) else None), labels, rest
-
-
-def _value(rest: str) -> float | None:
-    """The sample value (an optional timestamp may follow it)."""
-    parts = rest.split()
-    if not 1 <= len(parts) <= 2:
-        return None
-    try:
-        return float(parts[0])
-    except ValueError:
-        return None
 
 
 @dataclass(frozen=True)
@@ -198,21 +41,38 @@ class Scrape:
     # a server over several pods (one scrape per pod, merged): the pod each rank was scraped from.
     # None for a one-pod server, whose ranks are all its pod's.
     rank_pods: Mapping[int, str] | None = None
+    lockstep: bool = True  # its engine's ranks step together (judged as one) or each alone (its dialect's)
 
     @property
     def ok(self) -> bool:
         return self.ranks is not None
 
     def total(self, attr: str) -> float:
-        return sum(getattr(r, attr) for r in self.ranks.values())
+        """The ranks' sum of a field, over the ranks that know it (None is unknown, not 0)."""
+        return sum(v for v in (getattr(r, attr) for r in self.ranks.values()) if v is not None)
 
     @property
     def tokens(self) -> float:
         return sum(r.tokens for r in self.ranks.values())
 
     @property
-    def work(self) -> float:
-        return sum(r.work for r in self.ranks.values())
+    def work(self) -> float | None:
+        """The ranks' work; None while any rank's is unknown."""
+        works = [r.work for r in self.ranks.values()]
+        return None if None in works else sum(works)
+
+    def progressed_since(self, before: "Scrape") -> bool:
+        """Whether any rank did real work since `before` (a rank that is new since then did not)."""
+        return any(r in before.ranks and s.progressed_since(before.ranks[r]) for r, s in self.ranks.items())
+
+    def rank(self, rank: int) -> "Scrape":
+        """This scrape of one rank alone (a failed one as it is), judged as a whole: how a rank that
+        steps on its own is judged."""
+        if not self.ok:
+            return self
+        ranks = {rank: self.ranks[rank]} if rank in self.ranks else {}
+        pods = {rank: self.rank_pods[rank]} if self.rank_pods and rank in self.rank_pods else None
+        return replace(self, ranks=ranks, rank_pods=pods, lockstep=True)
 
 
 def metrics_url(pod_ip: str, port: int = names.SERVER_HTTP_PORT) -> str:
@@ -220,15 +80,17 @@ def metrics_url(pod_ip: str, port: int = names.SERVER_HTTP_PORT) -> str:
     return f"http://{host}:{port}/metrics"
 
 
-async def scrape(session: aiohttp.ClientSession, url: str, timeout: float, clock=time.time) -> Scrape:
-    """One GET of `url` on `session`'s kept-alive connections, as a `Scrape` (never an exception)."""
+async def scrape(session: aiohttp.ClientSession, url: str, timeout: float, clock=time.time,
+                 dialect: Dialect = ADPFLEET) -> Scrape:
+    """One GET of `url` on `session`'s kept-alive connections, read in `dialect` (the server's
+    engine's: `dialects.dialect_for(engine)`), as a `Scrape` (never an exception)."""
     try:
         async with asyncio.timeout(timeout):
             body = await _get(session, url)
         if isinstance(body, str):
             return Scrape(at=clock(), error=body)
         at = clock()
-        return Scrape(at=at, ranks=parse_metrics(body.decode("utf-8", errors="replace")))
+        return Scrape(at=at, ranks=dialect.parse(body.decode("utf-8", errors="replace")), lockstep=dialect.lockstep)
     except TimeoutError:
         return Scrape(at=clock(), error=f"GET {url}: timed out after {timeout:g} s")
     except ScrapeError as e:
@@ -250,7 +112,7 @@ async def _get(session: aiohttp.ClientSession, url: str) -> bytes | str:
             return f"GET {url}: HTTP {response.status}"
         if (response.content_length or 0) > MAX_METRICS_BYTES:
             return f"GET {url}: more than {MAX_METRICS_BYTES} bytes"
-        chunks, size = [], 0  # read with a bound: parse_metrics would refuse it anyway
+        chunks, size = [], 0  # read with a bound: the dialect would refuse it anyway
         async for chunk in response.content.iter_any():
             size += len(chunk)
             if size > MAX_METRICS_BYTES:
@@ -274,7 +136,8 @@ async def scrape_pods(scraper: Scraper, pods: Sequence[tuple[str, str]], timeout
         return replace(failed[1], error=f"pod {failed[0]}: {failed[1].error}")
     return Scrape(at=min(part.at for part in parts),
                   ranks={r: sample for part in parts for r, sample in part.ranks.items()},
-                  rank_pods={r: name for (name, _), part in zip(pods, parts) for r in part.ranks})
+                  rank_pods={r: name for (name, _), part in zip(pods, parts) for r in part.ranks},
+                  lockstep=all(part.lockstep for part in parts))
 
 
 class HttpScraper:
@@ -297,8 +160,8 @@ class HttpScraper:
                 headers={"Accept": "text/plain"})
         return self._session
 
-    async def __call__(self, url: str, timeout: float) -> Scrape:
-        return await scrape(self._client(), url, timeout, self.clock)
+    async def __call__(self, url: str, timeout: float, dialect: Dialect = ADPFLEET) -> Scrape:
+        return await scrape(self._client(), url, timeout, self.clock, dialect)
 
     async def close(self) -> None:
         if self._session is not None:

@@ -24,8 +24,16 @@ generation server has begun to pull are the generation side's symptom: the serve
 never stalled, and `attribute` names the generation servers it waits on.
 
 Never stalled: an idle server (no work), a server whose work started less than a window ago, a
-server with fewer scrapes than the window needs (starting up, just restarted), and a server whose
-latest scrape failed — that is `Unreachable`, its own state, never acted on as a stall.
+server with fewer scrapes than the window needs (starting up, just restarted), a server whose work
+is unknown (an engine that has not published its queue yet), and a server whose latest scrape
+failed — that is `Unreachable`, its own state, never acted on as a stall.
+
+Other engines are read through their dialect (adapters/dialects/). A field the engine does not
+export is unknown (None), never 0: progress is also a change of the engine's step marks (vLLM counts
+a prompt's tokens only when its prefill is done, so a long prefill shows as steps), and an engine
+without loop counters can show only `hung` (work, and no step for the window). An engine whose ranks
+step on their own (not `lockstep`: vLLM's DP engines) has each rank judged alone, and the server's
+verdict is its worst rank's: summing ranks would hide one engine's hang behind its peer's progress.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Mapping, Sequence
 
+from adpfleet.contract.metrics import RankSample
 from adpfleet.operator.adapters.scrape import Scrape
 from adpfleet.operator.decisions.observed import ServerView
 from adpfleet.operator.resource.vocabulary import ServerState, Signature
@@ -112,6 +121,10 @@ def judge(server: str, role: str, samples: Sequence[Scrape], *, window_seconds: 
         return StallVerdict(server, role, ServerState.UNREACHABLE, latest.at,
                             f"scrape failed ({failures} in a row): {latest.error}",
                             evidence={"consecutive_failures": failures})
+    if not latest.lockstep:
+        return _worst([judge(server, role, [s.rank(r) for s in samples], window_seconds=window_seconds,
+                             interval_seconds=interval_seconds, confirmations=confirmations)
+                       for r in sorted(latest.ranks)])
     scrapes = _current_incarnation(samples)
     coverage = max(0.0, window_seconds - (max(0, confirmations - 1) + SCRAPE_JITTER) * interval_seconds)
     assessments = []
@@ -134,6 +147,19 @@ def judge(server: str, role: str, samples: Sequence[Scrape], *, window_seconds: 
     return StallVerdict(server, role, state, latest.at, reason, evidence=_basic_evidence(latest))
 
 
+# The server's verdict when its ranks are judged alone: the first of these states any rank is in.
+_SEVERITY = (ServerState.STALLED, ServerState.BLOCKED, ServerState.SUSPECT, ServerState.PROGRESSING,
+             ServerState.IDLE, ServerState.WARMING_UP)
+
+
+def _worst(verdicts: list[StallVerdict]) -> StallVerdict:
+    """The server's verdict from its ranks' own: the most severe, naming every rank in that state."""
+    worst = min(verdicts, key=lambda v: _SEVERITY.index(v.state))
+    alike = [v for v in verdicts if v.state is worst.state]
+    return replace(worst, ranks=tuple(sorted({r for v in alike for r in v.ranks})),
+                   pods={r: pod for v in alike for r, pod in v.pods.items()})
+
+
 def _count_stalled(assessments) -> int:
     n = 0
     for a in assessments:
@@ -149,11 +175,18 @@ def _current_incarnation(samples: Sequence[Scrape]) -> list[Scrape]:
     start = 0
     for i in range(1, len(ok)):
         before, after = ok[i - 1].ranks, ok[i].ranks
-        if set(before) != set(after) or any(
-                getattr(after[r], attr) < getattr(before[r], attr)
-                for r in after for attr in ("iterations", "prompt_tokens", "generation_tokens")):
+        if set(before) != set(after) or any(_went_back(before[r], after[r]) for r in after):
             start = i
     return ok[start:]
+
+
+def _went_back(before: RankSample, after: RankSample) -> bool:
+    """A counter that went down: the rank restarted in between (unknown counters tell nothing)."""
+    for attr in ("iterations", "prompt_tokens", "generation_tokens"):
+        a, b = getattr(before, attr), getattr(after, attr)
+        if a is not None and b is not None and b < a:
+            return True
+    return False
 
 
 def _assess(scrapes: list[Scrape], end: int, coverage: float) -> tuple[ServerState, str, int | None]:
@@ -164,24 +197,29 @@ def _assess(scrapes: list[Scrape], end: int, coverage: float) -> tuple[ServerSta
         if last.at - scrapes[i].at >= coverage:
             base = i
             break
+    if last.work is None:
+        unknown = ",".join(str(r) for r, s in last.ranks.items() if s.work is None)
+        return ServerState.WARMING_UP, f"work of rank(s) {unknown} unknown (no queue gauges published yet)", None
     if last.work <= 0:
         # An idle loop spins (~50 passes/s). One that has not moved for a whole window is hung, and
         # its counters are the frozen snapshot of its last pass: work sent to it since is invisible.
+        # (An engine without a loop counter, or whose idle loop does not step, is simply idle.)
         if base is not None and end > base and all(
-                r in scrapes[base].ranks and s.iterations <= scrapes[base].ranks[r].iterations
-                for r, s in last.ranks.items()) and last.tokens <= scrapes[base].tokens:
+                r in scrapes[base].ranks and _loop_stopped(scrapes[base].ranks[r], s)
+                for r, s in last.ranks.items()) and not last.progressed_since(scrapes[base]):
             return ServerState.STALLED, _no_progress(scrapes[base], last), base
         return ServerState.IDLE, "no requests and no KV transfers", None
     # the stretch the verdict speaks for: from the baseline (or the oldest scrape) to `end`
     first = base if base is not None else 0
     work_from = first
     for i in range(end, first - 1, -1):
-        if scrapes[i].work <= 0:
+        if scrapes[i].work is None or scrapes[i].work <= 0:  # work not known to be pending is not pending
             work_from = i + 1
             break
-    moved = last.tokens - scrapes[first].tokens
-    if moved > 0:
-        return ServerState.PROGRESSING, f"{moved:.0f} real tokens in the last {last.at - scrapes[first].at:.0f} s", None
+    if last.progressed_since(scrapes[first]):
+        moved = last.tokens - scrapes[first].tokens
+        what = f"{moved:.0f} real tokens" if moved > 0 else "engine steps (no new tokens yet: a prompt in prefill)"
+        return ServerState.PROGRESSING, f"{what} in the last {last.at - scrapes[first].at:.0f} s", None
     if work_from > first:
         return ServerState.SUSPECT, (f"no real tokens, work pending for {last.at - scrapes[work_from].at:.0f} s "
                                f"(less than the window)"), work_from
@@ -191,6 +229,11 @@ def _assess(scrapes: list[Scrape], end: int, coverage: float) -> tuple[ServerSta
         return ServerState.SUSPECT, (f"no real tokens with work pending for {last.at - scrapes[0].at:.0f} s "
                                f"of the {coverage:.0f} s needed"), 0
     return ServerState.STALLED, _no_progress(scrapes[base], last), base
+
+
+def _loop_stopped(before: RankSample, after: RankSample) -> bool:
+    """The rank's loop passes did not advance (False when the engine has no loop counter)."""
+    return before.iterations is not None and after.iterations is not None and after.iterations <= before.iterations
 
 
 def _no_progress(base: Scrape, last: Scrape) -> str:
@@ -205,7 +248,9 @@ def _describe(server: str, role: str, state: ServerState, reason: str, stretch: 
               latest: Scrape) -> StallVerdict:
     """Signature, ranks involved and evidence of a no-progress stretch (oldest..latest)."""
     moved = _Moved.over(stretch, latest)
-    signature, involved, how = _signature(moved, latest, hung=len(stretch) >= 2 and moved.stopped)
+    # an engine without loop counters shows no signature but `hung`: work, and no step
+    hung = not moved.has_loop or (len(stretch) >= 2 and moved.stopped)
+    signature, involved, how = _signature(moved, latest, hung=hung)
     if signature is Signature.TRANSFER and not _holds_pulled_kv(stretch, involved):
         # Every held block waits for a pull that no generation server has begun: the generation
         # side is not taking its work. Its stall, not this server's (attribute() names it).
@@ -220,7 +265,8 @@ def _describe(server: str, role: str, state: ServerState, reason: str, stretch: 
 @dataclass(frozen=True)
 class _Moved:
     """How each rank's counters moved over a stretch (from its oldest scrape; `iterations_recent`:
-    over its last interval), and the KV held for transfers at its start and end."""
+    over its last interval), and the KV held for transfers at its start and end; a rank whose engine
+    does not export a counter is absent from its dict."""
     ranks: list[int]
     iterations_recent: dict[int, float]
     iterations: dict[int, float]
@@ -237,11 +283,18 @@ class _Moved:
         ranks = sorted(latest.ranks)
 
         def delta(attr: str, a: Scrape = base) -> dict[int, float]:
-            return {r: getattr(latest.ranks[r], attr) - getattr(a.ranks[r], attr) for r in ranks if r in a.ranks}
+            """Each rank's change of `attr`, for the ranks where it is known at both ends."""
+            return {r: now - then for r in ranks if r in a.ranks
+                    for now, then in [(getattr(latest.ranks[r], attr), getattr(a.ranks[r], attr))]
+                    if now is not None and then is not None}
         return cls(ranks, delta("iterations", prev), delta("iterations"), delta("forward_vetoed"),
                    delta("forward_steps"), delta("empty_batch_iterations"),
-                   {r: latest.ranks[r].kv_transfers_in_flight for r in ranks},
-                   {r: base.ranks[r].kv_transfers_in_flight for r in ranks if r in base.ranks})
+                   _known(latest, ranks, "kv_transfers_in_flight"), _known(base, ranks, "kv_transfers_in_flight"))
+
+    @property
+    def has_loop(self) -> bool:
+        """The engine counts its loop passes (adpfleet does; vLLM does not)."""
+        return bool(self.iterations)
 
     @property
     def stopped(self) -> bool:
@@ -252,15 +305,18 @@ class _Moved:
 def _signature(moved: _Moved, latest: Scrape, *, hung: bool) -> tuple[Signature, tuple[int, ...], str]:
     """(signature, ranks involved, how the stretch shows it), in the module docstring's order."""
     ranks, vetoed, empty, held = moved.ranks, moved.vetoed, moved.empty, moved.held
+    if hung and not moved.has_loop:
+        return Signature.HUNG, tuple(r for r in ranks if (latest.ranks[r].work or 0) > 0), \
+            "no engine step while having work"
     if hung:
-        low = min(latest.ranks[r].iterations for r in ranks)
-        return Signature.HUNG, tuple(r for r in ranks if latest.ranks[r].iterations == low), \
+        loops = {r: latest.ranks[r].iterations for r in moved.iterations}
+        return Signature.HUNG, tuple(r for r in ranks if loops.get(r) == min(loops.values())), \
             "no rank's loop advanced in the last interval"
     if max(vetoed.values(), default=0) > 0 and max(vetoed.values()) >= max(moved.steps.values(), default=0):
         involved = tuple(r for r in ranks if empty.get(r, 0) > 0)
         # the starving ranks' KV is (nearly) full, and mostly of blocks held for transfers
         starved_by_transfers = involved and all(
-            held[r] > 0 and held[r] >= 0.5 * latest.ranks[r].kv_cache_blocks_used
+            held.get(r, 0) > 0 and held[r] >= 0.5 * latest.ranks[r].kv_cache_blocks_used
             and latest.ranks[r].kv_cache_blocks_used >= KV_FULL * latest.ranks[r].kv_cache_capacity_blocks > 0
             for r in involved)
         if starved_by_transfers:  # the empty batches come from KV held for transfers that never complete
@@ -270,10 +326,15 @@ def _signature(moved: _Moved, latest: Scrape, *, hung: bool) -> tuple[Signature,
                 f"({sum(held[r] for r in involved):.0f} blocks)")
         return Signature.VETOED, involved, f"forwards vetoed {max(vetoed.values()):.0f} times" + (
             f", rank(s) {','.join(map(str, involved))} scheduling empty batches" if involved else "")
-    if any(held[r] > 0 for r in ranks) and all(moved.held_before.get(r, 0) > 0 or held[r] == 0 for r in ranks):
-        return Signature.TRANSFER, tuple(r for r in ranks if held[r] > 0), \
+    if any(v > 0 for v in held.values()) and all(moved.held_before.get(r, 0) > 0 or v == 0 for r, v in held.items()):
+        return Signature.TRANSFER, tuple(r for r, v in held.items() if v > 0), \
             f"{sum(held.values()):.0f} KV blocks held for transfers that do not complete"
     return Signature.VETOED, tuple(r for r in ranks if empty.get(r, 0) > 0), "the loop runs but produces no real tokens"
+
+
+def _known(scrape: Scrape, ranks: list[int], attr: str) -> dict[int, float]:
+    """Each rank's `attr` where the engine exports it."""
+    return {r: v for r in ranks if r in scrape.ranks for v in [getattr(scrape.ranks[r], attr)] if v is not None}
 
 
 def _evidence(moved: _Moved, stretch: list[Scrape], latest: Scrape) -> dict[str, object]:
@@ -288,6 +349,7 @@ def _evidence(moved: _Moved, stretch: list[Scrape], latest: Scrape) -> dict[str,
         "empty_batch_iterations_delta": _by_rank(moved.empty),
         **_basic_evidence(latest),
     }
+    evidence = {k: v for k, v in evidence.items() if v != {}}  # counters the engine does not export
     progress_times = [latest.ranks[r].last_progress_timestamp for r in moved.ranks
                       if latest.ranks[r].last_progress_timestamp is not None]
     if progress_times:
@@ -337,8 +399,10 @@ def _basic_evidence(latest: Scrape) -> dict[str, object]:
     }
 
 
-def _by_rank(values: Mapping[int, float]) -> dict[str, float]:
-    return {str(r): (int(v) if float(v).is_integer() else round(v, 3)) for r, v in sorted(values.items())}
+def _by_rank(values: Mapping[int, float | None]) -> dict[str, float]:
+    """Per-rank values for evidence; an unknown one is left out."""
+    return {str(r): (int(v) if float(v).is_integer() else round(v, 3)) for r, v in sorted(values.items())
+            if v is not None}
 
 
 def evidence_text(evidence: Mapping[str, object], limit: int = 600) -> str:

@@ -25,7 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from decimal import Decimal
 
-from adpfleet.operator.resource import names, quantity
+from adpfleet.contract.pod_requests import add_requests, pod_requests
+from adpfleet.operator.resource import names
 from adpfleet.operator.resource.server_role import GangScheduling
 from adpfleet.operator.resource.names import FleetRef
 
@@ -125,45 +126,13 @@ def pod_group(fleet: FleetRef, role: str, index: int, gang: GangScheduling, pods
 
 # ---- the requests of a group: what the scheduler must find free before it places any of it ----
 
-def pod_requests(pod_spec: dict) -> dict[str, Decimal]:
-    """What the scheduler reserves for one pod (Kubernetes' PodRequests): the containers' requests
-    (a limit stands for a missing request), sidecars (init containers that keep running) added, and
-    no less than any init container needs while it runs beside the sidecars started before it."""
-    def requests(container: dict) -> dict[str, Decimal]:
-        resources = container.get("resources") or {}
-        merged = {**(resources.get("limits") or {}), **(resources.get("requests") or {})}
-        return {k: quantity.parse(str(v)) for k, v in merged.items()}
-
-    total: dict[str, Decimal] = {}
-    for container in pod_spec.get("containers") or []:
-        _add(total, requests(container))
-    sidecars: dict[str, Decimal] = {}
-    init_peak: dict[str, Decimal] = {}
-    for container in pod_spec.get("initContainers") or []:
-        if container.get("restartPolicy") == "Always":
-            _add(sidecars, requests(container))
-            continue
-        running = dict(sidecars)
-        _add(running, requests(container))
-        for k, v in running.items():
-            init_peak[k] = max(init_peak.get(k, Decimal(0)), v)
-    _add(total, sidecars)
-    for k, v in init_peak.items():
-        total[k] = max(total.get(k, Decimal(0)), v)
-    return total
-
-
 def group_requests(pods: list[dict]) -> dict[str, str]:
-    """The summed requests of a group's pods, as quantities (PodGroup minResources)."""
+    """The summed requests of a group's pods (each Kubernetes' PodRequests, the contract's), as
+    quantities (PodGroup minResources)."""
     total: dict[str, Decimal] = {}
     for pod in pods:
-        _add(total, pod_requests(pod["spec"]))
+        add_requests(total, pod_requests(pod["spec"]))
     return {k: format_quantity(k, v) for k, v in sorted(total.items()) if v}
-
-
-def _add(into: dict[str, Decimal], amounts: dict[str, Decimal]) -> None:
-    for k, v in amounts.items():
-        into[k] = into.get(k, Decimal(0)) + v
 
 
 _BYTES = ("memory", "ephemeral-storage", "hugepages-")

@@ -20,13 +20,11 @@ import base64
 import secrets
 from dataclasses import dataclass, field
 
+from adpfleet.contract.env import API_KEY_ENV, FAULT_INJECTION_ENV, INTERNAL_TOKEN_ENV
 from adpfleet.operator.resource import names
 from adpfleet.operator.resource.models import FleetSpec
 from adpfleet.operator.resource.names import FleetRef
 
-API_KEY_ENV = "ADPFLEET_API_KEY"
-INTERNAL_TOKEN_ENV = "ADPFLEET_INTERNAL_TOKEN"
-FAULT_INJECTION_ENV = "ADPFLEET_FAULT_INJECTION"  # the runtime's: "1" is --fault-injection
 INTERNAL_TOKEN_KEY = "token"
 NAMESPACE_LABEL = "kubernetes.io/metadata.name"  # set by the API server on every namespace
 

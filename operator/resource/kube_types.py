@@ -8,7 +8,7 @@ from typing import Annotated, ClassVar, Literal
 from pydantic import Field
 from pydantic.alias_generators import to_camel
 
-from adpfleet.operator.resource import quantity
+from adpfleet.contract import quantity
 from adpfleet.operator.resource.cel import CelRule, KubeModel
 
 Quantity = Annotated[str, Field(pattern=quantity.PATTERN, max_length=32)]

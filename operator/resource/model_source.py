@@ -9,6 +9,7 @@ from typing import Annotated, ClassVar
 
 from pydantic import Field
 
+from adpfleet.contract.name_patterns import DNS_LABEL, HF_NAME, HF_REVISION, S3_BUCKET
 from adpfleet.model_uri import ModelURI, ModelURIError, parse_model_uri
 from adpfleet.operator.resource.cel import CelRule, KubeModel, cel_checked
 from adpfleet.operator.resource.kube_types import DNS_SUBDOMAIN, LocalObjectReference, Quantity, SecretKeyRef
@@ -54,8 +55,6 @@ class URIRule:
         return CelRule(self.cel(), self.message, None, self.check)
 
 
-_HF_NAME = "[A-Za-z0-9]([A-Za-z0-9._-]{0,94}[A-Za-z0-9])?"
-_DNS_LABEL = "[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?"
 URI_RULES = (
     URIRule("the URI", "must not contain whitespace or control characters", None, forbid=(r"[\x00-\x20]",)),
     URIRule("scheme", "the scheme must be hf://, s3://, pvc:// or file:// (or give a model directory or a built-in "
@@ -63,18 +62,18 @@ URI_RULES = (
             "^[A-Za-z][A-Za-z0-9+.-]*://", require=("^(hf|s3|pvc|file)://",)),
     URIRule("repo", "hf:// needs a repository, hf://ORG/REPO[@REVISION]: letters, digits, '-', '_' and '.', at most "
                     "96 each, no '--' or '..'",
-            "^hf://", require=(f"^hf://{_HF_NAME}(/{_HF_NAME})?(@|$)",), forbid=("^hf://[^@]*(--|[.][.])",)),
+            "^hf://", require=(f"^hf://{HF_NAME}(/{HF_NAME})?(@|$)",), forbid=("^hf://[^@]*(--|[.][.])",)),
     URIRule("revision", "the revision after '@' must be a branch, tag or commit",
-            "^hf://[^@]*@", require=("^hf://[^@]*@[A-Za-z0-9._][A-Za-z0-9._/-]{0,254}$",),
+            "^hf://[^@]*@", require=(f"^hf://[^@]*@{HF_REVISION}$",),
             forbid=("^hf://[^@]*@.*[.][.]", "/$")),
     URIRule("bucket", "s3:// needs a bucket name, s3://BUCKET[/PREFIX]: 3-63 lowercase letters, digits, dots and "
                       "hyphens",
-            "^s3://", require=("^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/|$)",), forbid=("^s3://[^/]*[.][.]",)),
+            "^s3://", require=(f"^s3://{S3_BUCKET}(/|$)",), forbid=("^s3://[^/]*[.][.]",)),
     URIRule("prefix", "the S3 prefix must not contain '.' or '..' segments",
             "^s3://", forbid=("^s3://[^/]*/(.*/)?[.][.]?(/|$)",)),
     URIRule("claim", "pvc:// needs a PersistentVolumeClaim name, pvc://CLAIM[/PATH]: a lowercase DNS subdomain "
                      "(letters, digits, '-' and '.')",
-            "^pvc://", require=(f"^pvc://{_DNS_LABEL}([.]{_DNS_LABEL})*(/|$)", "^pvc://[^/]{1,253}(/|$)")),
+            "^pvc://", require=(f"^pvc://{DNS_LABEL}([.]{DNS_LABEL})*(/|$)", "^pvc://[^/]{1,253}(/|$)")),
     URIRule("path", "the path inside the claim must not contain '.' or '..' segments",
             "^pvc://", forbid=("^pvc://[^/]*/(.*/)?[.][.]?(/|$)",)),
     URIRule("path", "file:// needs an absolute path (file:///DIR)", "^file://", require=("^file:///",)),

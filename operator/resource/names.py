@@ -7,6 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The ports and env names a server and its pod agree on are the contract's (adpfleet/contract/);
+# the operator's modules name them through this module, as every other name a fleet relies on.
+from adpfleet.contract.env import LEADER_ADDRESS_ENV, RESERVED_ENV  # noqa: F401
+from adpfleet.contract.ports import ROUTER_HTTP_PORT, SERVER_GROUP_PORT, SERVER_HTTP_PORT, SERVER_KV_PORT  # noqa: F401
 from adpfleet.model_uri import CACHE_MOUNT_PATH
 
 GROUP = "adpfleet.io"
@@ -53,11 +57,6 @@ RESERVED_LABEL_PREFIXES = (f"{GROUP}/", "app.kubernetes.io/")
 
 FETCH_CONTAINER = "fetch-model"  # its init container fetching (or checking) the model; the operator reads its log
 
-SERVER_HTTP_PORT = 8000  # OpenAI API, /health, /metrics
-SERVER_KV_PORT = 8001    # KV-cache transfers (context servers; the runtime's default: HTTP port + 1)
-SERVER_GROUP_PORT = 29400  # a server over several pods: where its workers join the leader (serve --group-port)
-LEADER_ADDRESS_ENV = "ADPFLEET_LEADER_ADDRESS"  # a server over several pods: the leader's DNS name
-ROUTER_HTTP_PORT = 8000
 
 # What the operator sets in every pod of a fleet, and a pod template therefore may not
 # (docs/operator.md, "Pod templates"). decisions/desired.py builds the pods from these names.
@@ -81,9 +80,8 @@ class OwnedPodParts:
     mount_paths: tuple[str, ...]
 
 
-# The credentials the operator sets from Secrets, and fault injection, which only spec.faultInjection
-# turns on: neither a fleet's `env` nor a pod template may name them (docs/security.md).
-RESERVED_ENV = ("ADPFLEET_API_KEY", "ADPFLEET_INTERNAL_TOKEN", "ADPFLEET_FAULT_INJECTION")
+# RESERVED_ENV (the contract's): the credentials from Secrets and fault injection, which neither a
+# fleet's `env` nor a pod template may name (docs/security.md).
 # The model's volumes (decisions/desired.py): the download cache (hf://, s3://) and a pvc:// claim.
 # The server never carries TOKEN_ENV: credentials reach the fetch-model init container only.
 MODEL_CACHE_VOLUME, MODEL_SOURCE_VOLUME = "model-cache", "model-source"

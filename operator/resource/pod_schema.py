@@ -27,7 +27,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from adpfleet.operator.resource import quantity
+from adpfleet.contract import quantity
 
 VENDORED_FILE = Path(__file__).with_name("pod_schema.json")
 SOURCE = "/openapi/v3/api/v1"

@@ -1,31 +1,4 @@
-"""Kubernetes resource quantities ("500m", "8Gi", "1e3"): the pattern the CRD enforces and a parser
-for the operator's own checks of the same rules (limits not below requests)."""
+"""Kubernetes resource quantities: the contract's (adpfleet/contract/quantity.py), named here only for
+decisions/desired.py until the branch reworking it imports the contract itself; nothing new imports this."""
 
-from __future__ import annotations
-
-import re
-from decimal import Decimal
-
-# Kubernetes' own quantity grammar, without the sign (a negative request is never meaningful here).
-PATTERN = (r"^(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
-           r"(([KMGTPE]i)|[numkMGTPE]|([eE][+-]?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
-# The same grammar with its optional sign, as the API server's own schemas check quantities (pod templates).
-SIGNED_PATTERN = "^[+-]?" + PATTERN[1:]
-_RE = re.compile(PATTERN)
-_BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
-_DECIMAL = {"n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"), "": Decimal(1),
-            "k": Decimal("1e3"), "M": Decimal("1e6"), "G": Decimal("1e9"), "T": Decimal("1e12"),
-            "P": Decimal("1e15"), "E": Decimal("1e18")}
-
-
-def parse(text: str) -> Decimal:
-    """The quantity's value in base units; ValueError names the text when it is not a quantity."""
-    if not _RE.match(text):
-        raise ValueError(f"{text!r} is not a Kubernetes quantity (e.g. '500m', '2', '8Gi')")
-    number = re.match(r"^[0-9.]+", text).group(0)
-    suffix = text[len(number):]
-    if suffix in _BINARY:
-        return Decimal(number) * _BINARY[suffix]
-    if suffix in _DECIMAL:
-        return Decimal(number) * _DECIMAL[suffix]
-    return Decimal(number + suffix)  # an exponent: 1e3, 2.5E-1
+from adpfleet.contract.quantity import PATTERN, SIGNED_PATTERN, parse  # noqa: F401

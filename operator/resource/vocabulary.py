@@ -3,21 +3,17 @@ status words more than one module says (condition types, shared reasons).
 
 The CRD's enums (`spec.remediation`, `status.recentRemediations`, `status.conditions[].type`), the
 decisions (`decisions/detection.py`, `decisions/remediation.py`, `decisions/conditions.py`), the
-Events and the operator's metric labels all use these members. A new signature, action or outcome is one line here plus the rule
-that produces it; `adpfleet crds` then carries it into the CRD. Torch-free and dependency-free, so
-every floor may import it.
+Events and the operator's metric labels all use these members. A new action or outcome is one line here
+plus the rule that produces it; a new signature is one line in adpfleet/contract/signatures.py (the
+local cluster's synthetic servers show signatures by those words too); `adpfleet crds` then carries
+it into the CRD. Torch-free and dependency-free, so every floor may import it.
 """
 
 from __future__ import annotations
 
 import enum
 
-
-class Signature(str, enum.Enum):
-    """How a stalled server makes no progress (docs/remediation.md has the metrics of each)."""
-    VETOED = "vetoed"      # the loop spins, the can_queue vote vetoes every forward (a rank starves)
-    HUNG = "hung"          # no rank's loop advances (a frozen rank blocks its peers in a collective)
-    TRANSFER = "transfer"  # KV held for transfers that never complete
+from adpfleet.contract.signatures import Signature  # noqa: F401 - the words the local cluster's servers show too
 
 
 class ServerState(str, enum.Enum):

@@ -44,13 +44,13 @@ import threading
 import time
 from dataclasses import dataclass
 
+from adpfleet.contract import ports
 from adpfleet.runtime.executor.link_messages import FROM_RANK, TO_RANK, LinkMessageError, decode, encode
 from adpfleet.runtime.executor.unproven import UnprovenConnections
 
 log = logging.getLogger(__name__)
 
-LEADER_ADDRESS_ENV = "ADPFLEET_LEADER_ADDRESS"
-DEFAULT_GROUP_PORT = 29400  # the leader's link port (torch's own rendezvous default is 29500)
+DEFAULT_GROUP_PORT = ports.SERVER_GROUP_PORT  # the leader's link port
 DEFAULT_JOIN_TIMEOUT_S = 600.0  # how long the pods of a group wait for each other to start (model loads, imports)
 JOIN_RETRY_S = 0.2
 LINK_VERSION = "adpfleet-group-link/2"

@@ -31,8 +31,8 @@ from pathlib import Path
 
 from fastapi.responses import JSONResponse
 
-API_KEY_ENV = "ADPFLEET_API_KEY"
-INTERNAL_TOKEN_ENV = "ADPFLEET_INTERNAL_TOKEN"
+from adpfleet.contract.env import API_KEY_ENV, INTERNAL_TOKEN_ENV
+
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 INTERNAL, USER, ANONYMOUS = "internal", "user", "anonymous"  # the principal a request runs as
 LOOPBACK_PEERS = ("127.0.0.0/8", "::1/128", "localhost")

@@ -1,8 +1,7 @@
 """The agent binds a pod only when it fits, and says why when it does not."""
 
-from adpfleet.cluster.agent import quantity
 from adpfleet.cluster.agent.addresses import AddressPool
-from adpfleet.cluster.agent.scheduling import ignored_constraints, pod_requests, unschedulable_reason
+from adpfleet.cluster.agent.scheduling import ignored_constraints, unschedulable_reason
 
 NODE = {"metadata": {"labels": {"kubernetes.io/hostname": "adpfleet-node", "gpu": "h100"}},
         "spec": {},
@@ -13,13 +12,6 @@ def pod(requests=None, limits=None, **spec):
     return {"metadata": {"name": "p"}, "status": {},
             "spec": {"containers": [{"name": "c", "resources": {"requests": requests or {}, "limits": limits or {}}}],
                      **spec}}
-
-
-def test_quantities_parse_like_kubernetes():
-    assert quantity.parse("500m") == 0.5
-    assert quantity.parse("1Gi") == 2**30
-    assert quantity.parse("2") == 2
-    assert quantity.parse("1e3") == 1000
 
 
 def test_a_pod_that_fits_is_schedulable():
@@ -83,17 +75,6 @@ def test_node_affinity_match_fields_select_the_node_by_name_and_an_empty_term_ma
     assert "node affinity/selector" in unschedulable_reason(pod(affinity=affinity({})), node, [])
     either = affinity(other_name, {"matchExpressions": [{"key": "gpu", "operator": "Exists"}]})
     assert unschedulable_reason(pod(affinity=either), node, []) is None
-
-
-def test_sidecars_hold_their_requests_beside_the_containers_and_during_later_init_containers():
-    def container(cpu, **extra):
-        return {"name": f"c{cpu}", "resources": {"requests": {"cpu": str(cpu)}}, **extra}
-    spec = {"containers": [container(1)],
-            "initContainers": [container(2, restartPolicy="Always"), container(3)]}
-    # Containers + sidecar = 3; the second init container runs beside the sidecar: 2 + 3 = 5.
-    assert pod_requests({"spec": spec})["cpu"] == 5
-    spec["initContainers"][1] = container(0.5)
-    assert pod_requests({"spec": spec})["cpu"] == 3
 
 
 def test_what_one_node_cannot_honour_is_named_not_refused():

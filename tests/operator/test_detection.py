@@ -10,7 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from adpfleet.operator.adapters.scrape import RankSample, Scrape, ScrapeError, parse_metrics
+from adpfleet.contract.metrics import RankSample
+from adpfleet.operator.adapters.dialects import ADPFLEET
+from adpfleet.operator.adapters.scrape import Scrape
 from adpfleet.operator.decisions.detection import SampleWindows, StallVerdict, attribute, judge, keep_seconds
 from adpfleet.operator.decisions.observed import ServerView
 from adpfleet.operator.resource.vocabulary import ServerState, Signature
@@ -31,90 +33,6 @@ def series(step, n: int, *, start: float = 0.0, interval: float = I) -> list[Scr
 def verdict(samples, window=W, interval=I, confirmations=2):
     return judge("f-context-0", "context", samples, window_seconds=window, interval_seconds=interval,
                  confirmations=confirmations)
-
-
-# ---- parsing ----------------------------------------------------------------------------------
-
-def test_parses_the_runtime_exposition_per_rank():
-    a, b = RankStats(iterations=10, prompt_tokens=5, requests_waiting=2), RankStats(iterations=10, generation_tokens=7)
-    ranks = parse_metrics(render("context", [(0, a), (1, b)]))
-    assert set(ranks) == {0, 1}
-    assert ranks[0].iterations == 10 and ranks[0].tokens == 5 and ranks[0].work == 2
-    assert ranks[1].tokens == 7 and ranks[1].last_progress_timestamp == pytest.approx(b.last_progress_timestamp)
-
-
-@pytest.mark.parametrize("text, words", [
-    ("<html><body>502 Bad Gateway</body></html>", "not Prometheus text"),
-    ("garbage garbage garbage", "not Prometheus text"),
-    ("", "no adpfleet_"),
-    ("node_cpu_seconds_total 5\n", "no adpfleet_"),
-    ('adpfleet_iterations_total{role="context",rank="0"} 1\n', "lacks"),
-    ('adpfleet_iterations_total{role="context"} 1\n', "no integer 'rank' label"),
-    ('adpfleet_iterations_total{role="context",rank="x"} 1\n', "no integer 'rank' label"),
-    ('adpfleet_iterations_total{role="context",rank="0"} NaN\n', "is nan"),
-    ('adpfleet_iterations_total{role="context",rank="0"} -3\n', "is -3"),
-    ("\x00\x01\x02", "not Prometheus text"),
-])
-def test_garbage_is_a_scrape_error_that_says_what_is_wrong(text, words):
-    with pytest.raises(ScrapeError, match=words):
-        parse_metrics(text)
-
-
-def test_a_truncated_exposition_is_a_scrape_error():
-    full = render("context", [(0, RankStats())])
-    with pytest.raises(ScrapeError):
-        parse_metrics(full[: len(full) // 2])
-
-
-def _outcome(text):
-    try:
-        return parse_metrics(text)
-    except ScrapeError as e:
-        return f"ScrapeError: {e}"
-
-
-_LINES = render("context", [(0, RankStats(iterations=3, prompt_tokens=2)), (1, RankStats(generation_tokens=5))]).split("\n")
-_ODD = ["", "# a comment", "adpfleet_iterations_total{rank=\"0\"}\t7", "adpfleet_iterations_total{rank=\"0\"} 7\r",
-        "adpfleet_iterations_total{rank=\"1\"} 7 }", "adpfleet_iterations_total{rank=\"1\"} 7 123",
-        "adpfleet_requests_waiting{rank=\"0\"}  1e3  ", "adpfleet_requests_waiting{rank=\"0\"} 1_0",
-        "adpfleet_requests_waiting{rank=\"0\"} Infinity", "adpfleet_requests_waiting{rank=\"0\"} +Inf",
-        "adpfleet_requests_waiting{rank=\"0\"} .5", "adpfleet_requests_waiting{rank=\"0\",x=\"}\"} 4",
-        "adpfleet_requests_waiting{rank=\"0\"}4", "adpfleet_requests_waiting 4", "adpfleet_requests_waiting\t4",
-        "adpfleet_requests_waiting{rank=\"0\"} NaN", "adpfleet_requests_waiting{rank=\"0\"} -1",
-        "adpfleet_last_progress_timestamp_seconds{rank=\"1\"} -1", "other_metric{rank=\"0\"} 1 2 3",
-        "other metric 1", "{rank=\"0\"} 1", "adpfleet_kv_transfers_in_flight{rank=\"0\"} \u0661",
-        "<html>", "adpfleet_iterations_total_extra{rank=\"0\"} 9"]
-
-
-@settings(max_examples=400, deadline=None)
-@given(st.lists(st.sampled_from(_LINES + _ODD), max_size=60), st.booleans())
-def test_the_fast_path_reads_every_text_exactly_as_the_line_by_line_path(lines, newline_at_end):
-    """The whole-text regular expression is a shortcut, never a second opinion: any text it accepts
-    yields what the line-by-line reading yields, and any other text is read line by line."""
-    import re
-
-    from adpfleet.operator.adapters import scrape
-
-    text = "\n".join(lines) + ("\n" if newline_at_end else "")
-    fast = _outcome(text)
-    regex = scrape._EXPOSITION
-    scrape._EXPOSITION = re.compile(r"(?!)")  # never matches: every text goes line by line
-    try:
-        slow = _outcome(text)
-    finally:
-        scrape._EXPOSITION = regex
-    assert fast == slow
-
-
-def test_the_runtime_exposition_takes_the_fast_path():
-    from adpfleet.operator.adapters.scrape import _EXPOSITION
-
-    assert _EXPOSITION.fullmatch(render("context", [(0, RankStats()), (1, RankStats())]))
-
-
-def test_an_oversized_exposition_is_refused_before_parsing():
-    with pytest.raises(ScrapeError, match="bytes"):
-        parse_metrics("#" * (5 * 1024 * 1024))
 
 
 # ---- not stalled ------------------------------------------------------------------------------
@@ -379,6 +297,56 @@ def test_progress_resuming_clears_the_stall():
     assert verdict(samples + [resumed]).state is ServerState.PROGRESSING
 
 
+# ---- engines that export less (a dialect's None is unknown, never 0) -------------------------------
+
+def engine_rank(**kw) -> RankSample:
+    """A rank of an engine without loop, veto or transfer counters (vLLM's dialect)."""
+    return RankSample(**{"iterations": None, "forward_steps": None, "forward_vetoed": None,
+                         "empty_batch_iterations": None, "kv_transfers_in_flight": None,
+                         "kv_transfers_awaiting_pull": None, **kw})
+
+
+def test_a_rank_whose_work_is_unknown_is_never_judged():
+    v = verdict(series(lambda k: {0: engine_rank(requests_running=None, requests_waiting=None)}, 40))
+    assert v.state is ServerState.WARMING_UP and "unknown" in v.reason
+
+
+def test_unknown_work_inside_the_window_is_not_work_pending():
+    unknown = engine_rank(requests_running=None, requests_waiting=None)
+    v = verdict(series(lambda k: {0: unknown if k < 35 else engine_rank(requests_running=2)}, 40))
+    assert v.state is ServerState.SUSPECT  # the work is known pending for 5 s only
+
+
+def test_an_engine_without_a_loop_counter_that_moves_nothing_and_has_no_work_is_idle():
+    assert verdict(series(lambda k: {0: engine_rank(generation_tokens=9)}, 40)).state is ServerState.IDLE
+
+
+def test_an_engine_without_a_loop_counter_with_work_and_no_step_is_hung():
+    v = verdict(series(lambda k: {0: engine_rank(requests_running=2, generation_tokens=9, step_marks=(4, 0.5))}, 40))
+    assert v.stalled and (v.signature, v.ranks) == (Signature.HUNG, (0,))
+    assert "iterations_delta" not in v.evidence  # what the engine does not export is not shown as 0
+
+
+def test_a_step_without_new_tokens_is_progress():
+    v = verdict(series(lambda k: {0: engine_rank(requests_running=1, step_marks=(1, k // 8))}, 40))
+    assert v.state is ServerState.PROGRESSING and "engine steps" in v.reason
+
+
+def test_ranks_that_step_alone_are_judged_alone_and_the_server_is_its_worst():
+    def step(k):
+        return {0: engine_rank(requests_running=2, generation_tokens=100), 1: engine_rank(requests_running=2,
+                                                                                    generation_tokens=100 + k)}
+    scrapes = [Scrape(at=k * I, ranks=step(k), lockstep=False) for k in range(40)]
+    v = verdict(scrapes)
+    assert v.stalled and (v.signature, v.ranks) == (Signature.HUNG, (0,))
+    assert verdict([Scrape(at=s.at, ranks=s.ranks) for s in scrapes]).state is ServerState.PROGRESSING  # summed
+
+
+def test_an_unknown_counter_is_not_a_restart():
+    scrapes = series(lambda k: {0: rank(iterations=None if k % 2 else 100.0, requests_running=1)}, 40)
+    assert verdict(scrapes).stalled  # one incarnation: no token over the whole window
+
+
 # ---- unreachable ------------------------------------------------------------------------------
 
 def test_failed_scrape_is_unreachable_never_stalled():
@@ -476,7 +444,7 @@ def test_a_real_idle_two_rank_server_is_parsed_per_rank_and_judged_idle():
     try:
         samples = []
         for _ in range(4):
-            samples.append(Scrape(at=time.time(), ranks=parse_metrics(httpx.get(server.url + "/metrics").text)))
+            samples.append(Scrape(at=time.time(), ranks=ADPFLEET.parse(httpx.get(server.url + "/metrics").text)))
             time.sleep(0.5)
         assert set(samples[-1].ranks) == {0, 1}
         assert samples[-1].total("iterations") > samples[0].total("iterations")  # idle ADP ranks keep spinning

@@ -99,14 +99,7 @@ def test_a_group_label_naming_another_group_is_not_the_operators():
     assert server_pod(pod).pod_group is None  # never deleted with the server
 
 
-def test_pod_requests_count_limits_for_missing_requests_sidecars_and_the_largest_init_container():
-    pod_spec = {
-        "containers": [{"resources": {"requests": {"cpu": "1"}, "limits": {"cpu": "2", "memory": "1Gi"}}},
-                       {"resources": {"requests": {"cpu": "250m"}}}],
-        "initContainers": [{"restartPolicy": "Always", "resources": {"requests": {"memory": "512Mi"}}},
-                           {"resources": {"requests": {"cpu": "4", "memory": "256Mi"}}}],
-    }
-    assert gang.pod_requests(pod_spec) == {"cpu": Decimal(4), "memory": Decimal(3 * 2**29)}
+def test_quantities_are_written_as_kubernetes_writes_them():
     assert gang.format_quantity("cpu", Decimal("1.25")) == "1250m"
     assert gang.format_quantity("memory", Decimal(3 * 2**29)) == "1536Mi"
     assert gang.format_quantity("nvidia.com/gpu", Decimal(1024)) == "1024"

@@ -1,11 +1,8 @@
 """The pydantic models: defaults, and the same refusals the API server gives (specs.py)."""
 
-from decimal import Decimal
-
 import pytest
 from pydantic import ValidationError
 
-from adpfleet.operator.resource import quantity
 from adpfleet.operator.resource.models import FleetSpec, fleet_name_problem
 from adpfleet.operator.resource.status import FleetStatus
 
@@ -63,18 +60,6 @@ def test_status_model_accepts_room_for_stall_conditions_and_bounded_remediations
         FleetStatus.model_validate({"recentRemediations": [unknown]})
     with pytest.raises(ValidationError):
         FleetStatus.model_validate({"recentRemediations": [status.recent_remediations[0].to_kube()] * 21})
-
-
-@pytest.mark.parametrize("text,value", [("500m", Decimal("0.5")), ("2", Decimal(2)), ("8Gi", Decimal(8 * 2**30)),
-                                        ("1e3", Decimal(1000)), ("1.5G", Decimal("1.5e9")), ("100Mi", 100 * 2**20)])
-def test_quantities_parse_like_kubernetes(text, value):
-    assert quantity.parse(text) == value
-
-
-@pytest.mark.parametrize("text", ["lots", "-1", "1.5Gb", "", "Gi"])
-def test_malformed_quantities_are_refused(text):
-    with pytest.raises(ValueError, match="not a Kubernetes quantity"):
-        quantity.parse(text)
 
 
 # ---- model-source URIs: the API server's regular expressions and adpfleet/model_uri.py agree ----

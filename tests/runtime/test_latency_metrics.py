@@ -4,11 +4,12 @@ Prometheus histograms (promtool accepts them), read by the operator's parser as 
 import shutil
 import subprocess
 
-from adpfleet.operator.adapters.scrape import parse_metrics
+from adpfleet.contract.metrics import LATENCY_BUCKETS, LatencyHistogram
+from adpfleet.operator.adapters.dialects import ADPFLEET
 from adpfleet.runtime.config import EngineConfig
 from adpfleet.runtime.engine.llm_engine import LLMEngine
 from adpfleet.runtime.engine.sampling import SamplingParams
-from adpfleet.runtime.metrics import LATENCY_BUCKETS, LatencyHistogram, RankStats, render
+from adpfleet.runtime.metrics import RankStats, render
 from adpfleet.runtime.model.loader import load_model
 
 
@@ -37,7 +38,7 @@ def test_the_histograms_are_valid_prometheus_and_the_operator_reads_their_sums_a
     text = render("generation", [(0, stats), (1, RankStats())])
     assert 'adpfleet_time_to_first_token_seconds_bucket{role="generation",rank="0",le="0.25"} 1.0' in text
     assert 'adpfleet_time_to_first_token_seconds_bucket{role="generation",rank="0",le="+Inf"} 2.0' in text
-    ranks = parse_metrics(text)
+    ranks = ADPFLEET.parse(text)
     assert (ranks[0].ttft_sum, ranks[0].ttft_count) == (0.6000000000000001, 2.0)
     assert (ranks[0].itl_sum, ranks[0].itl_count, ranks[1].ttft_count) == (0.05, 1.0, 0.0)
     promtool = shutil.which("promtool")
