@@ -37,3 +37,17 @@ def test_the_wheel_carries_the_vendored_pod_schema(tmp_path):
                     "--wheel-dir", str(tmp_path), str(ROOT)], check=True, capture_output=True)
     (wheel,) = tmp_path.glob("adpfleet-*.whl")
     assert "adpfleet/operator/resource/pod_schema.json" in zipfile.ZipFile(wheel).namelist()
+
+
+def test_every_package_folder_is_listed_in_pyproject():
+    """pyproject lists packages by hand (the folders map to adpfleet.*): a new folder not listed is missing from the
+    wheel and from the images, while the editable install used by the tests still finds it."""
+    import tomllib
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(tool["packages"])
+    found = set()
+    for package, folder in tool["package-dir"].items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            parts = init.parent.relative_to(ROOT / folder).parts
+            found.add(".".join((package, *parts)))
+    assert found - listed == set(), "add these to [tool.setuptools] packages in pyproject.toml"
