@@ -100,20 +100,21 @@ class LLMEngine:
             self.active.append(self.pending.popleft())
             self.stats.requests_fetched += 1
         outputs = []
-        for r in list(self.active):
-            if (r.kv_payload is not None and r.state is RequestState.WAITING
-                    and self.kv.can_reserve(r, self.scheduler.capacity.kv_tokens(r))):
-                try:
-                    outputs.append(self._place_prefilled(r))
-                except (RuntimeError, ValueError) as e:  # this request's pulled KV, not the rank, is broken
-                    outputs.append(self.fail(r, f"placing the pulled KV failed: {e}"))
+        pulled = [r for r in self.active if r.kv_payload is not None and r.state is RequestState.WAITING]
+        self.scheduler.capacity.admit_pulled(pulled, lambda r: outputs.append(self._place_or_fail(r)))
         return outputs
 
+    def _place_or_fail(self, req: Request) -> RequestOutput:
+        try:
+            return self._place_prefilled(req)
+        except (RuntimeError, ValueError) as e:  # this request's pulled KV, not the rank, is broken
+            return self.fail(req, f"placing the pulled KV failed: {e}")
+
     def _place_prefilled(self, req: Request) -> RequestOutput:
-        """Admit a request whose prompt KV was pulled from a context server: copy the KV into
-        its blocks and continue from the first token the context server sampled."""
+        """Place a request whose prompt KV was pulled from a context server (admitted: its blocks
+        reserved): copy the KV into its blocks and continue from the first token the context
+        server sampled."""
         n = req.num_prompt_tokens
-        self.kv.reserve(req, self.scheduler.capacity.kv_tokens(req))
         self.kv.grow(req, n)
         slots = torch.tensor([self.kv.slot(req, p) for p in range(n)], dtype=torch.long)
         k_cache, v_cache = self.runner.kv_cache
