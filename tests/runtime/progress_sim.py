@@ -19,10 +19,10 @@ checks after every pass:
 
 Events: arrival bursts below, at and above `max_num_active_requests` (on one rank, as a
 capacity-blind router can do, or balanced), prompt and output lengths up to what validation
-admits, greedy and seeded sampled requests, aborts, `starve` faults on a rank for a while, KV
-transfers pulled soon, late or never (until the lease), transfers that start and are abandoned.
-Admission and the placement of pulled KV are head-of-line: the first request that waits must not
-fit, and none is taken past it.
+admits, greedy and seeded sampled requests, aborts (also of prompts whose KV is held), `starve`
+faults on a rank for a while, KV transfers pulled soon, late or never (until the lease), transfers
+that start and are abandoned. Admission and the placement of pulled KV are head-of-line: the
+first request that waits must not fit, and none is taken past it.
 
     .venv/bin/python tests/runtime/progress_sim.py --deep [--minutes 5] [--no-padding] [--seed N]
 """
@@ -400,10 +400,26 @@ class Simulation:
                         self.completions.append((self.pass_no + rng.randint(1, k.lease), r, rid))
                     else:
                         self.coverage["transfer abandoned"] += 1
+            if arrivals and rng.random() < 0.02:
+                self._abort_held(rng.randrange(k.ranks))
             for due in [c for c in self.completions if c[0] <= self.pass_no]:
                 self.completions.remove(due)
                 self.engines[due[1]].kv_hold.puller_complete(due[2])
         return new
+
+    def _abort_held(self, r: int) -> None:
+        """The client of a held prompt left (or the router cancelled): its KV goes at once, unless a
+        transfer is reading it (then when that transfer ends)."""
+        hold = self.engines[r].kv_hold
+        if not hold.held:
+            return
+        rid = self.rng.choice(sorted(hold.held))
+        h = hold.held[rid]
+        reading = h.transfer_deadline is not None and self.clock.now < h.transfer_deadline
+        if not self.engines[r].abort(rid) or (rid in hold.held) != reading:
+            self._violate("leak", f"rank {r}: the abort of held {rid} did not free it at once (a transfer "
+                                  f"reading it: {reading})")
+        self.coverage["held KV aborted"] += 1
 
     # -- checks after a pass ---------------------------------------------------------------------
     def _violate(self, kind: str, message: str) -> None:
