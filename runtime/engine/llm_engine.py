@@ -61,6 +61,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, config.kv_blocks, config.tokens_per_block, config.device)
         self.pending: collections.deque[Request] = collections.deque()
         self.active: list[Request] = []  # fetched: waiting for KV, in context, or generating
+        self.pulling: dict[str, Request] = {}  # generation role: prompt KV on its way (see begin_pull)
         self._ids = itertools.count()
         self.stats = RankStats(kv_cache_capacity_blocks=config.kv_blocks)
 
@@ -78,15 +79,42 @@ class LLMEngine:
         return req
 
     def abort(self, request_id: str) -> bool:
+        """End a request wherever it is on this rank: pending, active, its prompt KV still being
+        pulled (what the pull brings is dropped), or finished with its KV held for a transfer that
+        will not come (the blocks are freed at once). False when it is on none of these."""
+        req = self.pulling.pop(request_id, None) or self._take(request_id)
+        if req is None:
+            return self.kv_hold is not None and self.kv_hold.release(request_id)
+        self.kv.free(req)
+        req.state, req.finish_reason = RequestState.FINISHED, "abort"
+        self.stats.requests_finished["abort"] += 1
+        return True
+
+    def _take(self, request_id: str) -> Request | None:
         for queue in (self.pending, self.active):
-            for req in list(queue):
+            for req in queue:
                 if req.request_id == request_id:
                     queue.remove(req)
-                    self.kv.free(req)
-                    req.state, req.finish_reason = RequestState.FINISHED, "abort"
-                    self.stats.requests_finished["abort"] += 1
-                    return True
-        return False
+                    return req
+        return None
+
+    def begin_pull(self, req: Request) -> None:
+        """Generation role: the request's prompt KV is being pulled (off the loop); until
+        `end_pull`, an abort cancels the request."""
+        self.pulling[req.request_id] = req
+
+    def end_pull(self, req: Request, error: str | None) -> RequestOutput | None:
+        """Its pull ended: the request joins the pending ones, or fails with `error` (the output
+        says so). One aborted meanwhile is never added: what its pull brought is given back."""
+        if self.pulling.pop(req.request_id, None) is not req:
+            if req.kv_payload is not None:
+                req.kv_payload.release()
+                req.kv_payload = None
+            return None
+        if error is not None:
+            return self.fail(req, error)
+        self.pending.append(req)
+        return None
 
     @property
     def num_active_real(self) -> int:
@@ -100,20 +128,21 @@ class LLMEngine:
             self.active.append(self.pending.popleft())
             self.stats.requests_fetched += 1
         outputs = []
-        for r in list(self.active):
-            if (r.kv_payload is not None and r.state is RequestState.WAITING
-                    and self.kv.can_reserve(r, self.scheduler.capacity.kv_tokens(r))):
-                try:
-                    outputs.append(self._place_prefilled(r))
-                except (RuntimeError, ValueError) as e:  # this request's pulled KV, not the rank, is broken
-                    outputs.append(self.fail(r, f"placing the pulled KV failed: {e}"))
+        pulled = [r for r in self.active if r.kv_payload is not None and r.state is RequestState.WAITING]
+        self.scheduler.capacity.admit_pulled(pulled, lambda r: outputs.append(self._place_or_fail(r)))
         return outputs
 
+    def _place_or_fail(self, req: Request) -> RequestOutput:
+        try:
+            return self._place_prefilled(req)
+        except (RuntimeError, ValueError) as e:  # this request's pulled KV, not the rank, is broken
+            return self.fail(req, f"placing the pulled KV failed: {e}")
+
     def _place_prefilled(self, req: Request) -> RequestOutput:
-        """Admit a request whose prompt KV was pulled from a context server: copy the KV into
-        its blocks and continue from the first token the context server sampled."""
+        """Place a request whose prompt KV was pulled from a context server (admitted: its blocks
+        reserved): copy the KV into its blocks and continue from the first token the context
+        server sampled."""
         n = req.num_prompt_tokens
-        self.kv.reserve(req, self.scheduler.capacity.kv_tokens(req))
         self.kv.grow(req, n)
         slots = torch.tensor([self.kv.slot(req, p) for p in range(n)], dtype=torch.long)
         k_cache, v_cache = self.runner.kv_cache

@@ -2,8 +2,11 @@
 
 The capacity scheduler admits waiting requests in arrival order while the KV blocks for their
 prompt + max_tokens (+ the draft lookahead) fit, and stops at the first that does not
-(head-of-line, as upstream). A request starts from its cached prefix: those blocks are shared and
-its prefill continues from the first token not found in the prefix cache.
+(head-of-line, as upstream: a large request is never starved by a stream of small ones behind
+it). A request starts from its cached prefix: those blocks are shared and its prefill continues
+from the first token not found in the prefix cache. A generation rank's requests, whose prompt KV
+was pulled from a context server, are admitted by the same rule (`admit_pulled`), each placed by
+the engine as soon as its blocks are reserved.
 The micro-batch scheduler then fills the batch: generation requests first (one decode step
 of 1 + draft tokens each), then prompt chunks, within `max_num_tokens` tokens and
 `max_batch_size` requests.
@@ -13,6 +16,7 @@ the pass does not run.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from adpfleet.runtime.config import EngineConfig
@@ -57,13 +61,36 @@ class CapacityScheduler:
         return req.max_total_tokens + self.lookahead_tokens
 
     def admit(self, waiting: list[Request]) -> list[Request]:
-        admitted = []
-        for req in waiting:
-            if not self.kv.admit(req, self.kv_tokens(req)):  # from its cached prefix, if any
-                break  # head-of-line: later requests wait behind it
-            req.state = RequestState.CONTEXT
-            admitted.append(req)
-        return admitted
+        """Prompts to run here, each from its cached prefix, if any."""
+        return _head_of_line(waiting, self._admit_prompt)
+
+    def admit_pulled(self, waiting: list[Request], place: Callable[[Request], object]) -> list[Request]:
+        """Requests whose prompt KV arrived from a context server, each placed (`place`) as soon as its
+        blocks are reserved: one that ends at its first token leaves them to the next."""
+        def admit_one(req: Request) -> bool:
+            if not self.kv.can_reserve(req, self.kv_tokens(req)):
+                return False
+            self.kv.reserve(req, self.kv_tokens(req))
+            place(req)
+            return True
+        return _head_of_line(waiting, admit_one)
+
+    def _admit_prompt(self, req: Request) -> bool:
+        if not self.kv.admit(req, self.kv_tokens(req)):
+            return False
+        req.state = RequestState.CONTEXT
+        return True
+
+
+def _head_of_line(waiting: list[Request], admit_one) -> list[Request]:
+    """The requests `admit_one` took, in arrival order, up to the first it refused: later requests
+    wait behind that one, so small requests cannot overtake a large one for ever."""
+    admitted = []
+    for req in waiting:
+        if not admit_one(req):
+            break
+        admitted.append(req)
+    return admitted
 
 
 class MicroBatchScheduler:

@@ -6,7 +6,9 @@ vetoed, or the fleet was idle: no release waits for a forward. (Upstream reaps o
 forward, so while every pass is vetoed nothing is released and a rank starved by held blocks
 stays starved — one way the ADP stall lasts forever.)
 
-Every hold ends within two leases of its start: pulled, or expired `lease_s` after it began. A
+Every hold ends within two leases of its start: pulled, or expired `lease_s` after it began, or
+at once when the request needs no transfer after all (`release`: it ended at its first token, or
+it was aborted — a client gone, the router cancelling). A
 transfer may start reading the blocks only while the lease runs; it delays the expiry (the
 blocks must not be reused under it), but by at most `lease_s` from its own start, so neither an
 abandoned transfer nor a string of retried ones can pin the KV for longer.
@@ -60,6 +62,7 @@ class KVHold:
         self.held: dict[str, Held] = {}
         self.pulled = 0
         self.expired = 0
+        self.released = 0  # needed no transfer after all (released at once)
         self._lock = threading.Lock()  # the transfer server's threads read `held` too
 
     def hold(self, request: Request) -> None:
@@ -67,9 +70,25 @@ class KVHold:
         with self._lock:
             self.held[request.request_id] = Held(request, now, now + self.lease_s)
 
-    def release(self, request_id: str) -> None:
-        """The request needs no transfer after all (it finished on the context server)."""
-        self.puller_complete(request_id)
+    def release(self, request_id: str) -> bool:
+        """The request needs no transfer after all (it finished on the context server, or it was
+        aborted): its blocks are freed at once, unless a transfer is reading them — then no other
+        starts, and they go when that one ends (its `on_done`) or by its deadline. On the loop's
+        thread. False when it is not held."""
+        now = self.clock()
+        with self._lock:
+            h = self.held.get(request_id)
+            if h is None:
+                return False
+            if h.transfer_deadline is not None and now < h.transfer_deadline:
+                h.deadline = now  # lookup refuses it from now on; reap frees it when the transfer ends
+                return True
+            del self.held[request_id]
+            if hasattr(self.puller, "completed"):
+                self.puller.completed.discard(request_id)
+            self.released += 1
+        self.kv.free(h.request)
+        return True
 
     def puller_complete(self, request_id: str) -> None:
         if hasattr(self.puller, "complete"):

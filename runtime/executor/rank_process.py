@@ -182,6 +182,7 @@ def run_rank(spec: RankSpec, conn) -> None:
             while conn.poll(0):
                 msg = conn.recv()
                 if msg[0] == "add" and msg[1].remote_kv is not None:
+                    engine.begin_pull(msg[1])  # an abort from now on cancels it
                     threading.Thread(target=_pull, args=(msg[1], kv_puller, arrived), name="kv-pull",
                                      daemon=True).start()
                 elif msg[0] == "add":
@@ -202,11 +203,9 @@ def run_rank(spec: RankSpec, conn) -> None:
                 time.sleep(0.1)
                 continue
             while not arrived.empty():
-                req, error = arrived.get()
-                if error is None:
-                    new.append(req)
-                else:
-                    failed.append(engine.fail(req, error))
+                out = engine.end_pull(*arrived.get())  # pending, failed, or dropped if aborted
+                if out is not None:
+                    failed.append(out)
             started = time.perf_counter()
             result = executor.step(new, stop=stop, emit=lambda outputs: conn.send(("out", outputs)))
             result.outputs = failed + result.outputs

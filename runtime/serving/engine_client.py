@@ -84,9 +84,10 @@ class EngineClient:
         with self._lock:
             self._streams[request.request_id] = (asyncio.get_running_loop(), queue)
         finished = False
+        rank = None
         try:
             try:
-                self.group.submit(request)
+                rank = self.group.submit(request)
             except RuntimeError as e:
                 raise EngineUnavailable(str(e)) from None
             while True:
@@ -103,6 +104,10 @@ class EngineClient:
                 self._streams.pop(request.request_id, None)
             if not finished:  # the client went away or the server failed: free the request's KV
                 self.group.abort(request.request_id)
+                if self.role == "context" and rank is not None:
+                    # its prompt may have finished on the rank (the rank group forgets it then, and its
+                    # output never reached this stream): the KV held for a transfer nobody will make goes
+                    self.group.transfer_done(request.request_id, rank)
 
     def _deliver(self, out: RequestOutput) -> None:
         with self._lock:

@@ -19,8 +19,10 @@ checks after every pass:
 
 Events: arrival bursts below, at and above `max_num_active_requests` (on one rank, as a
 capacity-blind router can do, or balanced), prompt and output lengths up to what validation
-admits, greedy and seeded sampled requests, aborts, `starve` faults on a rank for a while, KV
-transfers pulled soon, late or never (until the lease), transfers that start and are abandoned.
+admits, greedy and seeded sampled requests, aborts (also of prompts whose KV is held), `starve`
+faults on a rank for a while, KV transfers pulled soon, late or never (until the lease), transfers
+that start and are abandoned. Admission and the placement of pulled KV are head-of-line: the
+first request that waits must not fit, and none is taken past it.
 
     .venv/bin/python tests/runtime/progress_sim.py --deep [--minutes 5] [--no-padding] [--seed N]
 """
@@ -124,7 +126,7 @@ class SimPuller:
 class Violation:
     seed: int
     passes: int
-    kind: str  # "vetoed" (P1), "stall" (P2), "leak", "accounting", "error"
+    kind: str  # "vetoed" (P1), "stall" (P2), "leak", "accounting", "cache", "order", "error"
     message: str
     knobs: Knobs
     starved: list[int]  # ranks under a `starve` fault at the time
@@ -169,20 +171,26 @@ class RankProbe:
         self.allocs = []
         self.errors = []
         self.placed = []  # outputs of pulled KV placed by the fetch: a first token made elsewhere
+        self.placed_requests = []
         self.admitted = []  # (request, tokens found in the prefix cache)
 
     # -- the wrapped phases ----------------------------------------------------------------------
     def fetch(self):
+        queue = self.engine.active + list(self.engine.pending)  # in arrival order
         outputs = self._fetch()
         self.placed += outputs
         self.coverage["pulled KV placed"] += len(outputs)
-        for q in self.engine.active:  # placement takes whatever fits, cached blocks counting as free
-            if q.kv_payload is not None and q.state is RequestState.WAITING and self._fits_without_cache(q):
-                self.errors.append(("cache", f"pulled {q.request_id} was not placed although its KV fits "
-                                             "the blocks that are free or only cached"))
+        # placement is head-of-line, as admission: the first pulled request still waiting must not
+        # fit (cached blocks counting as free), and none behind it was placed past it
+        waited = [q for q in self.engine.active if q.kv_payload is not None and q.state is RequestState.WAITING]
+        if waited and self._fits_without_cache(waited[0]):
+            self.errors.append(("cache", f"pulled {waited[0].request_id} was not placed although its KV fits "
+                                         "the blocks that are free or only cached"))
+        self._check_order(queue, self.placed_requests, "placed")
         return outputs
 
     def place_prefilled(self, req):
+        self.placed_requests.append(req)
         out = self._place(req)
         if req.block_table:  # still live (its first token did not finish it)
             self._write(req, 0, req.prompt_token_ids)
@@ -201,6 +209,7 @@ class RankProbe:
         if waited and not starved and self._fits_without_cache(waited[0]):
             self.errors.append(("cache", f"{waited[0].request_id} was not admitted although it fits the blocks "
                                          "that are free or only cached"))
+        self._check_order(waiting, [q for q, _ in self.admitted], "admitted")
         self.scheduled_empty = batch.is_empty
         self.scheduled_real = any(not q.is_dummy for q in batch.requests)
         return batch
@@ -256,6 +265,14 @@ class RankProbe:
             if wrong:
                 self.errors.append(("cache", f"the prefix hit of {q.request_id} gave it K/V of other tokens at "
                                              f"positions {wrong}"))
+
+    def _check_order(self, queue, taken, what: str) -> None:
+        """Head-of-line: of `queue` (arrival order), none `taken` this pass came after one still waiting."""
+        taken = set(taken)
+        waits = [i for i, q in enumerate(queue) if q.state is RequestState.WAITING and q not in taken]
+        passed = [q.request_id for i, q in enumerate(queue) if q in taken and waits and i > waits[0]]
+        if passed:
+            self.errors.append(("order", f"{passed} {what} past {queue[waits[0]].request_id}, which waits"))
 
     def _capacity_without_cache(self) -> int:
         """The blocks free and not promised were no block cached: counted from the requests' own
@@ -383,10 +400,26 @@ class Simulation:
                         self.completions.append((self.pass_no + rng.randint(1, k.lease), r, rid))
                     else:
                         self.coverage["transfer abandoned"] += 1
+            if arrivals and rng.random() < 0.02:
+                self._abort_held(rng.randrange(k.ranks))
             for due in [c for c in self.completions if c[0] <= self.pass_no]:
                 self.completions.remove(due)
                 self.engines[due[1]].kv_hold.puller_complete(due[2])
         return new
+
+    def _abort_held(self, r: int) -> None:
+        """The client of a held prompt left (or the router cancelled): its KV goes at once, unless a
+        transfer is reading it (then when that transfer ends)."""
+        hold = self.engines[r].kv_hold
+        if not hold.held:
+            return
+        rid = self.rng.choice(sorted(hold.held))
+        h = hold.held[rid]
+        reading = h.transfer_deadline is not None and self.clock.now < h.transfer_deadline
+        if not self.engines[r].abort(rid) or (rid in hold.held) != reading:
+            self._violate("leak", f"rank {r}: the abort of held {rid} did not free it at once (a transfer "
+                                  f"reading it: {reading})")
+        self.coverage["held KV aborted"] += 1
 
     # -- checks after a pass ---------------------------------------------------------------------
     def _violate(self, kind: str, message: str) -> None:

@@ -1,5 +1,6 @@
 """The context server's KV hold: every hold ends within two leases — pulled, or at its lease, or
-one lease after the last transfer that began reading it (while the lease ran)."""
+one lease after the last transfer that began reading it (while the lease ran) — and at once when
+no transfer is needed after all (released: the request ended at its first token, or was aborted)."""
 
 from adpfleet.runtime.engine.kv_cache import KVCacheManager
 from adpfleet.runtime.engine.request import Request
@@ -91,3 +92,30 @@ def test_held_blocks_await_a_pull_until_one_begins():
     done()  # ended (acknowledged or not: a handle is pulled once)
     assert hold.blocks_awaiting_pull == 0 and hold.blocks_in_flight == 2  # not yet reaped
     assert hold.reap() == ["r"] and hold.blocks_in_flight == 0
+
+
+def test_a_released_hold_is_freed_at_once_and_no_transfer_starts_on_it():
+    hold, kv, _ = held()
+    assert hold.release("r")
+    assert kv.num_used_blocks == 0 and hold.held == {} and hold.released == 1  # no reap, no lease waited for
+    assert hold.lookup("r") is None and hold.reap() == []
+    assert not hold.release("r")  # released once
+
+
+def test_a_hold_released_while_a_transfer_reads_it_goes_when_that_transfer_ends():
+    hold, kv, clock = held(lease_s=10)
+    _, on_done = hold.lookup("r")
+    assert hold.release("r") and kv.num_used_blocks == 2  # the transfer's reads must not see reused blocks
+    assert hold.lookup("r") is None  # but no other transfer starts on it
+    on_done()
+    assert hold.reap() == ["r"] and kv.num_used_blocks == 0
+
+
+def test_a_hold_released_while_a_transfer_reads_it_goes_by_that_transfers_deadline_if_it_is_abandoned():
+    hold, kv, clock = held(lease_s=10)
+    hold.lookup("r")
+    hold.release("r")
+    clock.now += 9.9
+    assert hold.reap() == []
+    clock.now += 0.1
+    assert hold.reap() == ["r"] and kv.num_used_blocks == 0

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 
 CI_SEEDS = range(40)
 EVENTS_REACHED = ("burst above the cap on one rank", "empty batch at the active-request cap", "starve fault",
-                  "abort", "transfer abandoned", "hold expired at its lease", "hold pulled",
+                  "abort", "held KV aborted", "transfer abandoned", "hold expired at its lease", "hold pulled",
                   "draft tokens accepted", "pre_schedule dummy committed", "post_schedule dummy committed",
                   # the prefix cache, and the roles
                   "prefix hit", "hit on a block another request holds", "hit up to the last token's block",

@@ -1,9 +1,19 @@
-"""Capacity (guaranteed no evict, head-of-line) and micro-batch (caps, chunking) scheduling."""
+"""Capacity (guaranteed no evict, head-of-line — for prompts and for pulled KV alike) and
+micro-batch (caps, chunking) scheduling."""
 
+import itertools
+import random
+
+import pytest
+
+from adpfleet.runtime.config import EngineConfig
 from adpfleet.runtime.engine.kv_cache import KVCacheManager
+from adpfleet.runtime.engine.llm_engine import LLMEngine
 from adpfleet.runtime.engine.request import Request, RequestState
 from adpfleet.runtime.engine.sampling import SamplingParams
 from adpfleet.runtime.engine.scheduler import Scheduler, SchedulerConfig
+from lockstep import LockstepFleet, TableModel, cycle_table
+from progress_sim import PulledKV
 
 
 def req(name, prompt, max_tokens=4, state=RequestState.WAITING):
@@ -63,3 +73,46 @@ def test_revert_gives_back_the_tentative_allocation():
     s.revert(batch)
     assert r.block_table == [] and kv.num_used_blocks == 0
     assert kv.num_available_blocks == 8 - kv.blocks_for(r.max_total_tokens)  # still admitted
+
+
+def test_pulled_requests_are_admitted_head_of_line_too():
+    s, kv = scheduler(blocks=6, tpb=4)
+    small1, big, small2 = req("s1", 4), req("big", 16), req("s2", 4)  # 2, 5, 2 blocks, their KV pulled
+    placed = []
+    assert s.capacity.admit_pulled([small1, big, small2], placed.append) == [small1]  # s2 fits, but waits
+    assert placed == [small1] and small1.reserved_blocks == 2 and small2.reserved_blocks == 0
+    assert kv.num_available_blocks == 6 - 2
+
+
+# The review's reproduction: 2 ranks, 16 blocks of 4 tokens, one 40 + 16-token request behind a
+# 6 + 6-token one, and another small one every 3 passes. Without the rule a generation rank placed
+# whatever fit: a small request always held the blocks the large one needed, and it was never
+# placed in 400 passes (the aggregated role admitted it at pass 5).
+@pytest.mark.parametrize("role", ["aggregated", "generation"])
+def test_a_large_request_is_not_starved_by_a_stream_of_small_ones(role):
+    table = cycle_table(random.Random(0), 320, 32)
+    engines = [LLMEngine(EngineConfig(model="tiny-dense", kv_blocks=16, tokens_per_block=4), model=TableModel(table))
+               for _ in range(2)]
+    e, ids = engines[0], itertools.count()
+
+    def request(prompt_len, max_tokens):
+        n = next(ids)
+        rid, prompt = f"r{n}", [(7 * i + n) % 32 for i in range(prompt_len)]
+        r = e.make_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), rid)
+        if role == "generation":  # its prompt ran on a context server: it comes with its KV
+            r.remote_kv, r.first_token_id, r.kv_payload = ("ctx:1", rid), table[prompt[-1]], PulledKV(prompt_len)
+        return r
+
+    fleet = LockstepFleet(engines)
+    try:
+        for p in range(400):
+            new = [request(6, 6)] if p % 3 == 0 else []
+            if p == 0:
+                large = request(40, 16)  # behind the first small one
+                new.append(large)
+            fleet.step({0: new})
+            if large.state is not RequestState.WAITING:
+                break
+        assert p <= 6, f"the large request waited {p} passes"
+    finally:
+        fleet.close()
