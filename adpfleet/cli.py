@@ -70,7 +70,13 @@ def _add_http_args(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="adpfleet", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add_command in (_add_serve, _add_router, _add_generate, _add_fetch_model, _add_cluster, _add_operator,
+                        _add_crds, _add_demo):  # in the order `adpfleet --help` lists them
+        add_command(sub)
+    return parser
 
+
+def _add_serve(sub) -> None:
     serve = sub.add_parser("serve", help="run an inference server (OpenAI-compatible HTTP API)")
     serve.add_argument("--role", choices=["aggregated", "context", "generation"], default="aggregated")
     serve.add_argument("--dp", type=int, default=1, help="attention-data-parallel ranks")
@@ -80,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-pad-empty-batch", action="store_true",
                        help="disable post-schedule padding (only to reproduce the ADP stall)")
     serve.add_argument("--no-padding-reserve", dest="padding_reserve", action="store_false",
-                       help="let admission use the padding dummy's KV blocks (only to measure what the reserve rescues)")
+                       help="let admission use the padding dummy's KV blocks (only to measure what the reserve "
+                            "rescues)")
     serve.add_argument("--collective-timeout", type=float, default=120.0,
                        help="seconds a rank may block in a collective (or stay silent) before the server "
                             "declares it hung, turns unhealthy and exits non-zero")
@@ -124,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(serve)
     serve.set_defaults(run="adpfleet.runtime.server:main")
 
+
+def _add_router(sub) -> None:
     router = sub.add_parser("router", help="run the disaggregated router in front of context and generation servers")
     router.add_argument("--host", default="127.0.0.1")
     router.add_argument("--port", type=int, default=8000)
@@ -157,6 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_http_args(router)
     router.set_defaults(run="adpfleet.runtime.router.app:main")
 
+
+def _add_generate(sub) -> None:
     gen = sub.add_parser("generate", help="generate one completion and print it")
     gen.add_argument("prompt")
     gen.add_argument("--max-tokens", type=int, default=32)
@@ -164,6 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(gen)
     gen.set_defaults(run="adpfleet.runtime.generate:main")
 
+
+def _add_fetch_model(sub) -> None:
     fetch = sub.add_parser("fetch-model", help="download a model (hf://, s3://) into the cache, or check that a "
                                               "directory or pvc:// model is there; print its directory")
     fetch.add_argument("model", metavar="URI", help="hf://ORG/REPO[@REVISION], s3://BUCKET/PREFIX, pvc://CLAIM/PATH, "
@@ -173,6 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(fetch)
     fetch.set_defaults(run="adpfleet.runtime.model.sources.fetch:main")
 
+
+def _add_cluster(sub) -> None:
     cluster = sub.add_parser("cluster", help="the local Kubernetes control plane and node agent (no Docker)")
     cluster.add_argument("action", choices=["up", "down", "status"])
     cluster.add_argument("--state-dir", default=None,
@@ -183,23 +198,28 @@ def build_parser() -> argparse.ArgumentParser:
                          help="up: extra node-agent argument, e.g. --agent-arg=--gpus=4")
     cluster.set_defaults(run="adpfleet.cluster.cli:main")
 
+
+def _add_operator(sub) -> None:
     operator = sub.add_parser("operator", help="run the Kubernetes operator (kopf) that reconciles InferenceFleets")
     from adpfleet.operator.main import add_arguments as add_operator_arguments
     add_operator_arguments(operator)
     operator.set_defaults(run="adpfleet.operator.main:main")
 
+
+def _add_crds(sub) -> None:
     crds = sub.add_parser("crds", help="print the InferenceFleet CRD generated from the operator's models")
     crds.add_argument("--reference", action="store_true",
                       help="print the spec reference (Markdown, docs/configuration.md) instead")
     crds.set_defaults(run="adpfleet.cli:print_crds")
 
+
+def _add_demo(sub) -> None:
     demo = sub.add_parser("demo", help="run the whole loop on this machine")
     demo.add_argument("--quick", action="store_true",
                       help="shortened run (CI): stop soon after the stall is remediated")
     demo.add_argument("--keep", action="store_true", help="leave the cluster, operator and fleet running")
     demo.add_argument("--out", default="adpfleet-demo", help="directory for the plot and the summary JSON")
     demo.set_defaults(run="adpfleet.demo:main")
-    return parser
 
 
 def print_crds(args) -> int:

@@ -166,65 +166,7 @@ def run_rank(spec: RankSpec, conn) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{spec.rank} %(levelname)s %(name)s: %(message)s")
     try:
-        engine, executor, puller = _build(spec)
-        kv_server = _start_kv_server(spec, engine) if spec.role == "context" else None
-        kv_puller = KVPuller(KVLayout.of(engine.runner.kv_cache[0]), spec.kv_transfer_timeout_s, spec.kv_token)
-        arrived = _Arrivals()  # generation role: requests whose KV came
-        conn.send(("ready", spec.rank, kv_server.endpoint if kv_server else None))
-        stop = False
-        frozen = False
-        busy = False
-        last_stats = 0.0
-        while True:
-            new, failed = [], []
-            if not (busy or stop or not arrived.empty()):
-                arrived.wait(conn, IDLE_WAIT_S)
-            while conn.poll(0):
-                msg = conn.recv()
-                if msg[0] == "add" and msg[1].remote_kv is not None:
-                    engine.begin_pull(msg[1])  # an abort from now on cancels it
-                    threading.Thread(target=_pull, args=(msg[1], kv_puller, arrived), name="kv-pull",
-                                     daemon=True).start()
-                elif msg[0] == "add":
-                    new.append(msg[1])
-                elif msg[0] == "abort":
-                    engine.abort(msg[1])
-                elif msg[0] == "transfer_done" and engine.kv_hold is not None:
-                    engine.kv_hold.release(msg[1])
-                elif msg[0] == "stop":
-                    stop = True
-                elif msg[0] == "fault":
-                    try:
-                        faults.apply(msg[1], engine, kv_server)
-                        frozen |= msg[1] == "freeze"
-                    except ValueError as e:  # a fault that does not apply here is refused, not fatal
-                        logging.getLogger(__name__).warning("fault refused: %s", e)
-            if frozen:  # injected: stop stepping; the peers wait in their next collective
-                time.sleep(0.1)
-                continue
-            while not arrived.empty():
-                out = engine.end_pull(*arrived.get())  # pending, failed, or dropped if aborted
-                if out is not None:
-                    failed.append(out)
-            started = time.perf_counter()
-            result = executor.step(new, stop=stop, emit=lambda outputs: conn.send(("out", outputs)))
-            result.outputs = failed + result.outputs
-            if result.fleet_has_work:
-                engine.stats.busy_passes += 1
-                engine.stats.busy_pass_seconds += time.perf_counter() - started
-            engine.stats.control_collective_calls = executor.comm.calls
-            engine.stats.collective_calls = executor.comm.calls + CALLS["collectives"]
-            busy = result.fleet_has_work
-            if result.outputs:
-                conn.send(("out", result.outputs))
-            now = time.monotonic()
-            # every pass with work: a rank about to block in a collective (a peer froze) leaves its
-            # true pass count behind, so the operator can tell which ranks stopped first (hung)
-            if result.outputs or busy or now - last_stats >= STATS_EVERY_S or result.stop:
-                conn.send(("stats", engine.stats))
-                last_stats = now
-            if result.stop:
-                break
+        _RankLoop(spec, conn).run()
     except (EOFError, BrokenPipeError):  # the server is gone: nothing left to serve
         sys.exit(1)
     except BaseException as e:  # report, then exit non-zero so the server sees a dead rank
@@ -236,6 +178,105 @@ def run_rank(spec: RankSpec, conn) -> None:
         os._exit(1)  # skip atexit hooks that could block on a broken process group
     finally:
         _leave_group()
+
+
+class _RankLoop:
+    """The rank's engine and loop, and what the loop keeps between passes. A pass: the server's
+    messages, the requests whose KV arrived, one lockstep step, then outputs and stats to the server."""
+
+    def __init__(self, spec: RankSpec, conn):
+        self.spec, self.conn = spec, conn
+        self.engine, self.executor, _ = _build(spec)
+        self.kv_server = _start_kv_server(spec, self.engine) if spec.role == "context" else None
+        self.kv_puller = KVPuller(KVLayout.of(self.engine.runner.kv_cache[0]), spec.kv_transfer_timeout_s,
+                                  spec.kv_token)
+        self.arrived = _Arrivals()  # generation role: requests whose KV came
+        self.stop = False  # the server asked to stop: the next pass proposes it to the peers
+        self.frozen = False  # an injected freeze: no more passes
+        self.busy = False  # the fleet had work on the last pass: do not wait for messages
+        self.last_stats = 0.0
+
+    def run(self) -> None:
+        self.conn.send(("ready", self.spec.rank, self.kv_server.endpoint if self.kv_server else None))
+        while True:
+            new = self._receive()
+            if self.frozen:  # injected: stop stepping; the peers wait in their next collective
+                time.sleep(0.1)
+                continue
+            failed = self._take_arrivals()
+            result = self._step(new, failed)
+            self._report(result)
+            if result.stop:
+                return
+
+    def _receive(self) -> list:
+        """The server's messages since the last pass (an idle rank waits a little for them); returns
+        the new requests that need no KV pull."""
+        new = []
+        if not (self.busy or self.stop or not self.arrived.empty()):
+            self.arrived.wait(self.conn, IDLE_WAIT_S)
+        while self.conn.poll(0):
+            msg = self.conn.recv()
+            if msg[0] == "add" and msg[1].remote_kv is not None:
+                self.engine.begin_pull(msg[1])  # an abort from now on cancels it
+                threading.Thread(target=_pull, args=(msg[1], self.kv_puller, self.arrived), name="kv-pull",
+                                 daemon=True).start()
+            elif msg[0] == "add":
+                new.append(msg[1])
+            else:
+                self._control(msg)
+        return new
+
+    def _control(self, msg) -> None:
+        """A message that is not a new request: an abort, a finished transfer, the stop, a fault."""
+        engine = self.engine
+        if msg[0] == "abort":
+            engine.abort(msg[1])
+        elif msg[0] == "transfer_done" and engine.kv_hold is not None:
+            engine.kv_hold.release(msg[1])
+        elif msg[0] == "stop":
+            self.stop = True
+        elif msg[0] == "fault":
+            try:
+                faults.apply(msg[1], engine, self.kv_server)
+                self.frozen |= msg[1] == "freeze"
+            except ValueError as e:  # a fault that does not apply here is refused, not fatal
+                logging.getLogger(__name__).warning("fault refused: %s", e)
+
+    def _take_arrivals(self) -> list:
+        """Requests whose KV pull ended are pending in the engine (placed at its next fetch), dropped if
+        aborted during the pull, or end with their error, returned as outputs."""
+        failed = []
+        while not self.arrived.empty():
+            out = self.engine.end_pull(*self.arrived.get())
+            if out is not None:
+                failed.append(out)
+        return failed
+
+    def _step(self, new: list, failed: list):
+        """One lockstep pass of the executor, timed and counted in the rank's stats."""
+        engine, executor = self.engine, self.executor
+        started = time.perf_counter()
+        result = executor.step(new, stop=self.stop, emit=lambda outputs: self.conn.send(("out", outputs)))
+        result.outputs = failed + result.outputs
+        if result.fleet_has_work:
+            engine.stats.busy_passes += 1
+            engine.stats.busy_pass_seconds += time.perf_counter() - started
+        engine.stats.control_collective_calls = executor.comm.calls
+        engine.stats.collective_calls = executor.comm.calls + CALLS["collectives"]
+        self.busy = result.fleet_has_work
+        return result
+
+    def _report(self, result) -> None:
+        """The pass's outputs, and the rank's stats when they may have changed (or are due)."""
+        if result.outputs:
+            self.conn.send(("out", result.outputs))
+        now = time.monotonic()
+        # every pass with work: a rank about to block in a collective (a peer froze) leaves its
+        # true pass count behind, so the operator can tell which ranks stopped first (hung)
+        if result.outputs or self.busy or now - self.last_stats >= STATS_EVERY_S or result.stop:
+            self.conn.send(("stats", self.engine.stats))
+            self.last_stats = now
 
 
 def _leave_group() -> None:

@@ -11,7 +11,7 @@
 - waiting: a server answers 429 with Retry-After once `--max-waiting-requests` requests are
   accepted and not yet generating (`WaitingQueue`); the router tries another server.
 (The per-request deadline and the off-loop request preparation live where requests run:
-`server.py`.)
+`completions.py`.)
 """
 
 from __future__ import annotations

@@ -224,7 +224,7 @@ def test_the_waiting_queue_refuses_beyond_its_limit_and_tickets_leave_once():
 
 def test_the_cli_help_states_the_runtimes_defaults():
     from adpfleet.cli import build_parser
-    from adpfleet.runtime.server import DEFAULT_REQUEST_TIMEOUT_S
+    from adpfleet.runtime.serving.options import DEFAULT_REQUEST_TIMEOUT_S
     from adpfleet.runtime.serving import limits
 
     text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help().replace("\n", " ")
@@ -238,7 +238,8 @@ def test_the_cli_help_states_the_runtimes_defaults():
 def test_a_worker_pod_guards_faults_and_sends_them_to_its_leader():
     from types import SimpleNamespace
 
-    from adpfleet.runtime.server import ServerOptions, build_worker_app
+    from adpfleet.runtime.server import build_worker_app
+    from adpfleet.runtime.serving.options import ServerOptions
 
     engine = SimpleNamespace(group=SimpleNamespace(topology=SimpleNamespace(node_rank=1, nodes=2)),
                              health=lambda: (True, "ok"))
