@@ -11,6 +11,9 @@ import importlib
 import os
 import sys
 
+from adpfleet.contract.env import LEADER_ADDRESS_ENV
+from adpfleet.contract.ports import SERVER_GROUP_PORT
+
 from adpfleet.model_uri import CACHE_ENV, ModelSourceError, write_termination_message
 
 
@@ -113,10 +116,10 @@ def _add_serve(sub) -> None:
     serve.add_argument("--node-rank", type=int, default=0,
                        help="this pod's place in the server: 0 the leader (API, KV endpoints), 1.. the workers; "
                             "pod j runs ranks j*dp/nodes .. (j+1)*dp/nodes - 1")
-    serve.add_argument("--leader-address", default=os.environ.get("ADPFLEET_LEADER_ADDRESS", "127.0.0.1"),
+    serve.add_argument("--leader-address", default=os.environ.get(LEADER_ADDRESS_ENV, "127.0.0.1"),
                        metavar="HOST", help="workers: where the leader pod is (on a cluster its headless Service's "
                                             "DNS name; default $ADPFLEET_LEADER_ADDRESS, else 127.0.0.1)")
-    serve.add_argument("--group-port", type=int, default=29400,
+    serve.add_argument("--group-port", type=int, default=SERVER_GROUP_PORT,
                        help="the leader's port where worker pods join the server (with --nodes > 1)")
     serve.add_argument("--join-timeout", type=float, default=600.0, metavar="SECONDS",
                        help="with --nodes > 1: how long the pods of a server wait for each other to start "

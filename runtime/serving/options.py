@@ -7,12 +7,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from adpfleet.contract.env import FAULT_INJECTION_ENV
 from adpfleet.runtime.serving.auth import Credentials, KVPeers
 from adpfleet.runtime.serving.limits import (DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_WAITING_REQUESTS,
                                              DEFAULT_READ_TIMEOUT_S)
 
 DEFAULT_REQUEST_TIMEOUT_S = 300.0
-FAULT_INJECTION_ENV = "ADPFLEET_FAULT_INJECTION"
 
 
 @dataclass

@@ -108,7 +108,7 @@ def resolved_env(container: dict) -> dict[str, str]:
 def test_envfrom_cannot_set_fault_injection_or_the_credentials_because_env_pins_them(fault_injection):
     """Admission cannot see a ConfigMap's keys, so the operator sets every reserved name in `env`,
     which wins over `envFrom` (as the kubelet resolves it here)."""
-    from adpfleet.runtime.serving.options import FAULT_INJECTION_ENV
+    from adpfleet.contract.env import FAULT_INJECTION_ENV
     template = {"spec": {"containers": [{"name": "server", "envFrom": HOSTILE_ENV_FROM}]}}
     s = spec(faultInjection=fault_injection, auth={"apiKeySecret": {"name": "fleet-api", "key": "key"}},
              context={"podTemplate": template}, router={"podTemplate": {
@@ -234,7 +234,7 @@ def test_the_env_names_are_the_ones_the_runtime_reads():
     """The operator cannot import the runtime (its image has no torch); the names must still agree."""
     from adpfleet.operator.resource.names import RESERVED_ENV
     from adpfleet.runtime.serving import auth
-    from adpfleet.runtime.serving.options import FAULT_INJECTION_ENV
+    from adpfleet.contract.env import FAULT_INJECTION_ENV
     assert (security.API_KEY_ENV, security.INTERNAL_TOKEN_ENV, security.FAULT_INJECTION_ENV) == (
         auth.API_KEY_ENV, auth.INTERNAL_TOKEN_ENV, FAULT_INJECTION_ENV)
     assert set(RESERVED_ENV) == {auth.API_KEY_ENV, auth.INTERNAL_TOKEN_ENV, FAULT_INJECTION_ENV}
