@@ -1,4 +1,4 @@
-"""Which engine a fleet's servers run, and the roles a fleet can have (DESIGN.md §6).
+"""Which engine a fleet's servers run, and the roles a fleet can have (docs/operator.md, "vLLM fleets").
 
 `adpfleet` servers run `adpfleet serve`; `vllm` servers run the image's `vllm serve`. Everything
 else about a fleet (model source, pod template, auth, probes, NetworkPolicies, PDBs, gang

@@ -1,4 +1,4 @@
-"""One renderer per engine a fleet can run (DESIGN.md §6): what its server container runs.
+"""One renderer per engine a fleet can run (docs/operator.md, "vLLM fleets"): what its server container runs.
 
 A renderer is a module with
 - `server_container(spec, role) -> dict`: the engine's part of the `server` container (image,
