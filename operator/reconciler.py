@@ -321,7 +321,10 @@ class Reconciler:
         for role in spec.roles():
             memory.vacated[role] = vacancies(memory.vacated.get(role, ()), desired.replicas[role], role_pods[role])
             leaving = [p for p in role_pods[role] if p.leaving and not p.terminating]
-            finished = self.drains.finished(key, leaving, role) if self.drains is not None else frozenset()
+            # a drain ends early only when the server's metrics say it is idle, read in adpfleet's names; a vLLM
+            # server has none of them (its dialect is issue 27 item 2), so its drain runs to the timeout
+            watched = self.drains is not None and spec.engine == "adpfleet"
+            finished = self.drains.finished(key, leaving, role) if watched else frozenset()
             drain = Drain(wall, float(spec.role(role).drain_timeout_seconds), finished, protected)
             plans.append(plan_role(role, desired.replicas[role], desired.servers[role].template_hash,
                                    role_pods[role], drain, memory.vacated[role]))

@@ -1,6 +1,7 @@
 """The objects a fleet should have, as plain manifests: a pure function of its spec.
 
-Server pods (one per server, `<fleet>-<role>-<index>`), the router: a Deployment running
+Server pods (one per server, `<fleet>-<role>-<index>`, running the fleet's engine: its renderer in
+`engines/` writes the server container's command, flags, env and probes), the router: a Deployment running
 `adpfleet router` with Kubernetes discovery, its Service, and a ServiceAccount bound to a Role that
 can read pods in the fleet's namespace and nothing else; and a PodDisruptionBudget per role and for
 the router. A role's (or the router's) pod template is laid over its pods (`pod_template.py`).
@@ -30,7 +31,7 @@ from adpfleet.operator.resource.engine import LABEL_ENGINE
 from adpfleet.operator.resource.kube_types import Resources
 from adpfleet.operator.resource.model_source import ModelSource
 from adpfleet.operator.resource.models import FleetSpec, RouterSpec
-from adpfleet.operator.resource.server_role import GangScheduling, ServerRole
+from adpfleet.operator.resource.server_role import GangScheduling
 
 
 def digest(obj) -> str:
