@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from adpfleet.operator.decisions.leadership import Timing
-from adpfleet.operator.resource import names
+from adpfleet.operator.resource.engine import SERVER_ROLES
 
 if TYPE_CHECKING:  # the process imports them when it runs (the CLI's other commands need none of them)
     from adpfleet.operator.adapters.scrape import HttpScraper
@@ -206,7 +206,7 @@ def fleet_pods(stall, namespace: str, name: str) -> set[str] | None:
     if fleet is None:
         return None
     observed = fleet.observe()
-    return {pod.name for role in names.ROLES for pod in observed.role_pods(role)}
+    return {pod.name for role in SERVER_ROLES for pod in observed.role_pods(role)}
 
 
 async def run(args, namespaces: list[str]) -> None:

@@ -198,11 +198,11 @@ class Reconciler:
         """The fleet's objects from its spec, each role's server count from its InferenceFleetRole."""
         desired = desired_fleet(fleet, spec, self.security)
         return dataclasses.replace(desired, replicas={
-            role: scale_target.replicas_of(spec, role, obs.role_object(role)) for role in names.ROLES})
+            role: scale_target.replicas_of(spec, role, obs.role_object(role)) for role in spec.roles()})
 
     def _scale_actions(self, fleet: FleetRef, spec: FleetSpec, obs: FleetObservation) -> list[PassAction]:
         taken = {o.name for o in obs.role_objects if o.owner_uid != obs.uid}
-        return [a for role in names.ROLES for a in scale_target.plan_role_object(
+        return [a for role in spec.roles() for a in scale_target.plan_role_object(
             fleet, spec, role, obs.role_object(role), names.role_object_name(fleet.name, role) in taken,
             now_rfc3339())]
 
@@ -256,15 +256,15 @@ class Reconciler:
                       logger: logging.Logger) -> tuple[StatusWrite, str | None]:
         """The fleet's status (and each role's) from what the pass saw and did, written when it
         changed; and which servers wait for their model's download (read from their logs)."""
-        own_pods = {role: [p for p in role_pods[role] if p.owner_uid == obs.uid] for role in names.ROLES}
-        live = [p for role in names.ROLES for p in own_pods[role] if not p.terminating]
+        own_pods = {role: [p for p in role_pods[role] if p.owner_uid == obs.uid] for role in spec.roles()}
+        live = [p for role in spec.roles() for p in own_pods[role] if not p.terminating]
         progress = await self._download_progress(fleet, spec.model, live)
         model = model_report(spec.model.parsed, live, progress,
                              claim_missing=any(p.reason == MODEL_UNAVAILABLE for p in problems))  # a held claim
         problems = problems + model.problems + conditions.pod_problems(
-            [p for role in names.ROLES for p in own_pods[role]], security.secret_fields(fleet.name, spec))
+            [p for role in spec.roles() for p in own_pods[role]], security.secret_fields(fleet.name, spec))
         counts = {role: conditions.role_counts(desired.replicas[role], desired.servers[role].template_hash,
-                                               own_pods[role]) for role in names.ROLES}
+                                               own_pods[role]) for role in spec.roles()}
         pending = {a.role: a for a in scale_actions if isinstance(a, SetRoleReplicas)}
         last_scales = await self._store_role_statuses(fleet, obs, spec, counts, pending, logger)
         for role, c in counts.items():
@@ -309,19 +309,22 @@ class Reconciler:
         foreign = [dataclasses.replace(p, terminating=True) for p in obs.foreign_pods()]
         # a server over several pods is one server from here on (groups.py)
         role_pods = {role: groups.servers(with_expectations(obs.role_pods(role), memory, now, desired, obs.uid, role) +
-                                          [p for p in foreign if p.role == role]) for role in names.ROLES}
-        memory.members = {p.uid: p.members for role in names.ROLES for p in role_pods[role] if p.members}
-        memory.pod_groups = {p.uid: refs for role in names.ROLES for p in role_pods[role]
+                                          [p for p in foreign if p.role == role]) for role in spec.roles()}
+        memory.members = {p.uid: p.members for role in spec.roles() for p in role_pods[role] if p.members}
+        memory.pod_groups = {p.uid: refs for role in spec.roles() for p in role_pods[role]
                              if (refs := frozenset(m.pod_group for m in p.pods if m.pod_group))}
         # servers a remediation is restarting are never a scale-down's choice
-        views = [p.view for role in names.ROLES for p in obs.role_pods(role)]
+        views = [p.view for role in spec.roles() for p in obs.role_pods(role)]
         protected = frozenset(restarts_in_progress(history_from_status(obs.status), views, spec, wall))
         key = (obs.namespace, obs.name)
         plans = []
-        for role in names.ROLES:
+        for role in spec.roles():
             memory.vacated[role] = vacancies(memory.vacated.get(role, ()), desired.replicas[role], role_pods[role])
             leaving = [p for p in role_pods[role] if p.leaving and not p.terminating]
-            finished = self.drains.finished(key, leaving, role) if self.drains is not None else frozenset()
+            # a drain ends early only when the server's metrics say it is idle, read in adpfleet's names; a vLLM
+            # server has none of them (its dialect is issue 27 item 2), so its drain runs to the timeout
+            watched = self.drains is not None and spec.engine == "adpfleet"
+            finished = self.drains.finished(key, leaving, role) if watched else frozenset()
             drain = Drain(wall, float(spec.role(role).drain_timeout_seconds), finished, protected)
             plans.append(plan_role(role, desired.replicas[role], desired.servers[role].template_hash,
                                    role_pods[role], drain, memory.vacated[role]))
@@ -369,7 +372,7 @@ class Reconciler:
         """Each InferenceFleetRole's status, written when it changed; a new lastScale is an Event and
         a metric. Role -> its lastScale (None when it has none)."""
         out: dict[str, dict] = {}
-        for role in names.ROLES:
+        for role in spec.roles():
             obj = obs.role_object(role)
             if obj is None or obj.terminating:
                 out[role] = None

@@ -26,7 +26,7 @@ from adpfleet.operator.adapters.scrape import Scrape, Scraper
 from adpfleet.operator.decisions import groups
 from adpfleet.operator.decisions.history import Remediation, still_to_delete
 from adpfleet.operator.decisions.observed import FleetObservation, ServerPod
-from adpfleet.operator.resource import names
+from adpfleet.operator.resource.engine import SERVER_ROLES
 from adpfleet.operator.resource.models import FleetSpec
 from adpfleet.operator.resource.names import FleetKey, FleetRef
 from adpfleet.operator.resource.vocabulary import Outcome
@@ -109,7 +109,7 @@ class Remediator:
         victims = [current[n] for n in group if n in current and not current[n].terminating
                    and still_to_delete(record, current[n].created)]
         # a server over several pods is watched on all its pods (its leader is the one drained and deleted)
-        servers = {s.name: s for role in names.ROLES for s in groups.servers(obs.role_pods(role))}
+        servers = {s.name: s for role in SERVER_ROLES for s in groups.servers(obs.role_pods(role))}
         watched = [servers.get(v.name, v) for v in victims]
         for pod in victims:
             if not pod.draining:
@@ -163,7 +163,7 @@ class Remediator:
     async def _wait_replaced(self, fleet: ActingFleet, record: Remediation, group: list[str],
                              spec: FleetSpec) -> None:
         """Until the batch's replacements are Ready (or their startup and drain timeouts pass)."""
-        timeout = max(spec.role(role).probes.startup_timeout_seconds for role in names.ROLES)
+        timeout = max(spec.role(role).probes.startup_timeout_seconds for role in spec.roles())
         deadline = time.monotonic() + timeout + spec.remediation.drain_timeout_seconds
         while time.monotonic() < deadline:
             current = {p.name: p for p in fleet.observe().pods if p.owner_uid == fleet.ref.uid}

@@ -27,7 +27,7 @@ from adpfleet.operator.decisions.autoscaling import RoleLoad, ScaleDecision
 from adpfleet.operator.decisions.history import history_from_status, restarts_in_progress
 from adpfleet.operator.decisions.observed import FleetObservation
 from adpfleet.operator.decisions.scale_target import SetRoleReplicas
-from adpfleet.operator.resource import names
+from adpfleet.operator.resource.engine import SERVER_ROLES
 from adpfleet.operator.resource.models import FleetSpec
 from adpfleet.operator.resource.names import FleetKey, FleetRef
 from adpfleet.operator.telemetry import ScalingMetrics
@@ -49,7 +49,7 @@ class RoleMemory:
 @dataclass
 class FleetScaling:
     """One fleet's memory between ticks (the reconcile loop's is reconciler.FleetMemory)."""
-    roles: dict[str, RoleMemory] = field(default_factory=lambda: {r: RoleMemory() for r in names.ROLES})
+    roles: dict[str, RoleMemory] = field(default_factory=lambda: {r: RoleMemory() for r in SERVER_ROLES})
     before: dict[str, Scrape] = field(default_factory=dict)  # the previous tick's scrapes (histogram means)
 
 
@@ -65,27 +65,27 @@ class ScalingController:
     # ---- stall.ScrapeListener ----
 
     def wanted(self, spec: FleetSpec) -> bool:
-        return any(spec.role(role).autoscaling.enabled for role in names.ROLES)
+        return any(spec.role(role).autoscaling.enabled for role in spec.roles())
 
     def forget(self, key: FleetKey) -> None:
         if self.fleets.pop(key, None) is not None:
-            self.metrics.forget(key, names.ROLES, SIGNALS)
+            self.metrics.forget(key, SERVER_ROLES, SIGNALS)
 
     async def observe(self, key: FleetKey, ref: FleetRef, obs: FleetObservation, spec: FleetSpec,
                       scrapes: dict[str, Scrape]) -> None:
         memory = self.fleets.setdefault(key, FleetScaling())
         now = self.clock()
         loads = {}
-        for role in names.ROLES:
+        for role in spec.roles():
             pods = {p.name for p in obs.role_pods(role) if p.name in scrapes}
             loads[role] = autoscaling.role_load(now, {n: scrapes[n] for n in pods},
                                                 {n: memory.before[n] for n in pods if n in memory.before})
         memory.before = dict(scrapes)
-        if loads["generation"] is not None and loads["context"] is not None:
+        if loads.get("generation") is not None and loads.get("context") is not None:
             loads["generation"] = autoscaling.with_context_peer(loads["generation"], loads["context"])
         in_remediation = set(restarts_in_progress(history_from_status(obs.status),
-                                                  [p.view for r in names.ROLES for p in obs.role_pods(r)], spec, now))
-        for role in names.ROLES:
+                                                  [p.view for r in spec.roles() for p in obs.role_pods(r)], spec, now))
+        for role in spec.roles():
             policy = spec.role(role).autoscaling
             if not policy.enabled:
                 continue

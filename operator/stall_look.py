@@ -8,7 +8,6 @@ from dataclasses import dataclass
 
 from adpfleet.operator.decisions import groups
 from adpfleet.operator.decisions.observed import FleetObservation, ServerPod
-from adpfleet.operator.resource import names
 from adpfleet.operator.resource.models import FleetSpec
 
 
@@ -55,6 +54,12 @@ class SpecCache:
         # A server a scale-down is draining is on its way out: never judged (its queue empties on purpose),
         # never a remediation's concern.
         # a server over several pods is one server, judged on the scrapes of all its pods (groups.py)
-        pods = [p for role in names.ROLES for p in groups.servers(obs.role_pods(role)) if not p.leaving]
+        pods = [p for role in spec.roles() for p in groups.servers(obs.role_pods(role)) if not p.leaving]
         judged = [p for p in pods if p.phase == "Running" and p.ready and not p.terminating and p.ip]
+        if spec.engine != "adpfleet":
+            # Only adpfleet's metric names are read yet: a vLLM server's exposition has none of them, and
+            # judging it would read "no progress" into every scrape. Until its dialect (issue 27 item 2,
+            # operator/adapters/) turns vllm:* series into the same samples, no vLLM server is scraped,
+            # judged or remediated (nor autoscaled from scrapes); pod-level failures are the kubelet's.
+            judged = []
         return Look(obs, spec, pods, judged)

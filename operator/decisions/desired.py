@@ -1,6 +1,7 @@
 """The objects a fleet should have, as plain manifests: a pure function of its spec.
 
-Server pods (one per server, `<fleet>-<role>-<index>`), the router: a Deployment running
+Server pods (one per server, `<fleet>-<role>-<index>`, running the fleet's engine: its renderer in
+`engines/` writes the server container's command, flags, env and probes), the router: a Deployment running
 `adpfleet router` with Kubernetes discovery, its Service, and a ServiceAccount bound to a Role that
 can read pods in the fleet's namespace and nothing else; and a PodDisruptionBudget per role and for
 the router. A role's (or the router's) pod template is laid over its pods (`pod_template.py`).
@@ -16,20 +17,21 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import math
 from dataclasses import dataclass
 
 from adpfleet.operator.decisions import security
 from adpfleet.operator.decisions.security import SecurityConfig
 from adpfleet.model_uri import CACHE_LIMIT_ENV, CACHE_MOUNT_PATH, PVC_MOUNT_ROOT, TERMINATION_LOG
 from adpfleet.operator.decisions import gang as gangs
-from adpfleet.operator.decisions import pod_template
+from adpfleet.operator.decisions import engines, pod_template
+from adpfleet.operator.decisions.engines import adpfleet as adpfleet_engine
 from adpfleet.operator.resource import names, quantity
 from adpfleet.operator.resource.names import FleetRef
+from adpfleet.operator.resource.engine import LABEL_ENGINE
 from adpfleet.operator.resource.kube_types import Resources
 from adpfleet.operator.resource.model_source import ModelSource
 from adpfleet.operator.resource.models import FleetSpec, RouterSpec
-from adpfleet.operator.resource.server_role import GangScheduling, ServerRole
+from adpfleet.operator.resource.server_role import GangScheduling
 
 
 def digest(obj) -> str:
@@ -147,11 +149,6 @@ S3_SECRET_KEYS = {"AWS_ACCESS_KEY_ID": False, "AWS_SECRET_ACCESS_KEY": False, "A
                   "AWS_REGION": True}
 
 
-def model_args(model: ModelSource) -> list[str]:
-    """`--model URI` (and the cache when the source is downloaded), for fetch-model and serve."""
-    return [model.source] + (["--cache-dir", CACHE_MOUNT_PATH] if model.parsed.downloads else [])
-
-
 def _fetch_container(spec: FleetSpec, role: str) -> dict | None:
     """The init container that fetches (or checks) the model; None for a built-in model."""
     if spec.model.parsed.kind == "builtin":
@@ -162,7 +159,7 @@ def _fetch_container(spec: FleetSpec, role: str) -> dict | None:
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["adpfleet"],
-        "args": ["fetch-model", *model_args(spec.model)],
+        "args": ["fetch-model", *adpfleet_engine.model_args(spec.model)],  # adpfleet's image fetches
         "env": _downward_env() + SCRATCH_ENV_VARS + _source_env(spec.model) + [e.to_kube() for e in r.env],
         "resources": _resource_requirements(r.resources),  # no GPUs: a download needs none
         "securityContext": CONTAINER_SECURITY,
@@ -172,67 +169,22 @@ def _fetch_container(spec: FleetSpec, role: str) -> dict | None:
 
 
 # ---- servers ----
+#
+# One way through: the role's shared container parts, then the engine's renderer (engines/), then the
+# credentials the engine takes, then the role's pod template over the whole pod.
 
-STOP_MARGIN_SECONDS = 5  # of the grace period, kept for stopping the ranks and exiting after the drain
-
-
-def drain_seconds(grace_seconds: int) -> int:
-    """How long a server stopped with `grace_seconds` lets in-flight requests run (`--drain-timeout`):
-    the grace period less the time to stop (at most half of it), so it exits 0 before the SIGKILL."""
-    return grace_seconds - min(STOP_MARGIN_SECONDS, grace_seconds // 2)
-
-
-def server_args(spec: FleetSpec, role: str) -> list[str]:
-    """`adpfleet serve` arguments for a server of `role` (docs/operator.md lists them)."""
-    r: ServerRole = spec.role(role)
-    e = r.engine
-    args = ["serve", "--role", role, "--model", *model_args(spec.model), "--dp", str(r.adp_ranks),
-            "--host", "$(POD_IP)", "--port", str(names.SERVER_HTTP_PORT),
-            "--device", e.device, "--dtype", e.dtype, "--kv-blocks", str(e.kv_blocks),
-            "--tokens-per-block", str(e.tokens_per_block), "--max-num-tokens", str(e.max_num_tokens),
-            "--max-batch-size", str(e.max_batch_size), "--max-num-active-requests", str(e.max_num_active_requests),
-            "--collective-timeout", str(e.collective_timeout_seconds),
-            "--drain-timeout", str(drain_seconds(r.termination_grace_period_seconds))]
-    if spec.model.served_name:
-        args += ["--served-model-name", spec.model.served_name]
-    if not e.pad_empty_batch:
-        args.append("--no-pad-empty-batch")
-    if e.draft_tokens:
-        args += ["--draft-tokens", str(e.draft_tokens), "--prompt-lookup-max", str(e.prompt_lookup_max),
-                 "--prompt-lookup-min", str(e.prompt_lookup_min)]
-    if not e.padding_reserve:
-        args.append("--no-padding-reserve")
-    if spec.fault_injection:
-        args.append("--fault-injection")
-    return args
-
-
-def _server_container(spec: FleetSpec, role: str) -> dict:
+def _server_container(fleet: FleetRef, spec: FleetSpec, role: str) -> dict:
+    """The `server` container: the engine's part, inside what every server shares."""
     r = spec.role(role)
-    env = _downward_env() + SCRATCH_ENV_VARS + [{"name": names.THREADS_ENV, "value": str(r.engine.threads_per_rank)}]
-    env += [e.to_kube() for e in r.env]
-    ports = [{"name": "http", "containerPort": names.SERVER_HTTP_PORT, "protocol": "TCP"}]
-    if role == "context":  # context servers serve KV-cache transfers to generation servers
-        ports.append({"name": "kv", "containerPort": names.SERVER_KV_PORT, "protocol": "TCP"})
-    health = {"httpGet": {"path": "/health", "port": "http"}}
+    engine = engines.renderer(spec.engine)
+    part = engine.server_container(spec, role)
     return {
         "name": names.SERVER_CONTAINER,
-        "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
-        "command": ["adpfleet"],
-        "args": server_args(spec, role),
-        "env": env,
-        "ports": ports,
-        # /health is 200 only when every rank is up: it gates startup and readiness.
-        "startupProbe": {**health, "periodSeconds": 2, "timeoutSeconds": 2,
-                         "failureThreshold": math.ceil(r.probes.startup_timeout_seconds / 2)},
-        "readinessProbe": {**health, "periodSeconds": r.probes.readiness_period_seconds, "timeoutSeconds": 3,
-                           "failureThreshold": 2},
-        # Liveness asks only whether the HTTP front end answers: a dead or hung rank already makes the
-        # server exit, and a stalled engine is the remediation's call (drain first, cooldowns, DryRun),
-        # which a liveness kill on /health would pre-empt. /metrics, because it needs no credential.
-        "livenessProbe": {"httpGet": {"path": "/metrics", "port": "http"}, "periodSeconds": 10,
-                          "timeoutSeconds": 5, "failureThreshold": 3},
+        **part,
+        # the role's env after the engine's (it may use them); the credentials last (nothing overrides them)
+        "env": _downward_env() + SCRATCH_ENV_VARS + part["env"] + [e.to_kube() for e in r.env]
+        + engine.credential_env(fleet, spec),
         "resources": _resource_requirements(r.resources, r.gpus_per_server // r.pods_per_server,
                                             spec.gpu_resource_name),
         "securityContext": CONTAINER_SECURITY,
@@ -244,7 +196,7 @@ def _server_container(spec: FleetSpec, role: str) -> dict:
 def _server_pod_spec(fleet: FleetRef, spec: FleetSpec, role: str) -> dict:
     r = spec.role(role)
     pod_spec = {
-        "containers": [_server_container(spec, role)],
+        "containers": [_server_container(fleet, spec, role)],
         "restartPolicy": "Always",
         "terminationGracePeriodSeconds": r.termination_grace_period_seconds,
         "automountServiceAccountToken": False,  # servers never talk to the API server
@@ -261,7 +213,6 @@ def _server_pod_spec(fleet: FleetRef, spec: FleetSpec, role: str) -> dict:
         pod_spec["tolerations"] = [t.to_kube() for t in r.tolerations]
     if spec.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [s.to_kube() for s in spec.image_pull_secrets]
-    pod_spec = security.with_credentials(pod_spec, fleet, spec, names.SERVER_CONTAINER)
     return pod_template.pod_spec(pod_spec, r.pod_template)
 
 
@@ -276,10 +227,12 @@ class ServerTemplate:
     template_hash: str
     pods_per_server: int = 1
     gang: GangScheduling | None = None  # the role's gang scheduling (gang.py), None: off
+    engine: str = "adpfleet"  # the engine its servers run (the pods' LABEL_ENGINE)
 
     def pod(self, index: int) -> dict:
         """The pod of a one-pod server."""
-        labels = {**self.extra_labels, **names.server_labels(self.fleet.name, self.role, index)}
+        labels = {**self.extra_labels, **names.server_labels(self.fleet.name, self.role, index),
+                  LABEL_ENGINE: self.engine}
         annotations = {**self.extra_annotations, names.ANNOTATION_TEMPLATE_HASH: self.template_hash}
         if self.gang is not None:  # in the server's PodGroup, named after the server
             group_labels, group_annotations = gangs.pod_markers(
@@ -343,7 +296,8 @@ def server_template(fleet: FleetRef, spec: FleetSpec, role: str) -> ServerTempla
         hashed["podsPerServer"] = pods_per_server
     if gang is not None:  # so does a change of the PodGroups' settings: new groups get new PodGroups
         hashed["gangScheduling"] = gang.to_kube()
-    return ServerTemplate(fleet, role, pod_spec, labels, annotations, digest(hashed), pods_per_server, gang)
+    return ServerTemplate(fleet, role, pod_spec, labels, annotations, digest(hashed), pods_per_server, gang,
+                          spec.engine)
 
 
 def group_services(fleet: FleetRef, spec: FleetSpec) -> list[dict]:
@@ -351,7 +305,7 @@ def group_services(fleet: FleetRef, spec: FleetSpec) -> list[dict]:
     DNS name (`names.leader_address`); published before the leader is Ready, since the leader turns
     Ready only once its workers have found it."""
     out = []
-    for role in names.ROLES:
+    for role in spec.roles():
         if spec.role(role).pods_per_server == 1:
             continue
         out.append(_with_hash({
@@ -411,7 +365,9 @@ def router_objects(fleet: FleetRef, spec: FleetSpec) -> list[dict]:
     pod_spec = {"serviceAccountName": name, "containers": [container], "enableServiceLinks": False,
                 "securityContext": POD_SECURITY, "volumes": [SCRATCH_VOLUMES[0]],
                 "terminationGracePeriodSeconds": 30}
-    pod_spec = security.with_credentials(pod_spec, fleet, spec, names.ROUTER_CONTAINER)
+    sends_token = engines.renderer(spec.engine).ROUTER_SENDS_INTERNAL_TOKEN
+    pod_spec = security.with_credentials(pod_spec, names.ROUTER_CONTAINER,
+                                         security.reserved_env(fleet, spec, internal_token=sends_token))
     if spec.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [s.to_kube() for s in spec.image_pull_secrets]
     pod_spec = pod_template.pod_spec(pod_spec, spec.router.pod_template)
@@ -451,7 +407,7 @@ def disruption_budgets(fleet: FleetRef, spec: FleetSpec) -> list[dict]:
     """A PodDisruptionBudget per role (`<fleet>-<role>`) and one for the router (`<fleet>-router`)."""
     wanted = [(role, spec.role(role).disruption_budget, spec.role(role).servers,
                {names.LABEL_FLEET: fleet.name, names.LABEL_ROLE: role}, spec.role(role).pods_per_server)
-              for role in names.ROLES]
+              for role in spec.roles()]
     if spec.router.enabled:
         wanted.append(("router", spec.router.disruption_budget, spec.router.replicas,
                        names.router_selector(fleet.name), 1))
@@ -478,6 +434,6 @@ def desired_fleet(fleet: FleetRef, spec: FleetSpec, config: SecurityConfig = Sec
     if config.network_policies is not None:
         objects += [_with_hash(p) for p in security.network_policies(fleet, spec, config.network_policies)]
     return DesiredFleet(
-        servers={role: server_template(fleet, spec, role) for role in names.ROLES},
-        replicas={role: spec.role(role).servers for role in names.ROLES},
+        servers={role: server_template(fleet, spec, role) for role in spec.roles()},
+        replicas={role: spec.role(role).servers for role in spec.roles()},
         objects=objects)

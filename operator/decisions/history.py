@@ -14,7 +14,6 @@ from typing import Iterable, Mapping, Sequence
 
 from adpfleet.operator.decisions.detection import StallVerdict
 from adpfleet.operator.decisions.observed import ServerView
-from adpfleet.operator.resource import names
 from adpfleet.operator.resource.models import FleetSpec
 from adpfleet.operator.resource.status import HISTORY_LIMIT, RECORD_MESSAGE_LIMIT
 from adpfleet.operator.resource.vocabulary import Action, Outcome, ServerState, Signature
@@ -114,7 +113,7 @@ def restart_deadline(record: Remediation, spec: FleetSpec, role: str | None = No
     drain, the server's startup timeout (of `role`; the longest of the roles when it is not one of
     them) and a slack. After it, a server that never came back no longer blocks its role (the
     reconcile reports it as Degraded), and a Pending record is too old to finish."""
-    startups = {r: spec.role(r).probes.startup_timeout_seconds for r in names.ROLES}
+    startups = {r: spec.role(r).probes.startup_timeout_seconds for r in spec.roles()}
     startup = startups.get(role, max(startups.values()))
     return record.time + spec.remediation.drain_timeout_seconds + startup + RESTART_SLACK_SECONDS
 

@@ -57,24 +57,30 @@ def internal_token_secret(fleet: FleetRef, token: str | None = None) -> dict:
             "data": {INTERNAL_TOKEN_KEY: base64.b64encode(token.encode()).decode()}}
 
 
-def reserved_env(fleet: FleetRef, spec: FleetSpec) -> list[dict]:
+def api_key_env(spec: FleetSpec, env_name: str = API_KEY_ENV) -> list[dict]:
+    """`env_name` from the Secret key spec.auth.apiKeySecret names (nothing without one)."""
+    ref = spec.auth.api_key_secret
+    if ref is None:
+        return []
+    return [{"name": env_name, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}]
+
+
+def reserved_env(fleet: FleetRef, spec: FleetSpec, internal_token: bool = True) -> list[dict]:
     """The reserved names (names.RESERVED_ENV) of a router or server container: the fleet's secrets,
     and fault injection pinned to spec.faultInjection. `env` wins over `envFrom`, so a ConfigMap or
     Secret that a pod template's envFrom names (admission cannot see its keys) cannot set them.
     Without spec.auth.apiKeySecret there is no value to pin the API key to: one from envFrom can only
-    make the container ask for a key (docs/security.md)."""
+    make the container ask for a key (docs/security.md). `internal_token` False: a router whose
+    servers check only the API key (vLLM) is given no internal token, so it forwards the client's key."""
     env = [{"name": INTERNAL_TOKEN_ENV, "valueFrom": {"secretKeyRef": {
-        "name": internal_token_secret_name(fleet.name), "key": INTERNAL_TOKEN_KEY}}}]
-    ref = spec.auth.api_key_secret
-    if ref is not None:
-        env.append({"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+        "name": internal_token_secret_name(fleet.name), "key": INTERNAL_TOKEN_KEY}}}] if internal_token else []
+    env += api_key_env(spec)
     return env + [{"name": FAULT_INJECTION_ENV, "value": "1" if spec.fault_injection else "0"}]
 
 
-def with_credentials(pod_spec: dict, fleet: FleetRef, spec: FleetSpec, container: str) -> dict:
-    """`pod_spec` with the fleet's credentials, and the other reserved names, in the environment of
-    its main `container` (not in a pod template's other containers)."""
-    env = reserved_env(fleet, spec)
+def with_credentials(pod_spec: dict, container: str, env: list[dict]) -> dict:
+    """`pod_spec` with the credentials `env` (and the other reserved names) in the environment of its
+    main `container` (not in a pod template's other containers)."""
     return {**pod_spec, "containers": [{**c, "env": list(c.get("env", [])) + env} if c.get("name") == container else c
                                        for c in pod_spec["containers"]]}
 
@@ -131,15 +137,15 @@ def network_policies(fleet: FleetRef, spec: FleetSpec, operator: OperatorIdentit
     else:  # no router and no clients named: anyone (a rule without `from`); the API key is the gate
         server_rule = {"ports": http}
     # a context server's rank r serves its KV on SERVER_KV_PORT + r
-    kv_ports = {"port": names.SERVER_KV_PORT, "protocol": "TCP"}
-    if spec.context.adp_ranks > 1:
-        kv_ports["endPort"] = names.SERVER_KV_PORT + spec.context.adp_ranks - 1
-    policies = [
-        _policy(fleet, "servers", _role_pods(fleet.name, None), [server_rule]),
-        _policy(fleet, "kv", _role_pods(fleet.name, "context"),
-                [{"ports": [kv_ports], "from": [{"podSelector": _role_pods(fleet.name, "generation")}]}]),
-    ]
-    for role in names.ROLES:
+    policies = [_policy(fleet, "servers", _role_pods(fleet.name, None), [server_rule])]
+    if spec.context is not None:  # a disaggregated fleet: KV moves from context to generation servers
+        kv_ports = {"port": names.SERVER_KV_PORT, "protocol": "TCP"}
+        if spec.context.adp_ranks > 1:
+            kv_ports["endPort"] = names.SERVER_KV_PORT + spec.context.adp_ranks - 1
+        generation = {"podSelector": _role_pods(fleet.name, "generation")}
+        policies.append(_policy(fleet, "kv", _role_pods(fleet.name, "context"),
+                                [{"ports": [kv_ports], "from": [generation]}]))
+    for role in spec.roles():
         if spec.role(role).pods_per_server > 1:
             # the pods of a server over several pods join each other: the group link, the rendezvous
             # store and the collectives' own connections (gloo and NCCL pick their ports at start)

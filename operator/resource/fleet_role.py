@@ -19,7 +19,7 @@ class FleetRoleSpec(KubeModel):
     """The desired server count of one role of a fleet, behind the `scale` subresource."""
     fleet: str = Field(min_length=1, max_length=names.MAX_FLEET_NAME, json_schema_extra=_immutable(
         "fleet is immutable"), description="The InferenceFleet this object scales (set by the operator).")
-    role: Literal["context", "generation"] = Field(json_schema_extra=_immutable("role is immutable"),
+    role: Literal["context", "generation", "aggregated"] = Field(json_schema_extra=_immutable("role is immutable"),
                                                    description="The role it scales (set by the operator).")
     replicas: int = Field(ge=1, le=256, description="Servers of the role: what `kubectl scale`, an HPA or KEDA "
                                                     "set through the scale subresource.")

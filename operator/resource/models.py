@@ -10,14 +10,16 @@ from __future__ import annotations
 import re
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
+from adpfleet.model_uri import BUILTIN_MODELS
 from adpfleet.operator.resource import names
-from adpfleet.operator.resource.cel import CelRule, KubeModel
+from adpfleet.operator.resource.cel import CelRule, KubeModel, cel_list
+from adpfleet.operator.resource.engine import AGGREGATED, SPLIT_ROLES, EngineName, VllmEngine
 from adpfleet.operator.resource.kube_types import (CIDR, LABEL_KEY, NAMESPACE_NAME, LocalObjectReference, Resources,
                                                   SecretKeyRef)
 from adpfleet.operator.resource.model_source import ModelSource
-from adpfleet.operator.resource.server_role import DisruptionBudget, ServerRole
+from adpfleet.operator.resource.server_role import DisruptionBudget, EngineSettings, ServerRole
 from adpfleet.operator.resource.templates import PodMetadata, RouterPodTemplate, main_containers
 from adpfleet.operator.resource.vocabulary import Action, RemediationMode
 
@@ -102,20 +104,57 @@ class NetworkPolicySpec(KubeModel):
 
 def _gpu_resource_not_in_template(role: str) -> CelRule:
     def check(spec: "FleetSpec") -> bool:
-        template = spec.role(role).pod_template
+        template = getattr(spec, role).pod_template if getattr(spec, role) is not None else None
         return template is None or not any(spec.gpu_resource_name in ((c.get("resources") or {}).get(side) or {})
                                            for c in main_containers(template) for side in ("requests", "limits"))
     sides = " && ".join(f"(!has(c.resources.{side}) || !(self.gpuResourceName in c.resources.{side}))"
                         for side in ("requests", "limits"))
-    return CelRule(f"!has(self.{role}.podTemplate) || !has(self.{role}.podTemplate.spec.containers) || "
+    return CelRule(f"!has(self.{role}) || !has(self.{role}.podTemplate) || "
+                   f"!has(self.{role}.podTemplate.spec.containers) || "
                    f"self.{role}.podTemplate.spec.containers.all(c, c.name != '{names.SERVER_CONTAINER}' || "
                    f"!has(c.resources) || ({sides}))",
                    f"{role}.podTemplate: the GPU resource (gpuResourceName) is requested by gpusPerServer, not by "
                    f"the server container's resources", f".{role}.podTemplate.spec.containers", check)
 
 
+def _collective_timeout(role: str) -> str:
+    """CEL: the role's collective timeout; a split role left out has the default (it is filled in
+    after admission, `FleetSpec._split_by_default`); an absent aggregated role never times out."""
+    absent = EngineSettings().collective_timeout_seconds if role in SPLIT_ROLES else "2147483647"
+    if role in SPLIT_ROLES:
+        absent = f"(has(self.aggregated) ? 2147483647 : {absent})"
+    return f"(has(self.{role}) ? self.{role}.engine.collectiveTimeoutSeconds : {absent})"
+
+
+_TOPOLOGY_RULES = (
+    CelRule("!has(self.aggregated) || (!has(self.context) && !has(self.generation))",
+            "aggregated servers prefill and decode themselves: set either aggregated or context and generation",
+            ".aggregated", lambda s: s.aggregated is None or (s.context is None and s.generation is None)),
+    CelRule("self.engine != 'vllm' || has(self.aggregated)",
+            "engine vllm runs aggregated fleets only: vLLM's prefill/decode split needs a KV connector "
+            "(NIXL, NCCL) the operator does not configure; set aggregated instead of context and generation",
+            ".engine", lambda s: s.engine != "vllm" or s.aggregated is not None),
+    CelRule("(self.engine == 'vllm') == has(self.vllm)",
+            "vllm (its image and args) is set exactly when engine is vllm",
+            ".vllm", lambda s: (s.engine == "vllm") == (s.vllm is not None)),
+    CelRule("self.engine != 'vllm' || !has(self.aggregated) || self.aggregated.podsPerServer == 1",
+            "engine vllm: aggregated.podsPerServer must be 1 (a vLLM server over several pods is not rendered)",
+            ".aggregated.podsPerServer",
+            lambda s: s.engine != "vllm" or s.aggregated is None or s.aggregated.pods_per_server == 1),
+    CelRule(f"self.engine != 'vllm' || !((has(self.model.uri) ? self.model.uri : self.model.name) in "
+            f"{cel_list(BUILTIN_MODELS)})",
+            "engine vllm needs model weights (hf://, s3://, pvc:// or a directory): the built-in models "
+            f"{', '.join(BUILTIN_MODELS)} are adpfleet's own", ".model",
+            lambda s: s.engine != "vllm" or s.model.parsed.kind != "builtin"),
+    # a transition rule: the API server compares with the stored spec; its twin cannot (no old object)
+    CelRule("has(self.aggregated) == has(oldSelf.aggregated)",
+            "aggregated is immutable: an aggregated fleet and a disaggregated one have different servers; "
+            "create a new fleet", ".aggregated", lambda s: True),
+)
+
+
 class FleetSpec(KubeModel):
-    """A disaggregated ADP inference fleet: context servers, generation servers and a router."""
+    """An ADP inference fleet: context and generation servers, or aggregated ones, and a router in front."""
     image: str = Field(min_length=1, max_length=1024, pattern=r"^\S+$",
                        description="Container image with adpfleet installed (servers and router).")
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
@@ -126,8 +165,17 @@ class FleetSpec(KubeModel):
     model: ModelSource = Field(description="The model every server loads.")
     gpu_resource_name: str = Field("nvidia.com/gpu", max_length=253, pattern=LABEL_KEY,
                                    description="Extended resource that gpusPerServer requests.")
-    context: ServerRole = Field(default_factory=ServerRole, description="Prefill servers.")
-    generation: ServerRole = Field(default_factory=ServerRole, description="Decode servers.")
+    engine: EngineName = Field("adpfleet", description="The engine the servers run: adpfleet (`adpfleet serve`) "
+                                                       "or vllm (`vllm serve` from vllm.image; aggregated fleets "
+                                                       "only).")
+    vllm: VllmEngine | None = Field(None, description=" ".join(VllmEngine.__doc__.split()))
+    context: ServerRole | None = Field(None, description="Prefill servers of a disaggregated fleet (one server "
+                                                         "when left out and aggregated is not set).")
+    generation: ServerRole | None = Field(None, description="Decode servers of a disaggregated fleet (one server "
+                                                            "when left out and aggregated is not set).")
+    aggregated: ServerRole | None = Field(None, description="Servers that prefill and decode themselves, with no KV "
+                                                            "hand-off, instead of context and generation "
+                                                            "(immutable).")
     router: RouterSpec = Field(default_factory=RouterSpec, description="The router in front of the servers.")
     monitoring: MonitoringSpec = Field(default_factory=MonitoringSpec, description="Metrics scraping.")
     remediation: RemediationSpec = Field(default_factory=RemediationSpec, description="Stall remediation policy.")
@@ -139,26 +187,43 @@ class FleetSpec(KubeModel):
                                                      "a rank, stop KV reaping or starve a rank: tests and demos "
                                                      "only. It needs the fleet's credentials like /v1/*.")
     cel_rules: ClassVar = (
-        *(_gpu_resource_not_in_template(role) for role in names.ROLES),
+        *(_gpu_resource_not_in_template(role) for role in (*SPLIT_ROLES, AGGREGATED)),
+        *_TOPOLOGY_RULES,
         CelRule("self.remediation.stallWindowSeconds >= 2 * self.monitoring.scrapeIntervalSeconds",
                 "remediation.stallWindowSeconds must be at least two monitoring.scrapeIntervalSeconds "
                 "(a stall is judged from at least two scrapes)",
                 ".remediation.stallWindowSeconds",
                 lambda s: s.remediation.stall_window_seconds >= 2 * s.monitoring.scrape_interval_seconds),
-        CelRule("self.remediation.mode == 'Disabled' || self.remediation.stallWindowSeconds + "
-                "2 * self.monitoring.scrapeIntervalSeconds <= self.context.engine.collectiveTimeoutSeconds && "
-                "self.remediation.stallWindowSeconds + 2 * self.monitoring.scrapeIntervalSeconds <= "
-                "self.generation.engine.collectiveTimeoutSeconds",
+        CelRule("self.remediation.mode == 'Disabled' || self.engine != 'adpfleet' || "
+                + " && ".join(f"self.remediation.stallWindowSeconds + 2 * self.monitoring.scrapeIntervalSeconds <= "
+                              f"{_collective_timeout(r)}" for r in (*SPLIT_ROLES, AGGREGATED)),
                 "remediation.stallWindowSeconds plus two monitoring.scrapeIntervalSeconds must not exceed "
-                "engine.collectiveTimeoutSeconds of either role: a hung server exits after its collective "
+                "engine.collectiveTimeoutSeconds of any role: a hung server exits after its collective "
                 "timeout, before its stall could be detected and recorded",
-                ".remediation.stallWindowSeconds", lambda s: s.remediation.mode is RemediationMode.DISABLED or all(
-                    s.remediation.stall_window_seconds + 2 * s.monitoring.scrape_interval_seconds
-                    <= s.role(r).engine.collective_timeout_seconds for r in names.ROLES)),
+                ".remediation.stallWindowSeconds", lambda s: s.remediation.mode is RemediationMode.DISABLED or
+                s.engine != "adpfleet" or all(s.remediation.stall_window_seconds +
+                                              2 * s.monitoring.scrape_interval_seconds
+                                              <= s.role(r).engine.collective_timeout_seconds for r in s.roles())),
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _split_by_default(cls, data):
+        """A fleet that does not say `aggregated` is disaggregated: one context and one generation server
+        unless it says otherwise (a schema cannot default one field on another's absence)."""
+        if isinstance(data, dict) and data.get("aggregated") is None:
+            data = {**data, "context": data.get("context") or {}, "generation": data.get("generation") or {}}
+        return data
+
+    def roles(self) -> tuple[str, ...]:
+        """The roles this fleet runs, each a spec field of that name."""
+        return (AGGREGATED,) if self.aggregated is not None else SPLIT_ROLES
+
     def role(self, name: str) -> ServerRole:
-        return getattr(self, name)
+        role = getattr(self, name)
+        if role is None:
+            raise ValueError(f"the fleet has no {name} role (it runs {', '.join(self.roles())})")
+        return role
 
 
 FLEET_NAME = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"

@@ -27,7 +27,7 @@ class Condition(KubeModel):
 class ScaleRecord(KubeModel):
     """A change of a role's desired server count: who made it and why."""
     time: Timestamp = Field(description="When the desired count changed.")
-    role: Literal["context", "generation"] = Field(description="The role scaled.")
+    role: Literal["context", "generation", "aggregated"] = Field(description="The role scaled.")
     previous: int = Field(ge=0, le=256, description="Desired servers before.")
     desired: int = Field(ge=0, le=256, description="Desired servers after.")
     reason: ScaleReason = Field(description="Why (docs/autoscaling.md lists the reasons).")
@@ -61,7 +61,7 @@ HISTORY_LIMIT = 20           # records in status.recentRemediations (newest firs
 class RemediationRecord(KubeModel):
     """One remediation, newest first in recentRemediations."""
     time: Timestamp = Field(description="When the remediation was decided.")
-    role: Literal["context", "generation"] = Field(description="The stalled server's role.")
+    role: Literal["context", "generation", "aggregated"] = Field(description="The stalled server's role.")
     server: str = Field(max_length=253, description="Pod name.")
     signature: Signature = Field(description="How the server made no progress (docs/remediation.md).")
     action: Action = Field(description="What was done.")
@@ -104,6 +104,7 @@ class FleetStatus(KubeModel):
                                                     "Remediating (docs/operator.md, docs/remediation.md).")
     context: RoleStatus | None = Field(None, description="Context server counts.")
     generation: RoleStatus | None = Field(None, description="Generation server counts.")
+    aggregated: RoleStatus | None = Field(None, description="Aggregated server counts.")
     router: RouterStatus | None = Field(None, description="Router pod counts.")
     ready_roles: str | None = Field(None, max_length=16, description="'<roles with every server ready>/<roles>', "
                                                                      "the router counting as a role.")

@@ -81,6 +81,15 @@ def _set(path: str, value: Any) -> Callable[[dict], None]:
 DELETE = object()
 
 
+def _vllm(aggregated: bool = True) -> tuple[Callable[[dict], None], ...]:
+    """Mutations making the small fleet a vLLM one (aggregated, unless not)."""
+    out = (_set("spec.engine", "vllm"), _set("spec.vllm", {"image": "vllm/vllm-openai:v0.32.0"}),
+           _set("spec.model", {"uri": "/models/llama"}))
+    if aggregated:
+        out += (_set("spec.context", DELETE), _set("spec.generation", DELETE), _set("spec.aggregated", {"servers": 1}))
+    return out
+
+
 @dataclass(frozen=True)
 class InvalidSpec:
     what: str
@@ -231,6 +240,31 @@ INVALID_SPECS = [
         _set("spec.model", {"uri": "hf://org/repo", "credentialsSecretRef": {"name": "s3"}}),
         api=("spec.model.credentialsSecretRef", "credentialsSecretRef is for s3:// sources"),
         py=("credentialsSecretRef is for s3:// sources",)),
+    # engines and the aggregated role (resource/engine.py)
+    bad("an engine the operator does not know", _set("spec.engine", "sglang"),
+        api=("spec.engine", "Unsupported value"), py=("engine",)),
+    bad("an aggregated role beside context and generation", _set("spec.aggregated", {"servers": 1}),
+        api=("spec.aggregated", "set either aggregated or context and generation"),
+        py=("set either aggregated or context and generation",)),
+    bad("a disaggregated vLLM fleet", *_vllm(aggregated=False),
+        api=("spec.engine", "aggregated fleets only"), py=("aggregated fleets only",)),
+    bad("a vLLM fleet without its vllm section", *_vllm(), _set("spec.vllm", DELETE),
+        api=("spec.vllm", "set exactly when engine is vllm"), py=("set exactly when engine is vllm",)),
+    bad("a vllm section on an adpfleet fleet", _set("spec.vllm", {"image": "vllm/vllm-openai:v0.32.0"}),
+        api=("spec.vllm", "set exactly when engine is vllm"), py=("set exactly when engine is vllm",)),
+    bad("vllm.args setting the operator's port",
+        *_vllm(), _set("spec.vllm.args", ["--dtype", "float32", "--port", "9000"]),
+        api=("spec.vllm.args", "must not set --host, --port"), py=("vllm.args must not set",)),
+    bad("vllm.args setting the data-parallel size as --flag=value",
+        *_vllm(), _set("spec.vllm.args", ["--data-parallel-size=4"]),
+        api=("spec.vllm.args", "must not set"), py=("vllm.args must not set",)),
+    bad("a vLLM fleet serving a built-in model", *_vllm(), _set("spec.model", {"uri": "tiny"}),
+        api=("spec.model", "built-in models tiny, tiny-dense are adpfleet's own"), py=("adpfleet's own",)),
+    bad("a vLLM server over several pods", *_vllm(), _set("spec.aggregated.adpRanks", 2),
+        _set("spec.aggregated.podsPerServer", 2),
+        api=("spec.aggregated.podsPerServer", "must be 1"), py=("podsPerServer must be 1",)),
+    bad("vLLM's API key through env", _set("spec.generation.env", [{"name": "VLLM_API_KEY", "value": "k"}]),
+        api=("spec.generation.env", "must not set VLLM_API_KEY"), py=("must not set VLLM_API_KEY",)),
 ]
 
 

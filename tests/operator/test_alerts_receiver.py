@@ -322,7 +322,8 @@ def test_the_seen_set_keeps_a_fixed_size_digest_whatever_the_sender_chose():
 def test_the_pods_an_alert_may_name_are_the_fleets_own_server_pods():
     def pod(name, owner):
         return SimpleNamespace(name=name, role="context", index=0, owner_uid=owner)
-    observed = SimpleNamespace(role_pods=lambda role: [pod(f"llama-{role}-0", "uid")])
+    # a disaggregated fleet: no aggregated pods
+    observed = SimpleNamespace(role_pods=lambda role: [pod(f"llama-{role}-0", "uid")] if role != "aggregated" else [])
     stall = SimpleNamespace(fleets={("prod", "llama"): SimpleNamespace(observe=lambda: observed)})
     assert fleet_pods(stall, "prod", "llama") == {"llama-context-0", "llama-generation-0"}
     assert fleet_pods(stall, "prod", "other") is None

@@ -55,6 +55,23 @@ def test_a_valid_fleet_is_accepted_and_defaulted(k8s_cluster, bad_specs_namespac
     k8s_cluster.kubectl("delete", "inferencefleet", "good", f"--namespace={bad_specs_namespace}")
 
 
+def test_an_aggregated_vllm_fleet_is_accepted_and_cannot_become_disaggregated(k8s_cluster, bad_specs_namespace):
+    manifest = fleet_manifest("vllm-agg")
+    spec = manifest["spec"]
+    del spec["context"], spec["generation"]
+    spec.update(engine="vllm", model={"uri": "hf://org/llama"}, aggregated={"adpRanks": 2},
+                vllm={"image": "vllm/vllm-openai:v0.32.0", "args": ["--max-model-len=4096"]})
+    result = kubectl_apply(k8s_cluster, bad_specs_namespace, manifest)
+    assert result.returncode == 0, result.stderr
+    stored = k8s_cluster.get_json("inferencefleet", "vllm-agg", f"--namespace={bad_specs_namespace}")["spec"]
+    assert "context" not in stored and stored["aggregated"]["engine"]["kvBlocks"] == 512  # role defaults apply
+    spec.update(engine="adpfleet", model={"uri": "tiny"}, context={}, generation={})
+    del spec["aggregated"], spec["vllm"]
+    result = kubectl_apply(k8s_cluster, bad_specs_namespace, manifest)  # the transition rule
+    assert result.returncode != 0 and "spec.aggregated" in result.stderr and "aggregated is immutable" in result.stderr
+    k8s_cluster.kubectl("delete", "inferencefleet", "vllm-agg", f"--namespace={bad_specs_namespace}")
+
+
 def test_kubectl_explain_shows_each_fields_description_default_and_range(k8s_cluster, fleet_crd):
     from adpfleet.cluster.testing import wait_for
 

@@ -136,7 +136,9 @@ def test_defaults_are_complete_so_the_api_server_can_check_them_against_the_rule
     spec = crd.openapi_schema()["properties"]["spec"]["properties"]
     engine_default = spec["context"]["properties"]["engine"]["default"]
     assert engine_default["maxBatchSize"] <= engine_default["maxNumActiveRequests"]
-    assert spec["context"]["default"]["gpusPerServer"] == 0
+    assert spec["router"]["default"]["replicas"] == 1
+    # no default for a role: one cannot default on another's absence (aggregated); FleetSpec fills them
+    assert all("default" not in spec[role] for role in ("context", "generation", "aggregated"))
     assert "default" not in spec["model"]["properties"]["tokenSecretRef"]  # optional: absent unless given
 
 

@@ -23,7 +23,8 @@ def test_server_pod_has_stable_name_labels_owner_and_the_runtime_command():
     assert meta["labels"] == {
         "app.kubernetes.io/name": "adpfleet", "app.kubernetes.io/instance": "demo",
         "app.kubernetes.io/component": "context-server", "app.kubernetes.io/managed-by": "adpfleet-operator",
-        "adpfleet.io/fleet": "demo", "adpfleet.io/role": "context", "adpfleet.io/index": "0"}
+        "adpfleet.io/fleet": "demo", "adpfleet.io/role": "context", "adpfleet.io/index": "0",
+        "adpfleet.io/engine": "adpfleet"}
     assert meta["ownerReferences"] == [{"apiVersion": "adpfleet.io/v1alpha1", "kind": "InferenceFleet",
                                         "name": "demo", "uid": "uid-1", "controller": True,
                                         "blockOwnerDeletion": True}]

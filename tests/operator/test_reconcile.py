@@ -306,3 +306,24 @@ def test_a_server_that_cannot_be_scheduled_is_reported(start_operator, fleets):
              what="Degraded/ServersUnschedulable")
     assert "demo-context-0: Unschedulable" in fleets.condition("demo", "Degraded")["message"]
     assert fleets.condition("demo", "Progressing")["status"] == "True"
+
+
+def test_an_aggregated_fleet_runs_one_role_with_its_scale_target_budget_and_status(start_operator, fleets):
+    start_operator()
+    manifest = fleet_manifest("agg", status_only=True, aggregated=role(2))
+    del manifest["spec"]["context"], manifest["spec"]["generation"]
+    fleets.apply(manifest)
+    fleet = fleets.wait_ready("agg")
+
+    assert names_of(fleets.pods("agg")) == ["agg-aggregated-0", "agg-aggregated-1"]
+    assert fleet["status"]["aggregated"]["servers"] == "2/2" and "context" not in fleet["status"]
+    assert fleet["status"]["readyRoles"] == "2/2"  # the role and the router
+    budgets = client.PolicyV1Api(fleets.cluster.api_client).list_namespaced_pod_disruption_budget(fleets.ns).items
+    assert sorted(b.metadata.name for b in budgets) == ["agg-aggregated", "agg-router"]
+    role_objects = fleets.custom.list_namespaced_custom_object(names.GROUP, names.VERSION, fleets.ns,
+                                                               names.ROLE_PLURAL)["items"]
+    assert [(o["metadata"]["name"], o["spec"]["role"]) for o in role_objects] == [("agg-aggregated", "aggregated")]
+
+    fleets.patch_spec("agg", {"aggregated": {"servers": 1}})
+    wait_for(lambda: names_of(fleets.pods("agg")) == ["agg-aggregated-0"], timeout=60,
+             what="the aggregated role to scale down to one server")

@@ -459,6 +459,26 @@ def test_a_scale_down_drains_the_server_and_deletes_it_once_drained():
         assert ("context", ["f-context-1"]) in drains.asked
 
 
+def test_a_vllm_servers_drain_is_never_cut_short_by_metrics_read_in_adpfleets_names():
+    from test_engines import vllm_spec
+    from adpfleet.operator.decisions.desired import desired_fleet
+    from adpfleet.operator.resource.models import FleetSpec
+    from adpfleet.operator.resource.names import FleetRef
+    spec = {**vllm_spec(), "router": {"enabled": False}}
+    spec["aggregated"]["disruptionBudget"] = {"enabled": False}
+    desired = desired_fleet(FleetRef("f", "ns", "fleet-uid"), FleetSpec.model_validate(spec))
+    template = dataclasses.replace(running_pods()[0], role="aggregated",
+                                   template_hash=desired.servers["aggregated"].template_hash)
+    pods = [dataclasses.replace(template, name="f-aggregated-0", uid="u-0"),
+            dataclasses.replace(template, name="f-aggregated-1", uid="u-1", index=1, leaving_since=1e12,
+                                draining=True)]
+    down = (role_object("aggregated", replicas=1, spec_servers=2, status={"desiredReplicas": 2}),)
+    drains, api = Drains(done={"u-1"}), FakeApi()  # (an adpfleet server would count as drained)
+    asyncio.run(Reconciler(api, OperatorMetrics(), clock=lambda: 0.0, drains=drains).reconcile(
+        observation({"spec": spec}, pods=pods, roles=down), FleetMemory(), log))
+    assert drains.asked == [] and not [c for c in api.calls if c[0] == "delete_pod"]
+
+
 def test_a_scale_down_leaves_a_server_under_remediation_alone():
     pods = pods_of("context", 2) + pods_of("generation", 1)
     record = {"time": "2099-01-01T00:00:00Z", "role": "context", "server": "f-context-1", "signature": "hung",

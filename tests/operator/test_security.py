@@ -8,7 +8,8 @@ from pydantic import ValidationError
 
 from adpfleet.cli import build_parser
 from adpfleet.operator.decisions import security
-from adpfleet.operator.decisions.desired import desired_fleet, router_objects, server_args, server_template
+from adpfleet.operator.decisions.desired import desired_fleet, router_objects, server_template
+from adpfleet.operator.decisions.engines.adpfleet import server_args
 from adpfleet.operator.decisions.security import OperatorIdentity, SecurityConfig
 from adpfleet.operator.resource import names
 from adpfleet.operator.resource.models import FleetSpec

@@ -36,7 +36,7 @@ def test_the_serve_flags_default_as_the_crd_does():
 
 def test_every_crd_engine_knob_reaches_the_serve_command_line():
     """Each engine field set away from its default changes what the operator passes to `serve`."""
-    from adpfleet.operator.decisions.desired import server_args
+    from adpfleet.operator.decisions.engines.adpfleet import server_args
     from adpfleet.operator.resource.models import FleetSpec
     changed = {"kvBlocks": 100, "tokensPerBlock": 8, "maxNumTokens": 100, "maxBatchSize": 3,
                "maxNumActiveRequests": 5, "draftTokens": 2, "promptLookupMax": 4, "promptLookupMin": 2,
