@@ -12,6 +12,7 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field
 
+from adpfleet.contract.env import VLLM_API_KEY_ENV  # noqa: F401 (the renderer reads it here)
 from adpfleet.operator.resource.cel import CelRule, KubeModel, cel_list
 
 EngineName = Literal["adpfleet", "vllm"]
@@ -28,7 +29,6 @@ LABEL_ENGINE = "adpfleet.io/engine"  # on server pods: which engine runs there (
 VLLM_OWNED_FLAGS = ("--host", "--port", "--api-key", "--data-parallel-size", "-dp", "--tensor-parallel-size",
                     "-tp", "--served-model-name", "--model", "--data-parallel-size-local", "--data-parallel-rank",
                     "--data-parallel-address", "--data-parallel-rpc-port", "--headless", "--enable-mfu-metrics")
-VLLM_API_KEY_ENV = "VLLM_API_KEY"  # vLLM's own API key: set from spec.auth.apiKeySecret
 
 
 def owned_vllm_flag(arg: str) -> str | None:

@@ -9,7 +9,6 @@ from pydantic import Field, model_validator
 
 from adpfleet.operator.resource import names
 from adpfleet.operator.resource.cel import CelRule, KubeModel
-from adpfleet.operator.resource.engine import VLLM_API_KEY_ENV
 from adpfleet.operator.resource.kube_types import DNS_SUBDOMAIN, EnvVar, Resources, Toleration
 from adpfleet.operator.resource.templates import ServerPodTemplate, main_containers
 
@@ -219,9 +218,6 @@ class ServerRole(KubeModel):
                 "env must not set " + ", ".join(names.RESERVED_ENV) + ": the operator sets the credentials from "
                 "spec.auth and its own token Secret, and fault injection only from spec.faultInjection",
                 ".env", lambda r: not {e.name for e in r.env} & set(names.RESERVED_ENV)),
-        CelRule(f"self.env.all(e, e.name != '{VLLM_API_KEY_ENV}')",
-                f"env must not set {VLLM_API_KEY_ENV}: the operator sets vLLM's API key from spec.auth",
-                ".env", lambda r: VLLM_API_KEY_ENV not in {e.name for e in r.env}),
         CelRule(f"!has(self.podTemplate) || !has(self.podTemplate.spec.containers) || "
                 f"self.podTemplate.spec.containers.all(c, c.name != '{names.SERVER_CONTAINER}' || !has(c.env) || "
                 f"c.env.all(e, !self.env.exists(x, x.name == e.name)))",

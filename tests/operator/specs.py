@@ -264,7 +264,7 @@ INVALID_SPECS = [
         _set("spec.aggregated.podsPerServer", 2),
         api=("spec.aggregated.podsPerServer", "must be 1"), py=("podsPerServer must be 1",)),
     bad("vLLM's API key through env", _set("spec.generation.env", [{"name": "VLLM_API_KEY", "value": "k"}]),
-        api=("spec.generation.env", "must not set VLLM_API_KEY"), py=("must not set VLLM_API_KEY",)),
+        api=("spec.generation.env", "must not set", "VLLM_API_KEY"), py=("must not set", "VLLM_API_KEY")),
 ]
 
 
@@ -332,6 +332,10 @@ INVALID_TEMPLATES = [
     bad("template: the server's POD_IP", _template("context", {"containers": [_server(env=[{"name": "POD_IP",
                                                                                              "value": "1.2.3.4"}])]}),
         api=(f"{T}.spec.containers", "POD_IP", "set by the operator"), py=("POD_IP",)),
+    bad("template: vLLM's API key in the server container",
+        _template("generation", {"containers": [_server(env=[{"name": "VLLM_API_KEY", "value": "k"}])]}),
+        api=("spec.generation.podTemplate.spec.containers", "VLLM_API_KEY", "set by the operator"),
+        py=("VLLM_API_KEY",)),
     bad("template: an env name set twice (env and the template)",
         _set("spec.generation.env", [{"name": "NCCL_DEBUG", "value": "INFO"}]),
         _template("generation", {"containers": [_server(env=[{"name": "NCCL_DEBUG", "value": "WARN"}])]}),

@@ -238,4 +238,4 @@ def test_the_env_names_are_the_ones_the_runtime_reads():
     from adpfleet.contract.env import FAULT_INJECTION_ENV
     assert (security.API_KEY_ENV, security.INTERNAL_TOKEN_ENV, security.FAULT_INJECTION_ENV) == (
         auth.API_KEY_ENV, auth.INTERNAL_TOKEN_ENV, FAULT_INJECTION_ENV)
-    assert set(RESERVED_ENV) == {auth.API_KEY_ENV, auth.INTERNAL_TOKEN_ENV, FAULT_INJECTION_ENV}
+    assert set(RESERVED_ENV) == {auth.API_KEY_ENV, auth.INTERNAL_TOKEN_ENV, FAULT_INJECTION_ENV, "VLLM_API_KEY"}
