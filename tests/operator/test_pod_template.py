@@ -9,6 +9,7 @@ from adpfleet.operator.resource.models import FleetSpec
 from adpfleet.operator.resource.names import FleetRef
 
 from specs import GPU_TEMPLATE, fleet_manifest, gpu_role
+from test_engines import server as vllm_server
 from test_engines import vllm_spec
 
 FLEET = FleetRef("demo", "ns1", "uid-1")
@@ -130,7 +131,7 @@ def test_the_operators_names_are_exactly_what_it_puts_in_the_pods():
     server = pod["containers"][0]
     assert server["name"] == names.SERVER_OWNS.container
     # every engine's credential is owned, whichever engine a fleet runs (vLLM's key: VLLM_API_KEY)
-    vllm = server_template(FLEET, FleetSpec.model_validate(vllm_spec()), "aggregated").pod(0)["spec"]["containers"][0]
+    vllm = vllm_server(vllm_spec())["spec"]["containers"][0]
     credentials = {e["name"] for e in vllm["env"]} & set(names.RESERVED_ENV)
     assert {e["name"] for e in server["env"]} | credentials == set(names.SERVER_OWNS.env)
     # the model's volumes: the download cache (hf://) and a pvc:// claim (mounted at a path per claim)
