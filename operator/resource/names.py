@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 # The ports and env names a server and its pod agree on are the contract's (adpfleet/contract/);
 # the operator's modules name them through this module, as every other name a fleet relies on.
-from adpfleet.contract.env import LEADER_ADDRESS_ENV, RESERVED_ENV  # noqa: F401
+from adpfleet.contract.env import LEADER_ADDRESS_ENV, RESERVED_ENV, VLLM_API_KEY_ENV  # noqa: F401
 from adpfleet.contract.ports import ROUTER_HTTP_PORT, SERVER_GROUP_PORT, SERVER_HTTP_PORT, SERVER_KV_PORT  # noqa: F401
 from adpfleet.model_uri import CACHE_MOUNT_PATH
 
@@ -88,7 +88,9 @@ MODEL_CACHE_VOLUME, MODEL_SOURCE_VOLUME = "model-cache", "model-source"
 SERVER_OWNS = OwnedPodParts(SERVER_CONTAINER, (*DOWNWARD_ENV, *SCRATCH_ENV, THREADS_ENV, *RESERVED_ENV),
                             (SCRATCH_VOLUME, SHM_VOLUME, MODEL_CACHE_VOLUME, MODEL_SOURCE_VOLUME),
                             (SCRATCH_DIR, SHM_DIR, CACHE_MOUNT_PATH))
-ROUTER_OWNS = OwnedPodParts(ROUTER_CONTAINER, (*DOWNWARD_ENV, *SCRATCH_ENV, *RESERVED_ENV), (SCRATCH_VOLUME,),
+# the router is adpfleet's whatever the servers run: vLLM's key name means nothing to it
+ROUTER_OWNS = OwnedPodParts(ROUTER_CONTAINER, (*DOWNWARD_ENV, *SCRATCH_ENV,
+                                               *(e for e in RESERVED_ENV if e != VLLM_API_KEY_ENV)), (SCRATCH_VOLUME,),
                             (SCRATCH_DIR,))
 DEFAULT_CONTAINER_ANNOTATION = "kubectl.kubernetes.io/default-container"  # `kubectl logs` without -c
 
