@@ -42,6 +42,7 @@ from adpfleet.runtime.serving.auth import INTERNAL, BearerAuth, Credentials, KVP
 from adpfleet.runtime.serving.limits import (DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_WAITING_REQUESTS,
                                              DEFAULT_READ_TIMEOUT_S, Refused, WaitingQueue, error_response,
                                              parse_json_object, read_body)
+from adpfleet.runtime.serving.rank_routing import add_snapshot_route, rank_hint
 
 log = logging.getLogger("adpfleet.server")
 EXIT_GRACE_S = 1.0
@@ -136,6 +137,7 @@ def build_app(engine, model_name: str, role: str = "aggregated", options: Server
             "max_model_len": engine.model_config.max_position_embeddings}]}
 
     _add_metrics(app, engine, role)
+    add_snapshot_route(app, engine.group, options.credentials)
 
     def check_kv_peer(params, principal: str) -> None:
         """Only the router (the internal token) vouches for any endpoint; anyone else may name
@@ -191,8 +193,10 @@ def build_app(engine, model_name: str, role: str = "aggregated", options: Server
             if not ok:
                 ticket.leave()
                 return error(f"server unavailable: {reason}", 503, kind="server_error")
+            hint = rank_hint(request, engine.group.dp, options.credentials)
             raw = await read_body(request, options.max_request_bytes)
             p = await loop.run_in_executor(prep_pool, prepare, raw, model_cls, fmt_cls, request.state.principal)
+            p.ereq.data_parallel_rank = hint
         except Refused as r:
             ticket.leave()
             return r.response()
