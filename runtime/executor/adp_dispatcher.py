@@ -9,7 +9,7 @@ It owns what placement needs and nothing else:
 - the rule (`adp_router.place`): the longest prefix hit within the lockstep imbalance bound.
 
 A rank named by the router (`X-Data-Parallel-Rank`, validated at the HTTP edge) is honoured as
-it is: the router bounds the imbalance at its own level (DESIGN §7).
+it is: the router bounds the imbalance at its own level (docs/adp.md).
 Not thread-safe on its own: the rank group calls it under its lock.
 """
 
