@@ -26,6 +26,7 @@ from adpfleet.runtime.serving.auth import BearerAuth
 from adpfleet.runtime.serving.completions import CompletionRoutes
 from adpfleet.runtime.serving.limits import Refused, error_response, parse_json_object, read_body
 from adpfleet.runtime.serving.options import ServerOptions
+from adpfleet.runtime.serving.rank_routing import add_snapshot_route
 
 log = logging.getLogger("adpfleet.server")
 EXIT_GRACE_S = 1.0
@@ -40,6 +41,7 @@ def build_app(engine, model_name: str, role: str = "aggregated", options: Server
     app.add_middleware(BearerAuth, credentials=options.credentials)
     _add_health(app, engine, model_name, role)
     _add_metrics(app, engine, role)
+    add_snapshot_route(app, engine.group, options.credentials)
     if options.fault_injection:
         _add_faults(app, engine, role, options.max_request_bytes)
     routes = CompletionRoutes(engine, model_name, role, options)

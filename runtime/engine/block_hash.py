@@ -22,10 +22,24 @@ import struct
 from collections.abc import Sequence
 
 ROOT = b""  # the parent of block 0
+SCHEME = "sha256-chained-uint32le"  # how a router that tokenizes computes the same identities
 
 
 def chain(parent: bytes, token_ids: Sequence[int]) -> bytes:
     return hashlib.sha256(parent + struct.pack(f"<{len(token_ids)}I", *token_ids)).digest()
+
+
+def matchable_blocks(num_tokens: int, tokens_per_block: int) -> int:
+    """How many leading full blocks of a new request's tokens a cache hit may cover: never the
+    last token, which must run for the logits its first output token is sampled from."""
+    return max(0, num_tokens - 1) // tokens_per_block
+
+
+def prefix_hashes(token_ids: Sequence[int], tokens_per_block: int) -> list[bytes]:
+    """The identities of the blocks a new request with these tokens may find cached, in order
+    (what the server's ADP dispatcher looks up in its view of each rank)."""
+    return block_hashes(token_ids[:matchable_blocks(len(token_ids), tokens_per_block) * tokens_per_block],
+                        tokens_per_block)
 
 
 def block_hashes(token_ids: Sequence[int], tokens_per_block: int, parent: bytes = ROOT) -> list[bytes]:

@@ -22,7 +22,9 @@ The prefix cache (`prefix_cache`, on by default; `--no-prefix-cache`), per rank:
     uncached free blocks are handed out first, then cached ones in least-recently-released order
     (a request releases its blocks last first, so a prefix's tail goes before its head), and a
     block handed out leaves the cache;
-  - KV pulled from a context server (`Request.remote_kv`) and padding dummies never enter it.
+  - KV pulled from a context server (`Request.remote_kv`) and padding dummies never enter it;
+  - every block that enters or leaves it is logged (`events`, `cache_events.py`): the server's
+    ADP dispatcher places requests by what each rank's log said.
 Every count of what can be given — admission, reservations, growth, the padding reserve and the
 dummy — counts cached-but-unreferenced blocks as free. So the cache can never starve a rank:
 whatever fits a pool with nothing cached fits this one, and a hit only lowers the cost.
@@ -31,10 +33,11 @@ whatever fits a pool with nothing cached fits this one, and a hit only lowers th
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from adpfleet.runtime.config import EngineConfig
 from adpfleet.runtime.engine import block_hash
+from adpfleet.runtime.engine.cache_events import CacheEventLog
 from adpfleet.runtime.engine.request import Request
 
 
@@ -61,6 +64,8 @@ class KVCacheManager:
         self._unallocated_reservations = 0
         self.padding_reserve_blocks = 0
         self.evictions = 0  # cached blocks handed out to new tokens
+        # twice the pool: a log nobody drains is compacted to at most half its capacity
+        self.events = CacheEventLog(2 * (num_blocks + 1), self.cached_hashes)
 
     @property
     def num_free_blocks(self) -> int:
@@ -163,7 +168,9 @@ class KVCacheManager:
             block = self._free.pop()
         else:  # evict the least recently released cached block
             block, _ = self._evictable.popitem(last=False)
-            del self._cached[self._hash_of.pop(block)]
+            key = self._hash_of.pop(block)
+            del self._cached[key]
+            self.events.removed(key)
             self.evictions += 1
         self._refs[block] = 1
         return block
@@ -182,13 +189,17 @@ class KVCacheManager:
                 self._free.append(block)
 
     # -- the prefix cache --------------------------------------------------------------------------
+    def cached_hashes(self) -> Iterable[bytes]:
+        """The identities of every block in the cache."""
+        return self._cached.keys()
+
     def cached_prefix(self, request: Request) -> list[int]:
         """The cached blocks of the request's longest cached prefix, never covering its last token."""
         if not self._caches(request):
             return []
         tokens = request.all_token_ids
         blocks = []
-        for i in range((len(tokens) - 1) // self.tokens_per_block):
+        for i in range(block_hash.matchable_blocks(len(tokens), self.tokens_per_block)):
             block = self._cached.get(self._block_hash(request, i, tokens))
             if block is None:
                 break
@@ -209,6 +220,7 @@ class KVCacheManager:
             if key not in self._cached:
                 block = request.block_table[i]
                 self._cached[key], self._hash_of[block] = block, key
+                self.events.stored(key)
         request.num_cached_blocks = full
 
     def _caches(self, request: Request) -> bool:

@@ -29,7 +29,8 @@ from adpfleet.runtime.engine.request import Request
 from adpfleet.runtime.metrics import RankStats
 
 TO_RANK = {"add": (Request,), "abort": (str,), "transfer_done": (str,), "stop": (), "fault": (str,)}
-FROM_RANK = {"ready": (int, str | None), "out": (list[RequestOutput],), "stats": (RankStats,), "error": (str,)}
+FROM_RANK = {"ready": (int, str | None), "cache": (list[tuple[str, str]],), "out": (list[RequestOutput],),
+             "stats": (RankStats,), "error": (str,)}
 SUBMITTED = ("request_id", "prompt_token_ids", "params", "remote_kv", "first_token_id")  # a Request's fields that cross
 
 

@@ -1,6 +1,10 @@
 """The server process's handle on its ADP ranks: spawn them, route requests, collect outputs,
 watch their health.
 
+Requests are placed by the ADP dispatcher (`adp_dispatcher.py`: by prefix, within the lockstep
+imbalance bound, or on the rank the router named), which learns what each rank caches from the
+`cache` events the rank sends after every pass, ahead of that pass's outputs.
+
 A rank that exits, reports an error, or stops reporting for longer than the collective timeout
 makes the whole server unhealthy: ranks share collectives, so the unit of restart is the server.
 
@@ -21,7 +25,7 @@ from collections.abc import Callable
 from adpfleet.runtime.config import EngineConfig
 from adpfleet.runtime.engine.llm_engine import RequestOutput
 from adpfleet.runtime.engine.request import Request
-from adpfleet.runtime.executor.adp_router import pick_rank
+from adpfleet.runtime.executor.adp_dispatcher import ADPDispatcher
 from adpfleet.runtime.executor.node_link import LeaderLink, NodeTopology, RemoteRank, WorkerLink
 from adpfleet.runtime.executor.rank_process import RankSpec, run_rank
 from adpfleet.runtime.metrics import RankStats
@@ -59,8 +63,7 @@ class RankGroup:
         self.on_output = on_output or (lambda out: None)
         self.on_dead = on_dead or (lambda reason: None)
         self.stats: dict[int, RankStats] = {r: RankStats(kv_cache_capacity_blocks=config.kv_blocks) for r in range(dp)}
-        self.loads = [[0, 0] for _ in range(dp)]
-        self.owner: dict[str, tuple[int, int]] = {}  # request id -> (rank, tokens)
+        self.dispatcher = ADPDispatcher(dp, config.tokens_per_block)
         self.ready: set[int] = set()
         self.kv_endpoints: dict[int, str | None] = {}  # context role: where each rank serves held KV
         self.dead: str | None = None
@@ -123,23 +126,19 @@ class RankGroup:
 
     # -- requests --------------------------------------------------------------------------------
     def submit(self, request: Request, rank: int | None = None) -> int:
+        """Place `request` on `rank`, else on the rank its router named, else where the dispatcher says."""
         if self.dead:
             raise RuntimeError(self.dead)
         with self._lock:
-            rank = pick_rank([tuple(x) for x in self.loads]) if rank is None else rank
-            tokens = request.num_prompt_tokens + request.params.max_tokens
-            self.owner[request.request_id] = (rank, tokens)
-            self.loads[rank][0] += 1
-            self.loads[rank][1] += tokens
+            rank = self.dispatcher.assign(request, request.data_parallel_rank if rank is None else rank)
             self.conns[rank].send(("add", request))
         return rank
 
     def abort(self, request_id: str) -> None:
         with self._lock:
-            owner = self.owner.get(request_id)
-            if owner and not self.dead:
-                self.conns[owner[0]].send(("abort", request_id))
-        self._release(request_id)
+            rank = self.dispatcher.release(request_id)
+            if rank is not None and not self.dead:
+                self.conns[rank].send(("abort", request_id))
 
     def transfer_done(self, request_id: str, rank: int) -> None:
         with self._lock:
@@ -152,12 +151,23 @@ class RankGroup:
         with self._lock:
             self.conns[rank].send(("fault", kind))
 
-    def _release(self, request_id: str) -> None:
+    def _progress(self, out: RequestOutput) -> None:
         with self._lock:
-            owner = self.owner.pop(request_id, None)
-            if owner:
-                self.loads[owner[0]][0] -= 1
-                self.loads[owner[0]][1] -= owner[1]
+            if out.finished:
+                self.dispatcher.release(out.request_id)
+            else:
+                self.dispatcher.progress(out.request_id, out.completion_tokens)
+
+    def _learn_cache(self, rank: int, events) -> None:
+        try:
+            with self._lock:
+                self.dispatcher.view.apply(rank, events)
+        except ValueError as e:  # a rank that says what no rank says is broken: the server with it
+            self._die(str(e))
+
+    def prefix_cache_snapshot(self) -> dict:
+        with self._lock:
+            return self.dispatcher.snapshot()
 
     # -- state -----------------------------------------------------------------------------------
     def health(self) -> tuple[bool, str]:
@@ -226,11 +236,12 @@ class RankGroup:
                 self.ready.add(rank)
             elif kind == "stats":
                 self.stats[rank] = msg[1]
+            elif kind == "cache" and not self.worker_link:
+                self._learn_cache(rank, msg[1])
             elif kind == "out" and not self.worker_link:
                 for out in msg[1]:
                     out.rank = rank
-                    if out.finished:
-                        self._release(out.request_id)
+                    self._progress(out)
                     self.on_output(out)
             elif kind == "error":
                 log.error("%s", msg[1])
@@ -249,8 +260,8 @@ class RankGroup:
             if self.dead:
                 return
             self.dead = reason
-            orphans = list(self.owner)
-            self.owner.clear()
+            orphans = list(self.dispatcher.placed)
+            self.dispatcher.placed.clear()
         log.error("server unhealthy: %s", reason)
         for rid in orphans:
             self.on_output(RequestOutput(rid, [], "", True, "error", 0, 0))

@@ -1,8 +1,8 @@
 """One ADP rank as an OS process: joins the process group, owns its engine, runs the loop.
 
 It talks to the server process over a pipe: it receives ("add", Request), ("abort", id),
-("transfer_done", id) and ("stop",), and sends ("ready",), ("out", outputs), ("stats", RankStats)
-and ("error", text). A stop is agreed through the fetch all-gather, so every rank leaves the
+("transfer_done", id) and ("stop",), and sends ("ready",), ("cache", events), ("out", outputs),
+("stats", RankStats) and ("error", text). A stop is agreed through the fetch all-gather, so every rank leaves the
 loop on the same pass and no peer is left waiting in a collective.
 
 What fails one request fails that request only: its KV pull (any exception, on the pull's own
@@ -268,7 +268,9 @@ class _RankLoop:
         return result
 
     def _report(self, result) -> None:
-        """The pass's outputs, and the rank's stats when they may have changed (or are due)."""
+        """The pass's cache events and outputs, and the rank's stats when they may have changed (or are due)."""
+        if events := self.engine.kv.events.take():  # ahead of the outputs: the server's dispatcher
+            self.conn.send(("cache", events))       # knows a pass's blocks before any client sees it
         if result.outputs:
             self.conn.send(("out", result.outputs))
         now = time.monotonic()

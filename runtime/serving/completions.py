@@ -30,6 +30,7 @@ from adpfleet.runtime.serving import protocol
 from adpfleet.runtime.serving.auth import INTERNAL
 from adpfleet.runtime.serving.engine_client import EngineUnavailable
 from adpfleet.runtime.serving.limits import Refused, WaitingQueue, error_response, parse_json_object, read_body
+from adpfleet.runtime.serving.rank_routing import rank_hint
 from adpfleet.runtime.serving.options import ServerOptions
 
 DISCONNECT_POLL_S = 0.5
@@ -105,9 +106,12 @@ class CompletionRoutes:
             if not ok:
                 ticket.leave()
                 return error_response(f"server unavailable: {reason}", 503, kind="server_error")
+            hint = rank_hint(request, self.engine.group.dp, self.options.credentials)
             raw = await read_body(request, self.options.max_request_bytes)
-            return await asyncio.get_running_loop().run_in_executor(
+            prepared = await asyncio.get_running_loop().run_in_executor(
                 self.prep_pool, self.prepare, raw, model_cls, fmt_cls, request.state.principal)
+            prepared.ereq.data_parallel_rank = hint  # the router's rank, or None: the dispatcher places it
+            return prepared
         except Refused as r:
             ticket.leave()
             return r.response()

@@ -45,7 +45,7 @@ from adpfleet.runtime.engine.llm_engine import LLMEngine
 from adpfleet.runtime.engine.request import RequestState
 from adpfleet.runtime.engine.sampling import InvalidRequestError, SamplingParams
 from adpfleet.runtime.executor import faults
-from adpfleet.runtime.executor.adp_router import pick_rank
+from adpfleet.runtime.executor.adp_router import place
 from adpfleet.runtime.executor.kv_hold import KVHold
 from adpfleet.runtime.metrics import RankStats
 from lockstep import LockstepFleet, TableModel, cycle_table
@@ -366,7 +366,8 @@ class Simulation:
                           else "burst"] += 1
             loads = [[e.num_active_real + len(e.pending) + len(new.get(r, [])), 0] for r, e in enumerate(self.engines)]
             for _ in range(size):
-                rank = target if target is not None else pick_rank([tuple(x) for x in loads])
+                # the server's rule with nothing cached and one unit per request: the least-loaded rank
+                rank = target if target is not None else place([n for n, _ in loads], [1] * k.ranks, [0] * k.ranks)
                 loads[rank][0] += 1
                 try:
                     req = self._request(rank)
