@@ -87,7 +87,7 @@ def test_a_context_request_whose_stream_is_closed_after_its_prompt_finished_free
             # the event loop is held until the rank holds the KV: the finished output waits in the
             # loop's queue, unread, when the stream is closed
             assert wait_until(lambda: client.kv_held == 6, 60)
-            assert client.group.owner == {}  # the rank group forgot it when the output passed
+            assert client.group.dispatcher.placed == {}  # the rank group forgot it when the output passed
             first.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await first
