@@ -15,6 +15,7 @@ from adpfleet.operator.decisions.detection import SampleWindows, StallVerdict, a
 from adpfleet.operator.decisions.observed import ServerView
 from adpfleet.operator.resource.vocabulary import ServerState, Signature
 from adpfleet.runtime.metrics import RankStats, render
+from budgets import examples
 
 W, I = 10.0, 1.0  # stall window, scrape interval
 
@@ -86,7 +87,7 @@ _ODD = ["", "# a comment", "adpfleet_iterations_total{rank=\"0\"}\t7", "adpfleet
         "<html>", "adpfleet_iterations_total_extra{rank=\"0\"} 9"]
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400), deadline=None)
 @given(st.lists(st.sampled_from(_LINES + _ODD), max_size=60), st.booleans())
 def test_the_fast_path_reads_every_text_exactly_as_the_line_by_line_path(lines, newline_at_end):
     """The whole-text regular expression is a shortcut, never a second opinion: any text it accepts
@@ -411,7 +412,7 @@ def test_rank_set_change_starts_a_new_window():
 
 # ---- timing -----------------------------------------------------------------------------------
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(window_scrapes=st.integers(2, 30), interval=st.sampled_from([0.5, 1.0, 2.0, 5.0]),
        phase=st.floats(0.01, 0.99), jitter=st.lists(st.floats(-0.1, 0.1), min_size=80, max_size=80))
 def test_detection_is_within_window_plus_two_intervals(window_scrapes, interval, phase, jitter):
@@ -433,7 +434,7 @@ def test_detection_is_within_window_plus_two_intervals(window_scrapes, interval,
     assert fault + window - 0.5 * interval <= detected <= fault + window + 2 * interval
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 1), st.integers(1, 4)), min_size=2, max_size=40))
 def test_never_stalled_without_work_or_with_tokens_in_every_window(steps):
     """Generated histories: a server whose loop spins and that is idle now, or that produced tokens
