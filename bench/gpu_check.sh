@@ -10,7 +10,9 @@
 #
 #   bench/gpu_check.sh                  # GPU: --device cuda, bfloat16, a random 1.24 B Llama (Llama 3.2 1B's shape)
 #   bench/gpu_check.sh --device cpu     # the same steps on the CPU in float32, small model, quick workload
-#                                       # (the suite runs this: tests/test_gpu_check.py)
+#   bench/gpu_check.sh --device cpu --steps 1,3,4
+#                                       # the suite's run (tests/test_gpu_check.py): step 2 would rerun
+#                                       # tests the suite runs itself
 #
 # Needs Python >= 3.11 with torch (a CUDA build for cuda) and transformers, the rest of the
 # runtime extra, pytest, psutil and cryptography (the test suite's fixtures import them). A GPU
@@ -23,12 +25,17 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 device=cuda
+steps=1,2,3,4
 while [ $# -gt 0 ]; do
   case "$1" in
     --device) device="$2"; shift 2 ;;
-    *) echo "usage: bench/gpu_check.sh [--device cuda|cpu]" >&2; exit 2 ;;
+    --steps) steps="$2"; shift 2 ;;
+    *) echo "usage: bench/gpu_check.sh [--device cuda|cpu] [--steps 1,2,3,4]" >&2; exit 2 ;;
   esac
 done
+[[ "$steps" =~ ^[1-4](,[1-4])*$ ]] ||
+  { echo "gpu_check: --steps takes step numbers 1-4 separated by commas, got '$steps'" >&2; exit 2; }
+wanted() { [[ ",$steps," == *",$1,"* ]]; }
 case "$device" in
   cuda) dtype=bfloat16; bench_args=(--model 1b --rounds 1) ;;
   cpu) dtype=float32; bench_args=(--model small --quick --hf-batch-sizes 16 --decode-split) ;;
@@ -39,6 +46,7 @@ out=${OUT_DIR:-bench/results/gpu_check-$device}
 mkdir -p "$out"
 step() { echo; echo "== $* ($(date +%T))"; }
 
+if wanted 1; then
 step "1/4 installed packages and the device"
 "$py" - "$device" <<'EOF'
 import importlib, sys
@@ -67,7 +75,9 @@ else:
     from adpfleet.runtime.model import kernels
     print(f"CPU decode attention kernel: {'built' if kernels.available() else 'NOT built (torch fallback)'}")
 EOF
+fi
 
+if wanted 2; then
 for test_dtype in float32 bfloat16; do
   step "2/4 kernel, metadata and parity tests on $device in $test_dtype"
   "$py" -m pytest -q -p no:cacheprovider tests/runtime/test_paged_attention.py \
@@ -75,7 +85,9 @@ for test_dtype in float32 bfloat16; do
     --device "$device" --dtype "$test_dtype" -m "not multiproc" 2>&1 | tee "$out/tests-$test_dtype.log" | tail -3
   [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "gpu_check: tests failed in $test_dtype (log: $out/tests-$test_dtype.log)" >&2; exit 1; }
 done
+fi
 
+if wanted 3; then
 step "3/4 adpfleet serve --device $device --dtype $dtype answers a completion"
 "$py" - "$device" "$dtype" "$out" <<'EOF'
 import json, os, signal, socket, subprocess, sys, time
@@ -117,10 +129,13 @@ finally:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
 EOF
+fi
 
+if wanted 4; then
 step "4/4 bench/engine_throughput.py --device $device --dtype $dtype ${bench_args[*]}"
 "$py" bench/engine_throughput.py --device "$device" --dtype "$dtype" "${bench_args[@]}" \
   --out "$out/engine_throughput.json" 2>&1 | tee "$out/engine_throughput.log" | grep -v "^  "
 [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "gpu_check: the benchmark failed (log: $out/engine_throughput.log)" >&2; exit 1; }
+fi
 
 step "done: results in $out"

@@ -3,11 +3,14 @@ import sys
 
 import pytest
 import torch
+from hypothesis import settings
 
 # Several rank processes share two cores here; one intra-op thread each keeps them from fighting.
 torch.set_num_threads(int(os.environ.get("ADPFLEET_TEST_THREADS", "1")))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "runtime"))
 sys.path.insert(0, os.path.dirname(__file__))  # doc_commands.py: the docs' commands, as the tests run them
+
+import budgets  # noqa: E402 - tests/, on the path from the line above
 
 # Kubernetes fixtures (k8s_cluster, k8s_namespace) for tests against the local control plane.
 pytest_plugins = ["adpfleet.cluster.testing"]
@@ -61,6 +64,20 @@ def pytest_addoption(parser):
     # passes --device cuda and each --dtype; the default is the CPU in float32.
     parser.addoption("--device", default="cpu", choices=("cpu", "cuda"), help="device for the model tests")
     parser.addoption("--dtype", default="float32", choices=("float32", "bfloat16"), help="dtype for the model tests")
+    parser.addoption("--deep", action="store_true",
+                     help="the full search budgets (tests/budgets.py); the same as HYPOTHESIS_PROFILE=deep")
+
+
+# Property tests without a budget of their own get Hypothesis's default (100 examples) in the deep
+# profile and the CI share of it otherwise; those with one take it from budgets.examples().
+settings.register_profile("deep", max_examples=100)
+settings.register_profile("ci", max_examples=budgets.ci_examples(100))
+
+
+def pytest_configure(config):
+    if config.getoption("--deep"):
+        os.environ["HYPOTHESIS_PROFILE"] = "deep"  # budgets.deep() reads it when the test modules are imported
+    settings.load_profile("deep" if budgets.deep() else "ci")
 
 
 @pytest.fixture(scope="session")

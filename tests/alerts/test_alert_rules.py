@@ -66,3 +66,19 @@ def test_the_stall_alerts_keep_the_labels_the_operator_webhook_needs():
     for rule in rules():
         if rule["alert"] in ACTIONABLE:
             assert "sum by (namespace, fleet, pod" in rule["expr"], rule["alert"]
+
+
+def test_the_end_to_end_copy_is_the_shipped_rule_group_with_only_the_stall_windows_shortened(tmp_path):
+    from alert_windows import STALL_ALERTS, short_window_rules
+
+    copy = tmp_path / "alert-rules.yaml"
+    copy.write_text(short_window_rules(10, 2))
+    out = subprocess.run([promtool(), "check", "rules", str(copy)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    short = [r for g in yaml.safe_load(copy.read_text())["groups"] for r in g["rules"]]
+    for shipped, rule in zip(rules(), short, strict=True):
+        if shipped["alert"] in STALL_ALERTS:
+            assert rule["for"] == "2s" and "[10s]" in rule["expr"] and "offset 10s" in rule["expr"], rule
+            rule = {**rule, "for": shipped["for"],
+                    "expr": rule["expr"].replace("[10s", "[1m").replace("offset 10s", "offset 1m")}
+        assert rule == shipped

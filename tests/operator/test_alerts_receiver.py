@@ -19,6 +19,7 @@ from adpfleet.operator.inbox import AlertInbox, StallAlert
 from adpfleet.operator.alerts import (ALERTS_PATH, AlertReceiver, ParsedPayload, SeenAlerts, StaticToken,
                                       parse_payload, PayloadError)
 from adpfleet.operator.main import fleet_pods
+from budgets import examples
 
 TOKEN = "s3cret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -329,7 +330,7 @@ def test_the_pods_an_alert_may_name_are_the_fleets_own_server_pods():
     assert fleet_pods(stall, "prod", "other") is None
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=8),
                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
                                                                                  max_size=4), max_leaves=20))
@@ -340,7 +341,7 @@ def test_any_json_either_parses_or_is_a_payload_error(body):
         pass
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.sampled_from(["version", "alerts", "status", "labels", "startsAt", "fingerprint", "annotations"]),
        st.none() | st.integers() | st.text(max_size=3) | st.lists(st.integers(), max_size=2))
 def test_any_field_replaced_by_junk_either_parses_or_is_a_payload_error(field, junk):

@@ -12,6 +12,7 @@ from adpfleet.operator.adapters.scrape import RankSample, Scrape
 from adpfleet.operator.decisions.autoscaling import RoleLoad, decide, recommend, role_load, with_context_peer
 from adpfleet.operator.resource.server_role import AutoscalingSpec
 from adpfleet.operator.resource.vocabulary import ScaleReason
+from budgets import examples
 
 NOW = 1_700_000_000.0
 INTERVAL = 5.0
@@ -201,7 +202,7 @@ signals = st.fixed_dictionaries({
     "peer_held_for_transfers": st.floats(0, 1)})
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(policies, st.lists(signals, max_size=30), st.integers(0, 20), st.sampled_from(["context", "generation"]),
        st.one_of(st.none(), st.floats(0, 600)))
 def test_the_count_is_never_below_min_or_above_max(p, history, current, role, settled_for):
@@ -212,7 +213,7 @@ def test_the_count_is_never_below_min_or_above_max(p, history, current, role, se
     assert d.changes == (d.desired != current)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(signals, st.floats(0, 1), st.floats(0, 1))
 def test_context_servers_holding_at_most_half_their_kv_cache_for_transfers_never_grow_generation(gen, used, held):
     """Blocks waiting for pulls are normal in a disaggregated fleet: only a context KV cache mostly
@@ -265,7 +266,7 @@ def reversals(counts) -> int:
     return sum(1 for a, b in zip(moves, moves[1:]) if (a > 0) != (b > 0))
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(policies, st.floats(0, 2000), st.integers(1, 12))
 def test_a_steady_load_finds_one_size_without_flapping(p, demand, start):
     start = min(max(start, p.min_servers), p.max_servers)
@@ -274,7 +275,7 @@ def test_a_steady_load_finds_one_size_without_flapping(p, demand, start):
     assert len(set(counts[-10:])) == 1, counts  # and stays there
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(policies, st.lists(st.floats(0, 50), min_size=1, max_size=20), st.integers(1, 12))
 def test_a_steady_signal_moves_the_count_one_way_only(p, repeated, start):
     """Open loop: the same signals scrape after scrape (whatever the servers do), so the policy may
@@ -316,7 +317,7 @@ def seconds_to_reach(counts, needed) -> float:
     return (next(k for k, c in enumerate(counts) if k >= start and c >= needed) - start) * INTERVAL
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(st.floats(20, 400), st.sampled_from([0, 10, 30]), st.integers(1, 4))
 def test_a_four_fold_step_of_a_proportional_signal_is_met_after_one_window_and_a_step_per_limit(base, up_window, step):
     """A signal in proportion to the load (the HPA's case): the first decision comes one up window
@@ -330,7 +331,7 @@ def test_a_four_fold_step_of_a_proportional_signal_is_met_after_one_window_and_a
     assert needed <= counts[-1] <= enough  # and no further
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(st.floats(20, 400), st.sampled_from([0, 10, 30]), st.integers(1, 4))
 def test_a_four_fold_step_of_saturating_signals_is_met_within_a_window_per_server(base, up_window, step):
     """Queue and KV signals saturate (a full batch queues, the KV cache tops out at 1), so a

@@ -17,6 +17,7 @@ from adpfleet.operator.decisions.detection import SampleWindows, StallVerdict, a
 from adpfleet.operator.decisions.observed import ServerView
 from adpfleet.operator.resource.vocabulary import ServerState, Signature
 from adpfleet.runtime.metrics import RankStats, render
+from budgets import examples
 
 W, I = 10.0, 1.0  # stall window, scrape interval
 
@@ -379,7 +380,7 @@ def test_rank_set_change_starts_a_new_window():
 
 # ---- timing -----------------------------------------------------------------------------------
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(window_scrapes=st.integers(2, 30), interval=st.sampled_from([0.5, 1.0, 2.0, 5.0]),
        phase=st.floats(0.01, 0.99), jitter=st.lists(st.floats(-0.1, 0.1), min_size=80, max_size=80))
 def test_detection_is_within_window_plus_two_intervals(window_scrapes, interval, phase, jitter):
@@ -401,7 +402,7 @@ def test_detection_is_within_window_plus_two_intervals(window_scrapes, interval,
     assert fault + window - 0.5 * interval <= detected <= fault + window + 2 * interval
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 1), st.integers(1, 4)), min_size=2, max_size=40))
 def test_never_stalled_without_work_or_with_tokens_in_every_window(steps):
     """Generated histories: a server whose loop spins and that is idle now, or that produced tokens

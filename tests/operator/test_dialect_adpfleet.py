@@ -13,6 +13,7 @@ from adpfleet.operator.adapters.dialects import exposition
 from adpfleet.operator.adapters.dialects.adpfleet import parse
 from adpfleet.operator.adapters.dialects.exposition import ScrapeError
 from adpfleet.runtime.metrics import RankStats, render
+from budgets import examples
 
 
 def test_parses_the_runtime_exposition_per_rank():
@@ -66,7 +67,7 @@ _ODD = ["", "# a comment", "adpfleet_iterations_total{rank=\"0\"}\t7", "adpfleet
         "<html>", "adpfleet_iterations_total_extra{rank=\"0\"} 9"]
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400), deadline=None)
 @given(st.lists(st.sampled_from(_LINES + _ODD), max_size=60), st.booleans())
 def test_the_fast_path_reads_every_text_exactly_as_the_line_by_line_path(lines, newline_at_end):
     """The whole-text regular expression is a shortcut, never a second opinion: any text it accepts

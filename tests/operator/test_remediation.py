@@ -14,6 +14,7 @@ from adpfleet.operator.decisions.remediation import decide
 from adpfleet.operator.decisions.stall_status import degraded_problem, overlay, stall_conditions
 from adpfleet.operator.resource.vocabulary import Action, Choice, Outcome, ServerState, Signature
 from adpfleet.operator.resource.models import FleetSpec
+from budgets import examples
 
 NOW = 1_700_000_000.0
 
@@ -431,7 +432,7 @@ def _past(name: str, action: Action, outcome: Outcome, ago: float) -> Remediatio
                        outcome=Outcome.HALTED if action is Action.HALT else outcome, targets=targets)
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400), deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(SERVERS), st.sampled_from(list(Action)),
                           st.sampled_from([o for o in Outcome if o is not Outcome.HALTED]), st.floats(1, 5000)),
                 max_size=12),

@@ -1,8 +1,8 @@
 """Stall detection and remediation end to end, all real and on loopback: the control plane, the node
 agent running every pod as processes, the operator, a fleet of real servers (faults injected over
 HTTP) behind the real router under a steady client load, and — for the alert path — real
-Prometheus scraping the pods with the chart's rule file and real Alertmanager calling the
-operator's webhook.
+Prometheus scraping the pods with the chart's rule file (its stall windows shortened:
+tests/alert_windows.py) and real Alertmanager calling the operator's webhook.
 
 One fleet serves the whole module (servers take a while to start on two cores); each test leaves
 it healthy. Every client request must complete or end with an explicit error — none lost.
@@ -23,6 +23,7 @@ from adpfleet.operator.resource import names
 from adpfleet.operator.decisions.history import parse_rfc3339
 from adpfleet.operator.decisions.leadership import Timing
 
+from alert_windows import short_window_rules
 from operator_harness import Fleets, OperatorProcess, PodTimeline, pod_ready
 from stall_harness import Load, Monitoring, inject, inject_as_documented, remediations, stall_fleet
 
@@ -30,6 +31,7 @@ pytestmark = [pytest.mark.k8s, pytest.mark.slow, pytest.mark.multiproc]
 
 FLEET = "stalls"
 WINDOW, INTERVAL = 6, 1
+ALERT_WINDOW, ALERT_FOR = 10, 2  # the stall rules' 1m and 15s, shortened; Prometheus scrapes every second
 TOKEN = secrets.token_hex(16)
 ELECTION = Timing(lease_duration=6, renew_deadline=4, retry_period=1)  # the operators run elected, as the chart's do
 
@@ -303,16 +305,21 @@ def test_the_alert_path_remediates_with_the_operators_own_detection_off(env):
                                                       "Content-Type": "application/json"}).status_code == 400
     assert httpx.post(webhook, content=b"{}", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 415
 
-    monitoring = Monitoring(workdir, fleets.core, fleets.ns, webhook, TOKEN).start()
+    monitoring = Monitoring(workdir, fleets.core, fleets.ns, webhook, TOKEN,
+                            rules=short_window_rules(ALERT_WINDOW, ALERT_FOR)).start()
     try:
         wait_for(lambda: monitoring.targets_up() == 2, timeout=60, what="Prometheus scraping both servers")
         victim = server(fleets, "context")
         # A request caught on the starved server is answered by its replacement: after the rule's
-        # 1 m without tokens and its 15 s `for`, Alertmanager, the operator's re-check, the drain and
-        # the restart — well over the 90 s the other tests' clients wait. Still every one answered.
+        # window without tokens and its `for`, Alertmanager, the operator's re-check, the drain and
+        # the restart. Still every one answered.
         with Load(fleets.router_url(FLEET), clients=3, deadline=240) as load:
             wait_flowing(load)
-            time.sleep(5)
+            # the rule judges the victim (its series a window old) and has seen it make progress
+            pod = f'{{pod="{victim.metadata.name}"}}'
+            progress = (f"sum(increase(adpfleet_prompt_tokens_total{pod}[{ALERT_WINDOW}s])) > 0"
+                        f" and sum(adpfleet_requests_running{pod} offset {ALERT_WINDOW}s)")
+            wait_for(lambda: monitoring.query(progress), timeout=60, what="Prometheus judging the victim's progress")
             t_fault = time.time()
             inject(fleets.core, victim, "starve", 1)
             firing = wait_for(lambda: [a for a in monitoring.alerts() if a["state"] == "firing"

@@ -176,3 +176,10 @@ def listening(server: Process) -> set[tuple[str, int]]:
     root = psutil.Process(server.proc.pid)
     return {(c.laddr.ip, c.laddr.port) for p in [root, *root.children(recursive=True)]
             for c in p.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN}
+
+
+def rank_processes(server: Process) -> list[psutil.Process]:
+    """A server's rank processes: the children of its multiprocessing forkserver (rank_group.py)."""
+    forkservers = [p for p in psutil.Process(server.proc.pid).children()
+                   if "multiprocessing.forkserver" in " ".join(p.cmdline())]
+    return [rank for f in forkservers for rank in f.children()]

@@ -12,6 +12,7 @@ from starlette.testclient import TestClient
 from adpfleet.runtime.serving import limits
 from adpfleet.runtime.serving.auth import ANONYMOUS, INTERNAL, USER, BearerAuth, Credentials, KVPeers, load_secret
 from adpfleet.runtime.serving.limits import MAX_JSON_DEPTH, Refused, WaitingQueue, _json_values, parse_json_object
+from budgets import examples
 
 BOTH = Credentials(api_key="user-key", internal_token="fleet-token")
 
@@ -196,7 +197,7 @@ def values_built(value) -> int:
     return max(len(children), 1) + sum(map(values_built, children))
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(json_values)
 def test_the_value_count_of_a_json_text_is_exact_outside_strings(value):
     raw = json.dumps(value, ensure_ascii=False).encode()

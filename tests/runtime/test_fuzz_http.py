@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from budgets import examples
 from servers import RouterProcess, metric
 
 pytestmark = pytest.mark.slow
@@ -59,19 +60,19 @@ def check(server, path, body):
         assert err["message"] and err["type"]
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(completion_bodies)
 def test_completions_never_answer_5xx(target, body):
     check(target, "/v1/completions", body)
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(100), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(chat_bodies)
 def test_chat_never_answers_5xx(target, body):
     check(target, "/v1/chat/completions", body)
 
 
-@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(50), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.binary(max_size=40))
 def test_arbitrary_bytes_never_answer_5xx(target, raw):
     r = httpx.post(target.url + "/v1/completions", content=raw, timeout=30)
@@ -105,7 +106,7 @@ request_lines = st.one_of(
               st.sampled_from([b"ADPKV2", b"ADPKV1", b""]), st.binary(max_size=60), st.binary(max_size=80)))
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(120), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(request_lines)
 def test_bytes_to_the_kv_port_get_a_refusal_or_nothing_and_never_kv(server_trio, kv_port, line):
     used = metric(server_trio["context"], "adpfleet_kv_cache_blocks_used")

@@ -24,7 +24,7 @@ from adpfleet.runtime.model.tiny import tiny_config
 
 from chat_model import save_chat_model
 from rogue_kv import RogueKVPeer, SilentCrowd
-from servers import RouterProcess, Server, metric, trio, wait_until
+from servers import RouterProcess, Server, metric, rank_processes, trio, wait_until
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
@@ -267,8 +267,7 @@ def test_an_aborted_or_unacknowledged_pull_gives_the_kv_back(fleet, how):
 
 
 def rank_process(server) -> psutil.Process:
-    [rank] = [p for p in psutil.Process(server.proc.pid).children(recursive=True)
-              if "multiprocessing" in " ".join(p.cmdline()) and "resource_tracker" not in " ".join(p.cmdline())]
+    [rank] = rank_processes(server)
     return rank
 
 

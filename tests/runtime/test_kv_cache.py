@@ -12,6 +12,7 @@ from adpfleet.runtime.engine.block_hash import ROOT, block_hashes, chain
 from adpfleet.runtime.engine.kv_cache import KVCacheManager, NoFreeBlocksError
 from adpfleet.runtime.engine.request import Request
 from adpfleet.runtime.engine.sampling import SamplingParams
+from budgets import examples
 
 
 def req(name: str, prompt: int, max_tokens: int) -> Request:
@@ -22,7 +23,7 @@ ops = st.lists(st.tuples(st.sampled_from(["add", "chunk", "decode", "rollback", 
                          st.integers(0, 7), st.integers(1, 40), st.integers(1, 20)), max_size=80)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(ops)
 def test_accounting_holds_for_any_sequence_of_operations(sequence):
     kv = KVCacheManager(num_blocks=24, tokens_per_block=4)
@@ -216,7 +217,7 @@ cache_ops = st.lists(st.tuples(st.sampled_from(["add", "compute", "finish", "rol
                                st.integers(0, 2), st.integers(0, 6), st.integers(1, 8)), max_size=60)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(cache_ops)
 def test_with_shared_prefixes_the_cache_never_admits_less_and_its_books_balance(sequence):
     """The same operations on a pool with and without the prefix cache: whatever the cacheless
