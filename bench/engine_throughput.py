@@ -319,6 +319,31 @@ def engine_arms(engine_envs: list[str], threads: int) -> dict[str, tuple[str, di
     return arms
 
 
+def side_summary(name: str, r: dict, generated_tokens: int, prompt_tokens: int, flops: float, limit_s: float,
+                 engine_outputs: list[list[int]]) -> dict:
+    """One arm's line of the report, from its best round."""
+    wall = r["wall_s"]
+    side = {"side": SIDE_TITLES[r["side"].split("-")[0]], "arm": name, "batch_size": r["batch_size"],
+            "wall_s": round(wall, 3), "cpu_s": None if r["cpu_s"] is None else round(r["cpu_s"], 2),
+            "generated_tokens_per_s": round(generated_tokens / wall, 1),
+            "total_tokens_per_s": round((prompt_tokens + generated_tokens) / wall, 1),
+            "fraction_of_compute_limit": round(limit_s / wall, 4), "achieved_gflops": round(flops / wall / 1e9, 1),
+            "peak_rss_mb": round(r["peak_rss_mb"], 1), "threads": r["threads"],
+            "wall_s_all_rounds": r["wall_s_all_rounds"],
+            "requests_identical_to_engine": sum(a == b for a, b in zip(r["outputs"], engine_outputs))}
+    side |= {k: r[k] for k in ("matmul_probe_gflops_all_rounds", "engine_config", "attn_implementation",
+                               "decode_attention", "peak_gpu_memory_mb", "enforce_eager") if k in r}
+    if "load_1m_before_after" in r:
+        side["load_1m_before_after"] = [round(x, 2) for x in r["load_1m_before_after"]]
+    return side
+
+
+def neighbour_summary(near: dict, quiet: dict, generated_tokens: int) -> dict:
+    return {"wall_s": round(near["wall_s"], 3), "wall_s_all_rounds": near["wall_s_all_rounds"],
+            "generated_tokens_per_s": round(generated_tokens / near["wall_s"], 1),
+            "ratio_to_quiet": round(quiet["wall_s"] / near["wall_s"], 3)}
+
+
 def decode_split_summary(r: dict, wl: dict, decode_limit_s: float) -> dict:
     decode_s = r["wall_s"] - r["prefill_wall_s"]  # <= 0 only when load slowed the prefill-only run: unknown
     return {"prefill_wall_s": round(r["prefill_wall_s"], 3), "decode_s": round(decode_s, 3),
@@ -427,25 +452,9 @@ def main() -> None:
     decode_limit_s = dbytes["total"] / (bandwidth * 1e9)
     rows, sides = [], []
     for name, r in zip(side_names, results):
-        side = {"side": SIDE_TITLES[r["side"].split("-")[0]], "arm": name, "batch_size": r["batch_size"],
-                "wall_s": round(r["wall_s"], 3), "cpu_s": None if r["cpu_s"] is None else round(r["cpu_s"], 2),
-                "generated_tokens_per_s": round(generated_tokens / r["wall_s"], 1),
-                "total_tokens_per_s": round((prompt_tokens + generated_tokens) / r["wall_s"], 1),
-                "fraction_of_compute_limit": round(limit_s / r["wall_s"], 4),
-                "achieved_gflops": round(flops["total"] / r["wall_s"] / 1e9, 1),
-                "peak_rss_mb": round(r["peak_rss_mb"], 1), "threads": r["threads"],
-                "wall_s_all_rounds": r["wall_s_all_rounds"],
-                "requests_identical_to_engine": sum(a == b for a, b in zip(r["outputs"], engine_outputs))}
-        side |= {k: r[k] for k in ("matmul_probe_gflops_all_rounds", "engine_config", "attn_implementation",
-                                   "decode_attention", "peak_gpu_memory_mb", "enforce_eager") if k in r}
-        if "load_1m_before_after" in r:
-            side["load_1m_before_after"] = [round(x, 2) for x in r["load_1m_before_after"]]
+        side = side_summary(name, r, generated_tokens, prompt_tokens, flops["total"], limit_s, engine_outputs)
         if name in crowded:  # the same arm beside a busy neighbour: its best round against its own quiet best
-            near = best_of_rounds(crowded[name])
-            side["with_neighbour"] = {"wall_s": round(near["wall_s"], 3),
-                                      "wall_s_all_rounds": near["wall_s_all_rounds"],
-                                      "generated_tokens_per_s": round(generated_tokens / near["wall_s"], 1),
-                                      "ratio_to_quiet": round(r["wall_s"] / near["wall_s"], 3)}
+            side["with_neighbour"] = neighbour_summary(best_of_rounds(crowded[name]), r, generated_tokens)
         if "prefill_wall_s" in r:
             side |= decode_split_summary(r, wl, decode_limit_s)
         sides.append(side)

@@ -29,10 +29,8 @@ def quota_cpus(root: Path = CGROUP_ROOT) -> float | None:
     """The cgroup's CPU quota in CPUs (1.5 for "150000 100000"), or None when there is none."""
     v2 = _read(root / "cpu.max")
     if v2 is not None:
-        fields = v2.split()
-        if len(fields) != 2 or fields[0] == "max":
-            return None
-        return _ratio(fields[0], fields[1])
+        fields = v2.split()  # "max PERIOD": no quota, which _ratio answers as not a number
+        return _ratio(*fields) if len(fields) == 2 else None
     quota, period = _read(root / "cpu" / "cpu.cfs_quota_us"), _read(root / "cpu" / "cpu.cfs_period_us")
     if quota is None or period is None:  # v1 mounts the controller as cpu,cpuacct too; cpu links to it
         return None
