@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from adpfleet.runtime.cpu_budget import sleep_between_regions  # noqa: E402
 from common import busy_neighbour, format_table, machine_info, matmul_gflops, peak_rss_mb  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "engine_throughput.json"
@@ -258,7 +259,10 @@ def spawn_side(side: str, workdir: Path, threads: int, env: dict | None = None, 
     else:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--side", side, "--workdir", str(workdir),
                "--threads", str(threads)]
-        subprocess.run(cmd, check=True, env={**os.environ, **(env or {})})
+        child_env = {**os.environ, **(env or {})}
+        if side == "engine":  # as a server's ranks run it (an arm's own OMP_WAIT_POLICY, even empty, wins)
+            sleep_between_regions(child_env)
+        subprocess.run(cmd, check=True, env=child_env)
         result = json.loads((workdir / f"result-{side}.json").read_text())
     probe = f"  (matmul probe {result['matmul_probe_gflops']:.0f} GFLOP/s)" if "matmul_probe_gflops" in result else ""
     print(f"  {label or side:8s} {result['wall_s']:7.2f} s wall{probe}", flush=True)

@@ -57,3 +57,12 @@ def available_cpus(root: Path = CGROUP_ROOT) -> int:
 def threads_per_rank(ranks: int, root: Path = CGROUP_ROOT) -> int:
     """Intra-op threads for each of `ranks` engine processes sharing this process's CPUs."""
     return max(1, available_cpus(root) // max(1, ranks))
+
+
+def sleep_between_regions(environ: dict = os.environ) -> None:
+    """OpenMP threads that finish their share of a parallel region sleep until the next one
+    (OMP_WAIT_POLICY=PASSIVE) instead of spinning for up to GOMP's spin count, unless the
+    environment already chose: beside a busy neighbour, a spinning thread takes the cycles the
+    straggler it waits for shares a core with. OpenMP reads it once, when torch loads it: call
+    this before the first `import torch` of the process (or of the processes it starts)."""
+    environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

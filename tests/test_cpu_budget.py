@@ -59,3 +59,12 @@ def test_ranks_share_the_budget(tmp_path):
     assert cpu_budget.threads_per_rank(1, root) == 2
     assert cpu_budget.threads_per_rank(2, root) == 1
     assert cpu_budget.threads_per_rank(3, root) == 1
+
+
+def test_openmp_threads_sleep_between_regions_unless_the_environment_chose():
+    env = {}
+    cpu_budget.sleep_between_regions(env)
+    assert env == {"OMP_WAIT_POLICY": "PASSIVE"}
+    env = {"OMP_WAIT_POLICY": "ACTIVE"}
+    cpu_budget.sleep_between_regions(env)
+    assert env == {"OMP_WAIT_POLICY": "ACTIVE"}

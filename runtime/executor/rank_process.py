@@ -28,10 +28,12 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from adpfleet.runtime.config import EngineConfig
+from adpfleet.runtime.cpu_budget import sleep_between_regions, threads_per_rank
 from adpfleet.runtime.executor import faults
 from adpfleet.runtime.executor.kv_transfer import KVLayout, KVPuller
 from adpfleet.runtime.model.parallel import CALLS
 
+sleep_between_regions()  # in the server, before it spawns its ranks: their OpenMP reads the policy when it loads
 IDLE_WAIT_S = 0.02  # how long an idle rank waits for new requests before the next lockstep pass
 STATS_EVERY_S = 0.1  # an idle rank's stats are sent this often (a busy rank's after every pass)
 
@@ -65,7 +67,6 @@ def _build(spec: RankSpec):
     from adpfleet.runtime.executor.collectives import SingleRank, TorchCollectives
     from adpfleet.runtime.executor.kv_hold import KVHold, LedgerPuller, SimulatedPuller
     from adpfleet.runtime.model.parallel import ParallelContext
-    from adpfleet.runtime.cpu_budget import threads_per_rank
 
     torch.set_num_threads(spec.threads or threads_per_rank(spec.dp))  # dp: every rank on one node (at most)
     config = spec.config
