@@ -84,6 +84,18 @@ class ProcessSampler(Background):
         return 100.0 * (window[-1][2] - window[0][2]) / (window[-1][0] - window[0][0])
 
 
+@contextlib.contextmanager
+def busy_neighbour(cpu: int):
+    """A process at normal priority spinning on `cpu` for the block: what a pod meets on a shared
+    node when another pod's busy thread lands on one of its cores."""
+    proc = subprocess.Popen(["taskset", "-c", str(cpu), sys.executable, "-c", "while True: pass"])
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def matmul_gflops(m: int = 2048, k: int = 2048, n: int = 1024, repeats: int = 10, trials: int = 5,
                   device: str = "cpu", dtype=None) -> float:
     """The device's matmul throughput in GFLOP/s: best of `trials` timings of `repeats` products

@@ -38,7 +38,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import format_table, machine_info, matmul_gflops, peak_rss_mb  # noqa: E402
+from adpfleet.runtime.cpu_budget import sleep_between_regions  # noqa: E402
+from common import busy_neighbour, format_table, machine_info, matmul_gflops, peak_rss_mb  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "engine_throughput.json"
 TARGET_RATIO = 2.0
@@ -55,17 +56,32 @@ MODELS = {
                rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True,
                bos_token_id=1, eos_token_id=2),
 }
+SIDE_TITLES = {"engine": "adpfleet engine", "hf": "transformers generate", "vllm": "vLLM (offline LLM)"}
+PEERS = {"vllm": ("vllm", {}), "vllm-eager": ("vllm", {"VLLM_PEER_ENFORCE_EAGER": "1"})}  # arm: side, env
 FIRST_TOKEN_ID = 3  # prompts avoid pad (0), BOS and EOS
 # matmul probe [m, k] @ [k, n]: a GPU needs a larger product than a CPU to reach its peak
 PROBE_SHAPE = {"cpu": (2048, 2048, 1024), "cuda": (8192, 8192, 8192)}
 
 
-def workloads(quick: bool, device: str) -> dict:
+WORKLOADS = ("short", "long", "mixed")
+
+
+def workloads(quick: bool, device: str, kind: str = "short") -> dict:
+    """The requests of a run. short: 64 prompts of 16-256 tokens, 64 new (the CPU default); long:
+    32 prompts of 512-2048, 128 new, where attention weighs more; mixed: short's requests as a
+    stream, 16 at once and then one more every 2 engine steps, arriving while the others decode."""
     if quick:
-        return dict(num_requests=16, min_prompt=16, max_prompt=64, new_tokens=16, hf_batch_sizes=[8, 16])
-    if device == "cuda":  # a GPU decodes many requests at once: more of them, longer
-        return dict(num_requests=128, min_prompt=16, max_prompt=512, new_tokens=128, hf_batch_sizes=[32, 64, 128])
-    return dict(num_requests=64, min_prompt=16, max_prompt=256, new_tokens=64, hf_batch_sizes=[8, 16, 32, 64])
+        wl = dict(num_requests=16, min_prompt=16, max_prompt=64, new_tokens=16, hf_batch_sizes=[8, 16])
+    elif device == "cuda":  # a GPU decodes many requests at once: more of them, longer
+        wl = dict(num_requests=128, min_prompt=16, max_prompt=512, new_tokens=128, hf_batch_sizes=[32, 64, 128])
+    elif kind == "long":
+        wl = dict(num_requests=32, min_prompt=512, max_prompt=2048, new_tokens=128, hf_batch_sizes=[8, 16, 32])
+    else:
+        wl = dict(num_requests=64, min_prompt=16, max_prompt=256, new_tokens=64, hf_batch_sizes=[8, 16, 32, 64])
+    if kind == "mixed":
+        first = wl["num_requests"] // 4
+        wl["arrivals"] = [0] * first + [2 * (i + 1) for i in range(wl["num_requests"] - first)]
+    return wl
 
 
 def make_prompts(num_requests: int, min_prompt: int, max_prompt: int, vocab: int, seed: int) -> list[list[int]]:
@@ -136,6 +152,8 @@ def prepare_engine(workdir: Path, spec: dict):
 
     def run(new_tokens: int) -> list[list[int]]:
         params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+        if spec.get("arrivals"):
+            return stream(engine, prompts, params, spec["arrivals"])
         return [r.output_token_ids for r in engine.generate(prompts, params)]
 
     settings = {k: getattr(config, k) for k in ("kv_blocks", "tokens_per_block", "max_num_tokens",
@@ -144,6 +162,18 @@ def prepare_engine(workdir: Path, spec: dict):
 
     backend = default_decode_backend(torch.device(spec["device"]))
     return run, {"batch_size": "continuous", "engine_config": settings, "decode_attention": backend}
+
+
+def stream(engine, prompts: list[list[int]], params, arrivals: list[int]) -> list[list[int]]:
+    """The mixed stream: request i is added after step arrivals[i], while the earlier ones decode
+    (bench/vllm_peer.py's `stream`, step for step)."""
+    reqs, step = [], 0
+    while len(reqs) < len(prompts) or any(not r.is_finished for r in reqs):
+        while len(reqs) < len(prompts) and arrivals[len(reqs)] <= step:
+            reqs.append(engine.add_request(prompts[len(reqs)], params))
+        engine.step()
+        step += 1
+    return [r.output_token_ids for r in reqs]
 
 
 def prepare_hf(workdir: Path, spec: dict, batch_size: int):
@@ -181,7 +211,8 @@ def run_side(side: str, workdir: Path, threads: int) -> None:
     torch.set_num_threads(threads)
     spec = json.loads((workdir / "workload.json").read_text())
     if side == "save":
-        counts = save_model(workdir / "model", MODELS[spec["model"]], spec["seed"], spec["device"],
+        counts = save_model(workdir / "model", spec.get("model_config") or MODELS[spec["model"]], spec["seed"],
+                            spec["device"],
                             DTYPES[spec["dtype"]])
         (workdir / "result-save.json").write_text(json.dumps(counts))
         return
@@ -220,23 +251,109 @@ def measure_bandwidth(device: str, threads: int) -> float:
     return float(out.split()[-1])
 
 
-def spawn_side(side: str, workdir: Path, threads: int) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--side", side, "--workdir", str(workdir),
-           "--threads", str(threads)]
-    subprocess.run(cmd, check=True)
-    result = json.loads((workdir / f"result-{side}.json").read_text())
-    print(f"  {side:8s} {result['wall_s']:7.2f} s wall  (matmul probe {result['matmul_probe_gflops']:.0f} GFLOP/s)",
-          flush=True)
+def spawn_side(side: str, workdir: Path, threads: int, env: dict | None = None, label: str | None = None) -> dict:
+    """Run `side` once in a process of its own (with `env` added to its environment); print and
+    return its result. `label` names the arm in the printout (default: the side)."""
+    if side == "vllm":
+        result = run_vllm(workdir, threads, env or {})
+    else:
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--side", side, "--workdir", str(workdir),
+               "--threads", str(threads)]
+        child_env = {**os.environ, **(env or {})}
+        if side == "engine":  # as a server's ranks run it (an arm's own OMP_WAIT_POLICY, even empty, wins)
+            sleep_between_regions(child_env)
+        subprocess.run(cmd, check=True, env=child_env)
+        result = json.loads((workdir / f"result-{side}.json").read_text())
+    probe = f"  (matmul probe {result['matmul_probe_gflops']:.0f} GFLOP/s)" if "matmul_probe_gflops" in result else ""
+    print(f"  {label or side:8s} {result['wall_s']:7.2f} s wall{probe}", flush=True)
     return result
+
+
+def run_vllm(workdir: Path, threads: int, env: dict) -> dict:
+    """vLLM's side (bench/vllm_peer.py) in the vLLM environment's Python, from a directory of its
+    own (see that script); its OpenMP threads bound to the first `threads` CPUs, its KV cache sized
+    to hold every request at once."""
+    from adpfleet.cluster import vllm_env
+
+    spec = json.loads((workdir / "workload.json").read_text())
+    kv_bytes = 2 * spec["kv_bytes_per_token"] * sum(len(p) + spec["new_tokens"] for p in spec["prompts"])
+    cwd = workdir / "vllm"
+    (cwd / "tmp").mkdir(parents=True, exist_ok=True)
+    cpus = sorted(os.sched_getaffinity(0))[:threads]
+    vllm_envvars = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "TMPDIR": str(cwd / "tmp"),
+                    "VLLM_CPU_KVCACHE_SPACE": str(max(1, -(-kv_bytes // 2**30))),
+                    "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus))}
+    proc = subprocess.run([str(vllm_env.locate().python), str(Path(__file__).resolve().with_name("vllm_peer.py")),
+                           str(workdir / "workload.json")], cwd=cwd, capture_output=True, text=True,
+                          env={**os.environ, **vllm_envvars, **env})
+    if proc.returncode != 0:
+        raise SystemExit(f"vllm side failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    # vLLM logs to stdout too, around the one line that is the result
+    lines = [line for line in proc.stdout.splitlines() if line.startswith('{"side": "vllm"')]
+    if not lines:
+        raise SystemExit(f"vllm side printed no result:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    result = json.loads(lines[-1])
+    return result | {"batch_size": "continuous", "threads": len(cpus), "cpu_s": None}  # its engine core is a child
 
 
 def best_of_rounds(runs: list[dict]) -> dict:
     """A side's fastest round (other load on the machine only ever slows a round down); its peak
     RSS is the largest of any round, and every round's wall time is kept."""
     best = min(runs, key=lambda r: r["wall_s"])
-    return best | {"peak_rss_mb": max(r["peak_rss_mb"] for r in runs),
-                   "wall_s_all_rounds": [round(r["wall_s"], 3) for r in runs],
-                   "matmul_probe_gflops_all_rounds": [round(r["matmul_probe_gflops"], 1) for r in runs]}
+    best = best | {"peak_rss_mb": max(r["peak_rss_mb"] for r in runs),
+                   "wall_s_all_rounds": [round(r["wall_s"], 3) for r in runs]}
+    if "matmul_probe_gflops" in best:  # vLLM's side runs no probe
+        best["matmul_probe_gflops_all_rounds"] = [round(r["matmul_probe_gflops"], 1) for r in runs]
+    return best
+
+
+def engine_arms(engine_envs: list[str], threads: int) -> dict[str, tuple[str, dict, int]]:
+    """The engine's arms, name -> (side, environment added, torch threads): "engine" as it ships,
+    and one per --engine-env ("OMP_WAIT_POLICY=PASSIVE,threads=1"; threads=N is not a variable)."""
+    arms = {"engine": ("engine", {}, threads)}
+    for spec in engine_envs:
+        pairs = [item.split("=", 1) for item in spec.split(",")]
+        if any(len(pair) != 2 or not pair[0] for pair in pairs):
+            raise SystemExit(f"--engine-env {spec!r}: expected VAR=VAL[,VAR=VAL]")
+        env = dict(pairs)
+        arm_threads = env.pop("threads", threads)
+        if not str(arm_threads).isdigit() or int(arm_threads) < 1:
+            raise SystemExit(f"--engine-env {spec!r}: threads must be a positive integer")
+        arms[f"engine[{spec}]"] = ("engine", env, int(arm_threads))
+    return arms
+
+
+def side_summary(name: str, r: dict, generated_tokens: int, prompt_tokens: int, flops: float, limit_s: float,
+                 engine_outputs: list[list[int]]) -> dict:
+    """One arm's line of the report, from its best round."""
+    wall = r["wall_s"]
+    side = {"side": SIDE_TITLES[r["side"].split("-")[0]], "arm": name, "batch_size": r["batch_size"],
+            "wall_s": round(wall, 3), "cpu_s": None if r["cpu_s"] is None else round(r["cpu_s"], 2),
+            "generated_tokens_per_s": round(generated_tokens / wall, 1),
+            "total_tokens_per_s": round((prompt_tokens + generated_tokens) / wall, 1),
+            "fraction_of_compute_limit": round(limit_s / wall, 4), "achieved_gflops": round(flops / wall / 1e9, 1),
+            "peak_rss_mb": round(r["peak_rss_mb"], 1), "threads": r["threads"],
+            "wall_s_all_rounds": r["wall_s_all_rounds"],
+            "requests_identical_to_engine": sum(a == b for a, b in zip(r["outputs"], engine_outputs))}
+    side |= {k: r[k] for k in ("matmul_probe_gflops_all_rounds", "engine_config", "attn_implementation",
+                               "decode_attention", "peak_gpu_memory_mb", "enforce_eager") if k in r}
+    if "load_1m_before_after" in r:
+        side["load_1m_before_after"] = [round(x, 2) for x in r["load_1m_before_after"]]
+    return side
+
+
+def neighbour_summary(near: dict, quiet: dict, generated_tokens: int) -> dict:
+    return {"wall_s": round(near["wall_s"], 3), "wall_s_all_rounds": near["wall_s_all_rounds"],
+            "generated_tokens_per_s": round(generated_tokens / near["wall_s"], 1),
+            "ratio_to_quiet": round(quiet["wall_s"] / near["wall_s"], 3)}
+
+
+def decode_split_summary(r: dict, wl: dict, decode_limit_s: float) -> dict:
+    decode_s = r["wall_s"] - r["prefill_wall_s"]  # <= 0 only when load slowed the prefill-only run: unknown
+    return {"prefill_wall_s": round(r["prefill_wall_s"], 3), "decode_s": round(decode_s, 3),
+            "decode_tokens_per_s": round(wl["num_requests"] * (wl["new_tokens"] - 1) / decode_s, 1)
+            if decode_s > 0 else None,
+            "decode_fraction_of_bandwidth_limit": round(decode_limit_s / decode_s, 4) if decode_s > 0 else None}
 
 
 # -- the comparison -----------------------------------------------------------------------------
@@ -255,11 +372,24 @@ def main() -> None:
                     help="also time the prefill alone, for decode's fraction of the memory-bandwidth limit "
                          "(default: on for cuda)")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads, both sides (default: all cores)")
-    ap.add_argument("--hf-batch-sizes", type=lambda s: [int(x) for x in s.split(",")],
-                    help="static batch sizes tried for transformers (default 8,16,32,64; cuda: 32,64,128)")
+    ap.add_argument("--hf-batch-sizes", type=lambda s: [] if s == "none" else [int(x) for x in s.split(",")],
+                    help="static batch sizes tried for transformers (default 8,16,32,64; cuda: 32,64,128; "
+                         "none: no transformers side, for an A/B of engine arms)")
     ap.add_argument("--max-num-tokens", type=int, default=2048, help="engine: tokens per forward pass")
     ap.add_argument("--tokens-per-block", type=int, default=16, help="engine: KV block size")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--workload", choices=WORKLOADS, default="short",
+                    help="short (64 x 16-256 tokens, 64 new), long (32 x 512-2048, 128 new) or mixed (short's "
+                         "requests arriving while the others decode); --quick shrinks any of them")
+    ap.add_argument("--peer", choices=list(PEERS), action="append", default=[],
+                    help="also run vLLM (offline, from the vLLM environment: scripts/setup --with-vllm; "
+                         "vllm-eager: without torch.compile); the headline ratio is then the engine's against it")
+    ap.add_argument("--engine-env", action="append", default=[], metavar="VAR=VAL[,VAR=VAL]",
+                    help="one more engine arm with these environment variables (threads=N: its torch threads), "
+                         "interleaved with the others: an A/B in one run")
+    ap.add_argument("--neighbour", action="store_true",
+                    help="run every arm a second time beside a busy process pinned to the last CPU (what a pod "
+                         "meets on a shared node), and report each arm's throughput then as a ratio of its own")
     ap.add_argument("--side", help=argparse.SUPPRESS)  # worker mode: save | engine | hf-N
     ap.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -269,11 +399,13 @@ def main() -> None:
         raise SystemExit("--device cuda: torch sees no CUDA device on this machine")
 
     torch.set_num_threads(args.threads)
-    model_cfg, dtype = MODELS[args.model], DTYPES[args.dtype]
+    dtype = DTYPES[args.dtype]
     element_bytes = torch.empty(0, dtype=dtype).element_size()
     decode_split = args.decode_split if args.decode_split is not None else args.device == "cuda"
-    wl = workloads(args.quick, args.device)
-    batch_sizes = args.hf_batch_sizes or wl["hf_batch_sizes"]
+    wl = workloads(args.quick, args.device, args.workload)
+    model_cfg = MODELS[args.model] | {"max_position_embeddings": max(MODELS[args.model]["max_position_embeddings"],
+                                                                     wl["max_prompt"] + wl["new_tokens"])}
+    batch_sizes = wl["hf_batch_sizes"] if args.hf_batch_sizes is None else args.hf_batch_sizes
     rounds = args.rounds or (1 if args.quick else 2)
     out = args.out or (Path(tempfile.gettempdir()) / "engine_throughput.quick.json" if args.quick else DEFAULT_OUT)
     prompts = make_prompts(wl["num_requests"], wl["min_prompt"], wl["max_prompt"], model_cfg["vocab_size"], args.seed)
@@ -282,7 +414,9 @@ def main() -> None:
     generated_tokens = wl["num_requests"] * wl["new_tokens"]
     flops = workload_flops(model_cfg, prompt_lens, wl["new_tokens"])
     dbytes = decode_bytes(model_cfg, prompt_lens, wl["new_tokens"], element_bytes)
-    side_names = ["engine"] + [f"hf-{n}" for n in batch_sizes]
+    arms = engine_arms(args.engine_env, args.threads) | {f"hf-{n}": (f"hf-{n}", {}, args.threads) for n in batch_sizes}
+    arms |= {peer: (PEERS[peer][0], PEERS[peer][1], args.threads) for peer in args.peer}
+    side_names = list(arms)
 
     print(f"measuring {args.dtype} matmul throughput and memory bandwidth on {args.device} ...", flush=True)
     matmul_before = matmul_gflops(*PROBE_SHAPE[args.device], device=args.device, dtype=dtype)
@@ -293,68 +427,65 @@ def main() -> None:
         (workdir / "workload.json").write_text(json.dumps(
             {"prompts": prompts, "new_tokens": wl["new_tokens"], "max_num_tokens": args.max_num_tokens,
              "tokens_per_block": args.tokens_per_block, "device": args.device, "dtype": args.dtype,
-             "decode_split": decode_split, "model": args.model, "seed": args.seed}))
+             "decode_split": decode_split, "model": args.model, "model_config": model_cfg, "seed": args.seed,
+             "model_dir": str(workdir / "model"), "arrivals": wl.get("arrivals"),
+             "kv_bytes_per_token": 2 * model_cfg["num_hidden_layers"] * _shape(model_cfg)[2] * element_bytes}))
         # saved by a worker too: the random model would raise this process's (inherited) peak RSS
         subprocess.run([sys.executable, str(Path(__file__).resolve()), "--side", "save", "--workdir", str(workdir),
                         "--threads", str(args.threads)], check=True)
         num_params = json.loads((workdir / "result-save.json").read_text())
         runs = {name: [] for name in side_names}
+        crowded = {name: [] for name in side_names} if args.neighbour else {}
         for r in range(rounds):
             print(f"round {r + 1}/{rounds}", flush=True)
-            for name in side_names:
-                runs[name].append(spawn_side(name, workdir, args.threads))
+            for name, (side, env, threads) in arms.items():
+                runs[name].append(spawn_side(side, workdir, threads, env, name))
+                if args.neighbour:
+                    with busy_neighbour(max(os.sched_getaffinity(0))):
+                        crowded[name].append(spawn_side(side, workdir, threads, env, name + " +neighbour"))
     matmul_after = matmul_gflops(*PROBE_SHAPE[args.device], device=args.device, dtype=dtype)
     if not args.quick:  # a smoke run skips the second probe: a process of its own, torch imported again
         bandwidth = max(bandwidth, measure_bandwidth(args.device, args.threads))
     results = [best_of_rounds(runs[name]) for name in side_names]
     # The machine's peak is the best matmul rate seen at any point of the run.
-    peak_gflops = max([matmul_before, matmul_after] + [x["matmul_probe_gflops"] for v in runs.values() for x in v])
+    peak_gflops = max([matmul_before, matmul_after] + [x["matmul_probe_gflops"] for v in runs.values() for x in v
+                                                       if "matmul_probe_gflops" in x])
 
     engine_outputs = results[0]["outputs"]
     limit_s = flops["total"] / (peak_gflops * 1e9)
     decode_limit_s = dbytes["total"] / (bandwidth * 1e9)
     rows, sides = [], []
-    for r in results:
-        wall = r["wall_s"]
-        side = {
-            "side": "adpfleet engine" if r["side"] == "engine" else "transformers generate",
-            "batch_size": r["batch_size"], "wall_s": round(wall, 3), "cpu_s": round(r["cpu_s"], 2),
-            "generated_tokens_per_s": round(generated_tokens / wall, 1),
-            "total_tokens_per_s": round((prompt_tokens + generated_tokens) / wall, 1),
-            "fraction_of_compute_limit": round(limit_s / wall, 4),
-            "achieved_gflops": round(flops["total"] / wall / 1e9, 1),
-            "peak_rss_mb": round(r["peak_rss_mb"], 1), "threads": r["threads"],
-            "wall_s_all_rounds": r["wall_s_all_rounds"],
-            "matmul_probe_gflops_all_rounds": r["matmul_probe_gflops_all_rounds"],
-            "load_1m_before_after": [round(x, 2) for x in r["load_1m_before_after"]],
-            "requests_identical_to_engine": sum(a == b for a, b in zip(r["outputs"], engine_outputs)),
-        }
+    for name, r in zip(side_names, results):
+        side = side_summary(name, r, generated_tokens, prompt_tokens, flops["total"], limit_s, engine_outputs)
+        if name in crowded:  # the same arm beside a busy neighbour: its best round against its own quiet best
+            side["with_neighbour"] = neighbour_summary(best_of_rounds(crowded[name]), r, generated_tokens)
         if "prefill_wall_s" in r:
-            decode_s = wall - r["prefill_wall_s"]  # <= 0 only when load slowed the prefill-only run: unknown
-            side |= {"prefill_wall_s": round(r["prefill_wall_s"], 3), "decode_s": round(decode_s, 3),
-                     "decode_tokens_per_s": round(wl["num_requests"] * (wl["new_tokens"] - 1) / decode_s, 1)
-                     if decode_s > 0 else None,
-                     "decode_fraction_of_bandwidth_limit":
-                         round(decode_limit_s / decode_s, 4) if decode_s > 0 else None}
-        side |= {k: r[k] for k in ("engine_config", "attn_implementation", "decode_attention", "peak_gpu_memory_mb")
-                 if k in r}
+            side |= decode_split_summary(r, wl, decode_limit_s)
         sides.append(side)
-        rows.append([side["side"], side["batch_size"], wall, side["cpu_s"], side["generated_tokens_per_s"],
+        rows.append([name, side["batch_size"], r["wall_s"], side["cpu_s"] or "-", side["generated_tokens_per_s"],
                      side["total_tokens_per_s"], 100 * side["fraction_of_compute_limit"]]
                     + ([side["decode_tokens_per_s"] or "-", 100 * (side["decode_fraction_of_bandwidth_limit"] or 0)]
                        if decode_split else [])
+                    + ([side["with_neighbour"]["ratio_to_quiet"]] if crowded else [])
                     + [side["peak_rss_mb"], f"{side['requests_identical_to_engine']}/{len(prompts)}"])
 
-    engine, hf = sides[0], sides[1:]
-    best_hf = max(hf, key=lambda s: s["generated_tokens_per_s"])
-    ratio = engine["generated_tokens_per_s"] / best_hf["generated_tokens_per_s"]
+    engine = sides[0]
+    best_hf = max((s for s in sides if s["side"] == SIDE_TITLES["hf"]), key=lambda s: s["generated_tokens_per_s"],
+                  default=None)
+    ratio = engine["generated_tokens_per_s"] / best_hf["generated_tokens_per_s"] if best_hf else None
+    peers = {s["arm"]: round(engine["generated_tokens_per_s"] / s["generated_tokens_per_s"], 3)
+             for s in sides if s["arm"] in args.peer}
     print()
-    print(format_table(["side", "batch", "wall s", "CPU s", "gen tok/s", "total tok/s", "% of compute limit"]
+    print(format_table(["arm", "batch", "wall s", "CPU s", "gen tok/s", "total tok/s", "% of compute limit"]
                        + (["decode tok/s", "% of bandwidth limit"] if decode_split else [])
+                       + (["with neighbour / quiet"] if crowded else [])
                        + ["peak RSS MB", "same tokens"], rows))
     print()
-    print(f"engine / best transformers (batch {best_hf['batch_size']}): {ratio:.2f}x "
-          f"(target >= {TARGET_RATIO:.1f}x: {'met' if ratio >= TARGET_RATIO else 'NOT met'})")
+    for peer, peer_ratio in peers.items():
+        print(f"engine / {peer}: {peer_ratio:.2f}x")
+    if best_hf:
+        print(f"engine / best transformers (batch {best_hf['batch_size']}): {ratio:.2f}x "
+              f"(target >= {TARGET_RATIO:.1f}x: {'met' if ratio >= TARGET_RATIO else 'NOT met'})")
     print(f"compute limit: {flops['total'] / 1e9:.1f} GFLOP / {peak_gflops:.1f} GFLOP/s = {limit_s:.2f} s; "
           f"best of {rounds} round(s) per side; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     if decode_split:
@@ -364,13 +495,15 @@ def main() -> None:
     if args.device == "cuda":
         machine["gpu"] = torch.cuda.get_device_name()
     report = {
-        "benchmark": "engine_throughput", "issue": 19, "quick": args.quick, "rounds": rounds,
+        "benchmark": "engine_throughput", "issue": 29, "quick": args.quick, "rounds": rounds,
+        "workload_kind": args.workload, "neighbour": "a busy process pinned to the last CPU" if crowded else None,
         "started_unix": round(started), "duration_s": round(time.time() - started, 1),
         "device": args.device, "machine": machine,
         "model": {"name": args.model, "config": model_cfg, "parameters": num_params, "dtype": args.dtype},
         "workload": {"requests": len(prompts), "prompt_tokens_min_max": [wl["min_prompt"], wl["max_prompt"]],
                      "prompt_tokens": prompt_tokens, "new_tokens_per_request": wl["new_tokens"],
-                     "generated_tokens": generated_tokens, "sampling": "greedy, EOS ignored", "seed": args.seed},
+                     "generated_tokens": generated_tokens, "sampling": "greedy, EOS ignored", "seed": args.seed,
+                     "arrivals_after_step": wl.get("arrivals")},
         "compute_limit": {"peak_matmul_gflops": round(peak_gflops, 1),
                           "matmul_gflops_before_after": [round(matmul_before, 1), round(matmul_after, 1)],
                           "matmul_shape": "[{0}, {1}] @ [{1}, {2}] {3}, best of 5 x 10, torch.mm and (CPU) oneDNN "
@@ -380,9 +513,10 @@ def main() -> None:
                           "limit_wall_s": round(limit_s, 3),
                           "limit_generated_tokens_per_s": round(generated_tokens / limit_s, 1)},
         "sides": sides,
-        "best_transformers_batch_size": best_hf["batch_size"],
-        "ratio_engine_to_best_transformers": round(ratio, 3),
-        "target_ratio": TARGET_RATIO, "target_met": ratio >= TARGET_RATIO,
+        "best_transformers_batch_size": best_hf and best_hf["batch_size"],
+        "ratio_engine_to_best_transformers": ratio and round(ratio, 3),
+        **{f"ratio_engine_to_{peer}": peer_ratio for peer, peer_ratio in peers.items()},
+        "target_ratio": TARGET_RATIO, "target_met": ratio is not None and ratio >= TARGET_RATIO,
     }
     if decode_split:
         report["decode_bandwidth_limit"] = {

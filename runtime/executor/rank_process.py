@@ -28,10 +28,12 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from adpfleet.runtime.config import EngineConfig
+from adpfleet.runtime.cpu_budget import sleep_between_regions, threads_per_rank
 from adpfleet.runtime.executor import faults
 from adpfleet.runtime.executor.kv_transfer import KVLayout, KVPuller
 from adpfleet.runtime.model.parallel import CALLS
 
+sleep_between_regions()  # in the server, before it spawns its ranks: their OpenMP reads the policy when it loads
 IDLE_WAIT_S = 0.02  # how long an idle rank waits for new requests before the next lockstep pass
 STATS_EVERY_S = 0.1  # an idle rank's stats are sent this often (a busy rank's after every pass)
 
@@ -52,7 +54,7 @@ class RankSpec:
     kv_port: int = 0  # rank r listens on kv_port + r; 0: any free port
     kv_transfer_timeout_s: float = 30.0  # both ends: a transfer not done by then ends (and fails the request)
     kv_token: str | None = None  # the fleet's internal token: pullers prove they hold it (see kv_transfer)
-    threads: int = 1
+    threads: int | None = None  # None: the pod's CPU budget (cgroup quota, affinity) shared by its dp ranks
     master_addr: str = "127.0.0.1"  # where the ranks dial rank 0's rendezvous store (the leader pod's address)
     store_host: str = "127.0.0.1"  # rank 0: the one address its store listens on
 
@@ -66,7 +68,7 @@ def _build(spec: RankSpec):
     from adpfleet.runtime.executor.kv_hold import KVHold, LedgerPuller, SimulatedPuller
     from adpfleet.runtime.model.parallel import ParallelContext
 
-    torch.set_num_threads(spec.threads)
+    torch.set_num_threads(spec.threads or threads_per_rank(spec.dp))  # dp: every rank on one node (at most)
     config = spec.config
     device = "cpu"
     if config.device == "cuda":
