@@ -54,8 +54,12 @@ def available_cpus(root: Path = CGROUP_ROOT) -> int:
     return max(1, cpus)
 
 
-def threads_per_rank(ranks: int, root: Path = CGROUP_ROOT) -> int:
-    """Intra-op threads for each of `ranks` engine processes sharing this process's CPUs."""
+def threads_per_rank(ranks: int, root: Path = CGROUP_ROOT, environ: dict = os.environ) -> int:
+    """Intra-op threads for each of `ranks` engine processes sharing this process's CPUs; an explicit
+    OMP_NUM_THREADS wins (the operator sets it from a role's engine.threadsPerRank)."""
+    chosen = environ.get("OMP_NUM_THREADS", "").strip()
+    if chosen.isdigit() and int(chosen) > 0:
+        return int(chosen)
     return max(1, available_cpus(root) // max(1, ranks))
 
 

@@ -56,9 +56,17 @@ def test_fractional_quota_rounds_down(tmp_path):
 @pytest.mark.skipif(AFFINITY < 2, reason="needs 2 CPUs in the affinity mask")
 def test_ranks_share_the_budget(tmp_path):
     root = v2(tmp_path, "200000 100000")
-    assert cpu_budget.threads_per_rank(1, root) == 2
-    assert cpu_budget.threads_per_rank(2, root) == 1
-    assert cpu_budget.threads_per_rank(3, root) == 1
+    assert cpu_budget.threads_per_rank(1, root, {}) == 2
+    assert cpu_budget.threads_per_rank(2, root, {}) == 1
+    assert cpu_budget.threads_per_rank(3, root, {}) == 1
+
+
+@pytest.mark.skipif(AFFINITY < 2, reason="needs 2 CPUs in the affinity mask")
+@pytest.mark.parametrize("value, threads", [("3", 3), (" 1 ", 1), ("0", 2), ("two", 2), ("", 2)])
+def test_an_explicit_omp_num_threads_wins_over_the_budget(tmp_path, value, threads):
+    """The operator passes a role's engine.threadsPerRank as OMP_NUM_THREADS; nonsense is ignored."""
+    root = v2(tmp_path, "200000 100000")
+    assert cpu_budget.threads_per_rank(1, root, {"OMP_NUM_THREADS": value}) == threads
 
 
 def test_openmp_threads_sleep_between_regions_unless_the_environment_chose():
