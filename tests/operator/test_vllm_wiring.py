@@ -134,3 +134,16 @@ def test_a_vllm_roles_load_leaves_unknown_values_out_of_its_means():
     assert load.waiting_per_rank == pytest.approx(sample.requests_waiting)
     assert load.kv_cache_utilization == pytest.approx(sample.kv_cache_blocks_used / sample.kv_cache_capacity_blocks)
     assert load.transfer_share == 0.0
+
+
+def test_a_vllm_roles_batch_capacity_is_its_max_num_seqs_or_vllms_default_for_the_device():
+    from adpfleet.operator.resource.models import FleetSpec
+    from adpfleet.operator.scaling import batch_capacity
+
+    def capacity(args, **aggregated):
+        spec = vllm_spec(**aggregated)
+        spec["vllm"]["args"] = args
+        return batch_capacity(FleetSpec.model_validate(spec), "aggregated")
+    assert capacity(["--max-num-seqs", "48"]) == 48 and capacity(["--max-num-seqs=12", "--dtype", "half"]) == 12
+    assert capacity([]) == 128  # vLLM's CPU default for an API server
+    assert capacity([], gpusPerServer=2, engine={"device": "cuda"}) == 256
