@@ -16,6 +16,7 @@ import asyncio
 import logging
 from typing import Callable
 
+from adpfleet.operator.adapters.dialects import ADPFLEET, Dialect
 from adpfleet.operator.adapters.scrape import Scrape, Scraper, metrics_url
 from adpfleet.operator.decisions.observed import ServerPod
 from adpfleet.operator.resource.names import FleetKey
@@ -27,7 +28,9 @@ SCRAPE_TIMEOUT = 2.0
 
 
 def drained(sample: Scrape) -> bool:
-    """Nothing in flight: no request running or waiting, no KV held for a transfer; or nothing listening."""
+    """Nothing in flight: no request running or waiting, no KV held for a transfer; or nothing listening.
+    A rank that does not know a gauge adds nothing: a vLLM engine publishes its queue gauges at its first
+    step, so one without them has never had a request."""
     if sample.ok:
         return sample.total("requests_running") + sample.total("requests_waiting") + \
             sample.total("kv_transfers_in_flight") == 0
@@ -41,9 +44,11 @@ class DrainWatch:
         self._done: dict[str, str] = {}               # uid whose drain finished -> its (key, role) group
         self._tasks: dict[str, tuple[str, asyncio.Task]] = {}  # uid -> (group, its watch)
 
-    def finished(self, key: FleetKey, leaving: list[ServerPod], role: str = "") -> frozenset[str]:
-        """See reconciler.DrainPart. Called per role with all of its leaving servers: a server no
-        longer among them (deleted, or wanted again) is forgotten."""
+    def finished(self, key: FleetKey, leaving: list[ServerPod], role: str = "",
+                 dialect: Dialect = ADPFLEET) -> frozenset[str]:
+        """See reconciler.DrainPart. Called per role with all of its leaving servers, whose /metrics
+        read in `dialect` (their engine's): a server no longer among them (deleted, or wanted again)
+        is forgotten."""
         group = f"{key[0]}/{key[1]}/{role}"
         now = {p.uid for p in leaving}
         for uid in [u for u, g in self._done.items() if g == group and u not in now]:
@@ -54,13 +59,13 @@ class DrainWatch:
                 del self._tasks[uid]
         for pod in leaving:
             if pod.uid not in self._done and pod.uid not in self._tasks and pod.ip:
-                self._tasks[pod.uid] = (group, asyncio.ensure_future(self._watch(key, pod, group)))
+                self._tasks[pod.uid] = (group, asyncio.ensure_future(self._watch(key, pod, group, dialect)))
         return frozenset(p.uid for p in leaving if p.uid in self._done)
 
-    async def _watch(self, key: FleetKey, pod: ServerPod, group: str) -> None:
+    async def _watch(self, key: FleetKey, pod: ServerPod, group: str, dialect: Dialect) -> None:
         try:
             while True:
-                sample = await self.scraper(metrics_url(pod.ip), SCRAPE_TIMEOUT)
+                sample = await self.scraper(metrics_url(pod.ip), SCRAPE_TIMEOUT, dialect)
                 if drained(sample):
                     log.info("%s drained (%s)", pod.name, "idle" if sample.ok else "nothing listening")
                     self._done[pod.uid] = group

@@ -28,6 +28,7 @@ from typing import Protocol
 
 from pydantic import ValidationError
 
+from adpfleet.operator.adapters.dialects import Dialect, dialect_for
 from adpfleet.operator.adapters.kube import ApiResult, KubeApi, now_rfc3339
 from adpfleet.model_uri import parse_progress
 from adpfleet.operator.decisions import conditions, gang, groups, security
@@ -74,8 +75,9 @@ class StatusPart(Protocol):
 class DrainPart(Protocol):
     """Knows which servers a scale-down drained have finished their requests (it scrapes them)."""
 
-    def finished(self, key: FleetKey, leaving: list[ServerPod], role: str) -> frozenset[str]:
-        """The uids among `leaving` (all of `role`'s) that have nothing in flight; watches the others."""
+    def finished(self, key: FleetKey, leaving: list[ServerPod], role: str, dialect: Dialect) -> frozenset[str]:
+        """The uids among `leaving` (all of `role`'s) that have nothing in flight, as their /metrics
+        read in `dialect`; watches the others."""
 
 
 class StatusWrite(enum.Enum):
@@ -321,10 +323,8 @@ class Reconciler:
         for role in spec.roles():
             memory.vacated[role] = vacancies(memory.vacated.get(role, ()), desired.replicas[role], role_pods[role])
             leaving = [p for p in role_pods[role] if p.leaving and not p.terminating]
-            # a drain ends early only when the server's metrics say it is idle, read in adpfleet's names; a vLLM
-            # server has none of them (its dialect is issue 27 item 2), so its drain runs to the timeout
-            watched = self.drains is not None and spec.engine == "adpfleet"
-            finished = self.drains.finished(key, leaving, role) if watched else frozenset()
+            finished = self.drains.finished(key, leaving, role, dialect_for(spec.engine)) \
+                if self.drains is not None else frozenset()
             drain = Drain(wall, float(spec.role(role).drain_timeout_seconds), finished, protected)
             plans.append(plan_role(role, desired.replicas[role], desired.servers[role].template_hash,
                                    role_pods[role], drain, memory.vacated[role]))

@@ -22,10 +22,12 @@ from dataclasses import dataclass
 from typing import Callable, Protocol
 
 from adpfleet.operator.adapters.kube import KubeApi
+from adpfleet.operator.adapters.dialects import Dialect, dialect_for
 from adpfleet.operator.adapters.scrape import Scrape, Scraper
 from adpfleet.operator.decisions import groups
 from adpfleet.operator.decisions.history import Remediation, still_to_delete
 from adpfleet.operator.decisions.observed import FleetObservation, ServerPod
+from adpfleet.operator.drains import drained
 from adpfleet.operator.resource.engine import SERVER_ROLES
 from adpfleet.operator.resource.models import FleetSpec
 from adpfleet.operator.resource.names import FleetKey, FleetRef
@@ -117,14 +119,16 @@ class Remediator:
                 if not out.ok:
                     return f"could not drain {pod.name}: {out.message}"
         drain_timeout = float(spec.remediation.drain_timeout_seconds)
+        dialect = dialect_for(spec.engine)
         if stalled:
             wait = min(drain_timeout, STALLED_DRAIN_GRACE_SECONDS)
-            if victims and stalled_sample is not None and await self._progressed(watched[0], stalled_sample, wait):
+            if victims and stalled_sample is not None and \
+                    await self._progressed(watched[0], stalled_sample, wait, dialect):
                 for pod in victims:
                     await self.api.set_drain(ns, pod.name, pod.uid, False)
                 return Outcome.RECOVERED
         else:
-            await self._drained(watched, drain_timeout)
+            await self._drained(watched, drain_timeout, dialect)
         errors = []
         for pod in victims:
             grace = STALLED_DELETE_GRACE_SECONDS if stalled else None
@@ -137,26 +141,27 @@ class Remediator:
         self.wake_reconcile((ns, fleet.ref.name))
         return "; ".join(errors) or None
 
-    async def _progressed(self, pod: ServerPod, before: Scrape, wait: float) -> bool:
-        """Whether the stalled server produced real tokens since `before`, watched for `wait` s."""
+    async def _progressed(self, pod: ServerPod, before: Scrape, wait: float, dialect: Dialect) -> bool:
+        """Whether the stalled server made progress since `before`, watched for `wait` s: detection's
+        own rule (real tokens or an engine step: a long prefill while it drains is progress too)."""
         deadline = time.monotonic() + wait
         while True:
-            now = await self._scrape(pod)
-            if now.ok and set(now.ranks) == set(before.ranks) and now.tokens > before.tokens:
+            now = await self._scrape(pod, dialect)
+            if now.ok and set(now.ranks) == set(before.ranks) and now.progressed_since(before):
                 return True
             if time.monotonic() >= deadline:
                 return False
             await asyncio.sleep(min(WATCH_POLL_SECONDS, max(0.0, deadline - time.monotonic())))
 
-    async def _scrape(self, server: ServerPod) -> Scrape:
-        return await scrape_server(self.scraper, server, WATCH_SCRAPE_TIMEOUT)
+    async def _scrape(self, server: ServerPod, dialect: Dialect) -> Scrape:
+        return await scrape_server(self.scraper, server, WATCH_SCRAPE_TIMEOUT, dialect)
 
-    async def _drained(self, pods: list[ServerPod], timeout: float) -> None:
-        """Until the (working) servers have finished their requests, or `timeout`."""
+    async def _drained(self, pods: list[ServerPod], timeout: float, dialect: Dialect) -> None:
+        """Until the (working) servers have finished their requests, or `timeout` (a scale-down's rule)."""
         deadline = time.monotonic() + timeout
         while pods and time.monotonic() < deadline:
-            samples = await asyncio.gather(*(self._scrape(p) for p in pods))
-            if all(s.ok and s.total("requests_running") + s.total("requests_waiting") == 0 for s in samples):
+            samples = await asyncio.gather(*(self._scrape(p, dialect) for p in pods))
+            if all(drained(s) for s in samples):
                 return
             await asyncio.sleep(WATCH_POLL_SECONDS)
 

@@ -36,6 +36,9 @@ log = logging.getLogger("adpfleet.operator.scaling")
 
 SIGNALS = tuple(autoscaling.SIGNALS) + ("running_per_rank", "transfer_share")
 KEEP_SLACK_SECONDS = 10.0  # history kept beyond the longest window: the scrape just older than it
+# vLLM's own default of requests one engine runs at once (--max-num-seqs) for an API server: on a CPU
+# (vLLM 0.32, engine/arg_utils.py); on a GPU it is 256 or more by the GPU: the lowest is taken
+VLLM_MAX_NUM_SEQS = {"cpu": 128, "cuda": 256}
 
 
 @dataclass
@@ -103,7 +106,7 @@ class ScalingController:
             settled_since = self._settled(role_memory, obs, role, current, in_remediation, now)
             decision = autoscaling.decide(role, list(role_memory.history), policy, current, now,
                                           settled_since=settled_since,
-                                          batch_capacity=spec.role(role).engine.max_batch_size)
+                                          batch_capacity=batch_capacity(spec, role))
             self.metrics.desired.labels(*key, role).set(decision.desired)
             role_memory.last = decision
             if decision.changes:
@@ -154,3 +157,17 @@ class ScalingController:
 def _trim(history: deque, now: float, keep_seconds: float) -> None:
     while history and now - history[0].at > keep_seconds:
         history.popleft()
+
+
+def batch_capacity(spec: FleetSpec, role: str) -> int:
+    """Requests one rank of `role` runs at once: adpfleet's engine.maxBatchSize, or a vLLM engine's
+    --max-num-seqs (from vllm.args, or vLLM's default for the device)."""
+    if spec.engine != "vllm":
+        return spec.role(role).engine.max_batch_size
+    args = spec.vllm.args
+    for i, arg in enumerate(args):
+        value = arg.split("=", 1)[1] if arg.startswith("--max-num-seqs=") else \
+            args[i + 1] if arg == "--max-num-seqs" and i + 1 < len(args) else None
+        if value is not None and value.isdigit() and int(value) > 0:
+            return int(value)
+    return VLLM_MAX_NUM_SEQS[spec.role(role).engine.device]

@@ -187,7 +187,7 @@ class StallController:
     async def _scrape(self, key: FleetKey, fleet: FleetStall, look: Look, *, judging: bool) -> dict[str, Scrape]:
         """This tick's one scrape of the judged servers, for detection and for the listener."""
         listening = self.listener is not None and self.listener.wanted(look.spec)
-        scrapes = await scrape_servers(self._scraper, self.metrics, look.judged, look.interval) \
+        scrapes = await scrape_servers(self._scraper, self.metrics, look.judged, look.interval, look.dialect) \
             if judging or listening else {}
         if listening:
             await self.listener.observe(key, fleet.ref, look.obs, look.spec, scrapes)

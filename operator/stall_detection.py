@@ -8,6 +8,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+from adpfleet.operator.adapters.dialects import Dialect
 from adpfleet.operator.adapters.scrape import Scrape, Scraper, scrape_pods, timeout_for
 from adpfleet.operator.decisions.detection import SampleWindows, StallVerdict, attribute, judge, keep_seconds
 from adpfleet.operator.decisions.observed import ServerPod
@@ -17,19 +18,19 @@ from adpfleet.operator.telemetry import StallMetrics
 CONFIRMATIONS = 2  # consecutive scrapes that must agree before a stall is acted on
 
 
-async def scrape_server(scraper: Scraper, server: ServerPod, timeout: float) -> Scrape:
-    """One scrape of a server: of every pod of a server over several pods, as one."""
-    return await scrape_pods(scraper, [(p.name, p.ip) for p in server.pods], timeout)
+async def scrape_server(scraper: Scraper, server: ServerPod, timeout: float, dialect: Dialect) -> Scrape:
+    """One scrape of a server, read in its engine's dialect: of every pod of a server over several pods, as one."""
+    return await scrape_pods(scraper, [(p.name, p.ip) for p in server.pods], timeout, dialect)
 
 
 async def scrape_servers(scraper: Scraper, metrics: StallMetrics, servers: list[ServerPod],
-                         interval: float) -> dict[str, Scrape]:
+                         interval: float, dialect: Dialect) -> dict[str, Scrape]:
     """One scrape of every server, all at once: pod name -> Scrape."""
     timeout = timeout_for(interval)
 
     async def timed(server: ServerPod) -> Scrape:
         start = time.monotonic()
-        sample = await scrape_server(scraper, server, timeout)
+        sample = await scrape_server(scraper, server, timeout, dialect)
         metrics.scrape_seconds.observe(time.monotonic() - start)
         metrics.scrapes.labels("ok" if sample.ok else "failed").inc()
         return sample

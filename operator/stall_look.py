@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
+from adpfleet.operator.adapters.dialects import Dialect, dialect_for
 from adpfleet.operator.decisions import groups
 from adpfleet.operator.decisions.observed import FleetObservation, ServerPod
 from adpfleet.operator.resource.models import FleetSpec
@@ -26,6 +27,11 @@ class Look:
     @property
     def window(self) -> float:
         return float(self.spec.remediation.stall_window_seconds)
+
+    @property
+    def dialect(self) -> Dialect:
+        """How the fleet's servers' /metrics read: its engine's (adpfleet's or vLLM's names)."""
+        return dialect_for(self.spec.engine)
 
 
 @dataclass
@@ -56,10 +62,4 @@ class SpecCache:
         # a server over several pods is one server, judged on the scrapes of all its pods (groups.py)
         pods = [p for role in spec.roles() for p in groups.servers(obs.role_pods(role)) if not p.leaving]
         judged = [p for p in pods if p.phase == "Running" and p.ready and not p.terminating and p.ip]
-        if spec.engine != "adpfleet":
-            # Only adpfleet's metric names are read yet: a vLLM server's exposition has none of them, and
-            # judging it would read "no progress" into every scrape. Until its dialect (issue 27 item 2,
-            # operator/adapters/) turns vllm:* series into the same samples, no vLLM server is scraped,
-            # judged or remediated (nor autoscaled from scrapes); pod-level failures are the kubelet's.
-            judged = []
         return Look(obs, spec, pods, judged)

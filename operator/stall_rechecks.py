@@ -61,7 +61,7 @@ async def _recheck(alert: StallAlert, look: Look, scraper: Scraper, say: Say,
     for i in range(RECHECK_SCRAPES):
         if i:
             await asyncio.sleep(gap)
-        fresh.append(await scrape_server(scraper, pod, timeout_for(look.interval)))
+        fresh.append(await scrape_server(scraper, pod, timeout_for(look.interval), look.dialect))
     verdict = judge(pod.name, pod.role, fresh, window_seconds=fresh[-1].at - fresh[0].at, interval_seconds=0.0,
                     confirmations=1)
     if not verdict.stalled:

@@ -121,16 +121,19 @@ async def _get(session: aiohttp.ClientSession, url: str) -> bytes | str:
         return b"".join(chunks)
 
 
-Scraper = Callable[[str, float], Awaitable[Scrape]]  # (url, timeout) -> Scrape: an HttpScraper, or a test's script
+# (url, timeout, dialect) -> Scrape: an HttpScraper, or a test's script
+Scraper = Callable[[str, float, Dialect], Awaitable[Scrape]]
 
 
-async def scrape_pods(scraper: Scraper, pods: Sequence[tuple[str, str]], timeout: float) -> Scrape:
-    """One scrape of a server from its pods, (name, ip) each: of its one pod as it is, or of every pod
-    of a server over several pods as one (each pod exports its own ranks, numbered server-wide),
-    keeping the pod each rank came from; a pod that cannot be scraped fails the whole, naming it."""
+async def scrape_pods(scraper: Scraper, pods: Sequence[tuple[str, str]], timeout: float,
+                      dialect: Dialect = ADPFLEET) -> Scrape:
+    """One scrape of a server from its pods, (name, ip) each, read in its engine's `dialect`: of its
+    one pod as it is, or of every pod of a server over several pods as one (each pod exports its own
+    ranks, numbered server-wide), keeping the pod each rank came from; a pod that cannot be scraped
+    fails the whole, naming it."""
     if len(pods) == 1:
-        return await scraper(metrics_url(pods[0][1]), timeout)
-    parts = await asyncio.gather(*(scraper(metrics_url(ip), timeout) for _, ip in pods))
+        return await scraper(metrics_url(pods[0][1]), timeout, dialect)
+    parts = await asyncio.gather(*(scraper(metrics_url(ip), timeout, dialect) for _, ip in pods))
     failed = next(((name, part) for (name, _), part in zip(pods, parts) if not part.ok), None)
     if failed:
         return replace(failed[1], error=f"pod {failed[0]}: {failed[1].error}")
@@ -142,7 +145,7 @@ async def scrape_pods(scraper: Scraper, pods: Sequence[tuple[str, str]], timeout
 
 class HttpScraper:
     """Scrapes servers over kept-alive connections, one per server, reused from scrape to scrape:
-    `await scraper(url, timeout)` is a `Scrape`, never an exception.
+    `await scraper(url, timeout, dialect)` is a `Scrape`, never an exception.
 
     aiohttp, not httpx: httpx's pool scans every pooled connection for each request, so with one
     connection per server a scrape's CPU grew with the fleet (docs/operator.md, Numbers: 300

@@ -93,15 +93,16 @@ def with_context_peer(generation: RoleLoad, context: RoleLoad) -> RoleLoad:
 def role_load(at: float, now: Mapping[str, Scrape], before: Mapping[str, Scrape]) -> RoleLoad | None:
     """The load of a role from this interval's scrapes of its servers (`now`) and the previous
     ones (`before`, for the latency histograms' means over the interval). None without one
-    successful scrape."""
+    successful scrape. A value a rank does not know (vLLM: no KV transfers; an engine's queue before
+    its first step) is left out of its mean, never read as 0."""
     ok = [s for s in now.values() if s.ok]
     if not ok:
         return None
     ranks = [r for s in ok for r in s.ranks.values()]
-    n = len(ranks)
-    used = sum(r.kv_cache_blocks_used for r in ranks)
-    total = sum(r.kv_cache_capacity_blocks for r in ranks)
-    held = sum(r.kv_transfers_in_flight for r in ranks)
+    kv = [r for r in ranks if r.kv_cache_blocks_used is not None and r.kv_cache_capacity_blocks is not None]
+    used = sum(r.kv_cache_blocks_used for r in kv)
+    total = sum(r.kv_cache_capacity_blocks for r in kv)
+    held = sum(r.kv_transfers_in_flight for r in kv if r.kv_transfers_in_flight is not None)
 
     def interval_mean(sum_attr: str, count_attr: str) -> float | None:
         total_sum = total_count = 0.0
@@ -116,13 +117,19 @@ def role_load(at: float, now: Mapping[str, Scrape], before: Mapping[str, Scrape]
                 total_sum, total_count = total_sum + d_sum, total_count + d_count
         return total_sum / total_count if total_count else None
 
-    return RoleLoad(at=at, servers=len(ok), ranks=n,
-                    waiting_per_rank=sum(r.requests_waiting for r in ranks) / n,
-                    running_per_rank=sum(r.requests_running for r in ranks) / n,
+    return RoleLoad(at=at, servers=len(ok), ranks=len(ranks),
+                    waiting_per_rank=_known_mean(r.requests_waiting for r in ranks),
+                    running_per_rank=_known_mean(r.requests_running for r in ranks),
                     kv_cache_utilization=used / total if total else 0.0,
                     transfer_share=held / used if used else 0.0,
                     time_to_first_token_seconds=interval_mean("ttft_sum", "ttft_count"),
                     inter_token_latency_seconds=interval_mean("itl_sum", "itl_count"))
+
+
+def _known_mean(values) -> float:
+    """The mean over the ranks that know the value (0 when none does: no rank has published a queue)."""
+    known = [v for v in values if v is not None]
+    return sum(known) / len(known) if known else 0.0
 
 
 @dataclass(frozen=True)

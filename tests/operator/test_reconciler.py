@@ -435,8 +435,9 @@ class Drains:
         self.done = frozenset(done)
         self.asked = []
 
-    def finished(self, key, leaving, role):
+    def finished(self, key, leaving, role, dialect):
         self.asked.append((role, [p.name for p in leaving]))
+        self.dialect = dialect
         return self.done & {p.uid for p in leaving}
 
 
@@ -459,7 +460,7 @@ def test_a_scale_down_drains_the_server_and_deletes_it_once_drained():
         assert ("context", ["f-context-1"]) in drains.asked
 
 
-def test_a_vllm_servers_drain_is_never_cut_short_by_metrics_read_in_adpfleets_names():
+def test_a_vllm_servers_drain_is_read_in_vllms_dialect_and_ends_when_it_is_idle():
     from test_engines import vllm_spec
     from adpfleet.operator.decisions.desired import desired_fleet
     from adpfleet.operator.resource.models import FleetSpec
@@ -473,10 +474,11 @@ def test_a_vllm_servers_drain_is_never_cut_short_by_metrics_read_in_adpfleets_na
             dataclasses.replace(template, name="f-aggregated-1", uid="u-1", index=1, leaving_since=1e12,
                                 draining=True)]
     down = (role_object("aggregated", replicas=1, spec_servers=2, status={"desiredReplicas": 2}),)
-    drains, api = Drains(done={"u-1"}), FakeApi()  # (an adpfleet server would count as drained)
+    drains, api = Drains(done={"u-1"}), FakeApi()
     asyncio.run(Reconciler(api, OperatorMetrics(), clock=lambda: 0.0, drains=drains).reconcile(
         observation({"spec": spec}, pods=pods, roles=down), FleetMemory(), log))
-    assert drains.asked == [] and not [c for c in api.calls if c[0] == "delete_pod"]
+    assert ("aggregated", ["f-aggregated-1"]) in drains.asked and drains.dialect.engine == "vllm"
+    assert ("delete_pod", "f-aggregated-1") in [c[:2] for c in api.calls]
 
 
 def test_a_scale_down_leaves_a_server_under_remediation_alone():

@@ -70,7 +70,7 @@ class World:
     def wake(self, key):
         self.woken += 1
 
-    async def scrape(self, url, timeout):
+    async def scrape(self, url, timeout, dialect):
         ip = url.split("//")[1].split(":")[0]
         self.scraped.append(ip)
         self.tokens += 10
@@ -154,7 +154,7 @@ def test_a_leaving_server_is_finished_once_its_requests_are_done_or_nothing_list
     async def scenario():
         answers = {"127.0.9.5": [2, 1, 0], "127.0.9.6": ["refused"]}
 
-        async def scraper(url, timeout):
+        async def scraper(url, timeout, dialect):
             ip = url.split("//")[1].split(":")[0]
             left = answers[ip].pop(0) if len(answers[ip]) > 1 else answers[ip][0]
             if left == "refused":

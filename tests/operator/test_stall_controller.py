@@ -98,7 +98,7 @@ class World:
                                   prompt_tokens=400, requests_waiting=1)}
         return sample
 
-    async def scrape(self, url, timeout):
+    async def scrape(self, url, timeout, dialect):
         self.now += 0.01  # a scrape takes time
         ip = url.split("//")[1].split(":")[0]
         source = self.metrics[ip]
