@@ -35,7 +35,8 @@ FLOORS = {
         ("engine: requests, KV cache, schedulers, attention metadata, sampling", ["adpfleet.runtime.engine"]),
         ("model: architectures, parallel layers, weights, tokenizer", ["adpfleet.runtime.model",
                                                                        "adpfleet.runtime.tokenizer"]),
-        ("shared: config, metrics", ["adpfleet.runtime.config", "adpfleet.runtime.metrics"]),
+        ("shared: config, metrics, the CPU budget", ["adpfleet.runtime.config", "adpfleet.runtime.metrics",
+                                                     "adpfleet.runtime.cpu_budget"]),
     ],
     "operator": [
         ("entry: process, kopf handlers, webhook, HTTP endpoints", ["adpfleet.operator", "adpfleet.operator.main",
