@@ -15,6 +15,7 @@ from __future__ import annotations
 import signal
 import time
 
+import doc_commands
 import httpx
 import pytest
 from vllm_servers import ENGINE_CORE, START_TIMEOUT_S, build_model
@@ -34,6 +35,7 @@ FLEET = "vf"
 # Longer than vLLM's longest step here (a few dozen prompt tokens per chunk: well under a second,
 # docs/remediation.md "Dialects"), short enough that the test sees the stall in seconds.
 WINDOW, INTERVAL = 8, 1
+RUNBOOK = doc_commands.ROOT / "docs" / "runbooks" / "AdpfleetServerStalled-vllm.md"
 
 
 def stall_fleet() -> dict:
@@ -128,6 +130,9 @@ def test_a_frozen_vllm_engine_is_hung_and_only_its_server_is_replaced_with_no_re
     assert len(detected_events) == 1 and victim in detected_events[0].message, detected_events
     assert "hung, ranks 0" in detected_events[0].message
     assert op.metric("adpfleet_operator_stalls_detected_total") == 1  # the new server is not flagged
+    # the runbook's diagnosis, as written, against this fleet and the peer that served throughout
+    runbook = [c for b in doc_commands.blocks(RUNBOOK) for c in b.commands]
+    doc_commands.run(runbook, doc_commands.Place(fleets.ns, FLEET, pod=peer), fleets.cluster, timeout=120)
     print(f"vLLM freeze -> hung decision: {detected:.1f} s (seen by the test at {t_seen - t_fault:.1f} s; bound "
           f"window {WINDOW} + 2 x {INTERVAL} = {WINDOW + 2 * INTERVAL} s); freeze -> serving again "
           f"{t_serving - t_fault:.1f} s, -> replaced and Ready {t_replaced - t_fault:.1f} s; "
