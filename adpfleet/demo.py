@@ -81,6 +81,24 @@ def percentile(xs: list[float], q: float) -> float | None:
     return round(ordered[min(len(ordered) - 1, int(len(ordered) * q / 100))], 2)
 
 
+
+# The timeline's marks in the plot, in the order they happen: (the event's prefix, the legend's word).
+MARKS = (("Fault", "fault"), ("Stalled", "detected"), ("Remediation", "remediation"))
+_MARK_STYLES = (("#c53030", "--", 3.0), ("#dd6b20", ":", 2.2), ("#2f855a", "-.", 1.4))
+
+
+def draw_marks(ax, marks: list[tuple[str, float | None]]) -> None:
+    """A vertical line per mark that happened, each with its own colour, dash and width (drawn
+    widest first), and its word at its own height: marks that fall on the same second (detection and
+    remediation often do) stay visible side by side instead of the last one hiding the others."""
+    for i, ((label, t), (color, dash, width)) in enumerate(zip(marks, _MARK_STYLES)):
+        if t is None:
+            continue
+        ax.axvline(t, color=color, linestyle=dash, linewidth=width, label=label, zorder=3 + i)
+        ax.annotate(f"{label} {t:.0f} s", xy=(t, 0.96 - 0.1 * i), xycoords=ax.get_xaxis_transform(),
+                    xytext=(4, 0), textcoords="offset points", color=color, fontsize=8, va="top")
+
+
 class Demo:
     def __init__(self, args):
         self.args = args
@@ -399,11 +417,7 @@ class Demo:
         fig, ax = plt.subplots(figsize=(9, 3.6))
         ts = [t for t, _ in self.timeline.samples]
         ax.plot(ts, [r for _, r in self.timeline.samples], color="#2b6cb0", label="generated tokens/s")
-        colors = {"Fault": "#c53030", "Stalled": "#dd6b20", "Remediation": "#2f855a"}
-        for prefix, color in colors.items():
-            t = self.timeline.first(prefix)
-            if t is not None:
-                ax.axvline(t, color=color, linestyle="--", label=prefix.lower() if prefix != "Stalled" else "detected")
+        draw_marks(ax, [(label, self.timeline.first(prefix)) for prefix, label in MARKS])
         ax.set_xlabel("seconds")
         ax.set_ylabel("tokens/s")
         ax.set_title("adpfleet demo: a frozen rank, detected and remediated")
