@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import signal
 import socket
 import threading
 import time
@@ -37,6 +38,25 @@ log = logging.getLogger(__name__)
 # are killed, so a server with a hung rank exits (and its pod restarts) without waiting out a
 # graceful stop that cannot happen.
 DEAD_GROUP_EXIT_S = 2.0
+
+
+def _start_forkserver_deaf_to_sigterm() -> None:
+    """Start the forkserver ignoring SIGTERM (a disposition it inherits across exec; a blocked mask is
+    not: the exec resets it). A pod's deletion sends SIGTERM to its whole process group: the
+    forkserver would die of it, every rank's sentinel (a socket to the forkserver) would read EOF, and
+    the draining server would take its ranks for dead and fail the requests it was finishing. The
+    server's own handler is back as soon as the forkserver is started (a SIGTERM in between, while
+    the server is still starting, is ignored; the kubelet's SIGKILL after the grace period remains).
+    The forkserver ends when the server does (its end of the forkserver's pipe closes)."""
+    from multiprocessing import forkserver
+    if threading.current_thread() is not threading.main_thread():  # only the main thread sets handlers
+        forkserver.ensure_running()
+        return
+    handler = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGTERM, handler)
 
 
 def _free_port(host: str) -> int:
@@ -94,6 +114,7 @@ class RankGroup:
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["torch", "torch.distributed", "adpfleet.runtime.executor.rank_process",
                                     "adpfleet.runtime.engine.llm_engine", "adpfleet.runtime.executor.adp_executor"])
+        _start_forkserver_deaf_to_sigterm()
         for rank in self.local_ranks:
             parent, child = ctx.Pipe()
             spec = RankSpec(config, rank, dp, role, pad_empty_batch, port, collective_timeout_s,
