@@ -6,6 +6,7 @@ import copy
 import pytest
 
 from adpfleet.model_uri import CACHE_MOUNT_PATH, PVC_MOUNT_ROOT
+from adpfleet.operator.adapters.dialects import dialect_for
 from adpfleet.operator.decisions import engines
 from adpfleet.operator.decisions.desired import desired_fleet
 from adpfleet.operator.decisions.observed import FleetObservation, ServerPod
@@ -162,9 +163,10 @@ def observation(spec: dict, role: str) -> FleetObservation:
                             (pod(f"llama-{role}-0", role),), ())
 
 
-def test_stall_detection_leaves_vllm_servers_alone_until_their_metrics_dialect_exists():
+def test_stall_detection_judges_vllm_servers_in_vllms_dialect():
     vllm_look = SpecCache().look(observation(vllm_spec(), "aggregated"))
-    assert [p.name for p in vllm_look.pods] == ["llama-aggregated-0"] and vllm_look.judged == []
+    assert [p.name for p in vllm_look.judged] == ["llama-aggregated-0"]
+    assert vllm_look.dialect is dialect_for("vllm") and not vllm_look.dialect.lockstep
     spec = fleet_manifest("llama")["spec"]
     spec["aggregated"] = spec.pop("context")
     del spec["generation"]
