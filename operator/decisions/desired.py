@@ -25,7 +25,8 @@ from adpfleet.model_uri import CACHE_LIMIT_ENV, CACHE_MOUNT_PATH, PVC_MOUNT_ROOT
 from adpfleet.operator.decisions import gang as gangs
 from adpfleet.operator.decisions import engines, pod_template
 from adpfleet.operator.decisions.engines import adpfleet as adpfleet_engine
-from adpfleet.operator.resource import names, quantity
+from adpfleet.contract import quantity
+from adpfleet.operator.resource import names
 from adpfleet.operator.resource.names import FleetRef
 from adpfleet.operator.resource.engine import LABEL_ENGINE
 from adpfleet.operator.resource.kube_types import Resources
