@@ -209,7 +209,9 @@ def test_install_runs_the_operator_under_its_service_account_and_it_reconciles_a
     assert body["usage"]["completion_tokens"] == 8 and body["choices"][0]["finish_reason"] == "length"
     TIMINGS["fleet applied -> first completion"] = time.monotonic() - start
     answer = json.loads(doc_commands.run(request.commands, here, k8s_cluster))  # the page's request, as written
-    assert answer["usage"]["completion_tokens"] == 16, answer
+    # the page's request samples (no temperature), so the tiny model may draw its end-of-text token early
+    used, finish = answer["usage"]["completion_tokens"], answer["choices"][0]["finish_reason"]
+    assert (used, finish) == (16, "length") or (0 < used < 16 and finish == "stop"), answer
     assert complete("not-the-key") == 401
     # the chart's default: the operator's own NetworkPolicy and the fleet's, accepted by the API server
     policies = {p.metadata.name for p in client.NetworkingV1Api(k8s_cluster.api_client)
