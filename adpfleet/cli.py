@@ -11,6 +11,7 @@ import importlib
 import os
 import sys
 
+from adpfleet.contract.engines import ADPFLEET, ENGINES
 from adpfleet.contract.env import LEADER_ADDRESS_ENV
 from adpfleet.contract.ports import SERVER_GROUP_PORT
 
@@ -186,6 +187,9 @@ def _add_fetch_model(sub) -> None:
                                                    "a directory, or a built-in name")
     fetch.add_argument("--dest", default=None, metavar="DIR",
                        help="download into exactly this directory (default: a directory per source under the cache)")
+    fetch.add_argument("--engine", choices=ENGINES, default=ADPFLEET,
+                       help="the engine that will load the model: adpfleet checks that it runs the model_type; "
+                            "vllm leaves the architecture to vLLM (both: config.json and safetensors weights)")
     _add_model_args(fetch)
     fetch.set_defaults(run="adpfleet.runtime.model.sources.fetch:main")
 

@@ -8,6 +8,7 @@ node agent runs without kopf or pydantic (tests/test_layering.py keeps it so).
                    RankSample, one rank at one scrape as the operator judges it, whatever the engine
     exposition     their Prometheus text, rendered once for the runtime and the synthetic servers
     signatures     the words for how a stalled server makes no progress
+    engines        the engines a fleet's servers can run (adpfleet's, vLLM)
     env, ports     environment variable names and ports a pod and its server agree on
     quantity       Kubernetes resource quantities: the grammar and a parser
     pod_requests   what the scheduler reserves for a pod (Kubernetes' PodRequests)

@@ -160,7 +160,8 @@ def _fetch_container(spec: FleetSpec, role: str) -> dict | None:
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["adpfleet"],
-        "args": ["fetch-model", *adpfleet_engine.model_args(spec.model)],  # adpfleet's image fetches
+        # adpfleet's image fetches, and checks the model as the fleet's engine will load it
+        "args": ["fetch-model", *adpfleet_engine.model_args(spec.model), "--engine", spec.engine],
         "env": _downward_env() + SCRATCH_ENV_VARS + _source_env(spec.model) + [e.to_kube() for e in r.env],
         "resources": _resource_requirements(r.resources),  # no GPUs: a download needs none
         "securityContext": CONTAINER_SECURITY,

@@ -12,11 +12,11 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field
 
+from adpfleet.contract.engines import ENGINES
 from adpfleet.contract.env import VLLM_API_KEY_ENV  # noqa: F401 (the renderer reads it here)
 from adpfleet.operator.resource.cel import CelRule, KubeModel, cel_list
 
-EngineName = Literal["adpfleet", "vllm"]
-ENGINES: tuple[str, ...] = EngineName.__args__
+EngineName = Literal[ENGINES]
 
 AGGREGATED = "aggregated"  # one role whose servers prefill and decode (no KV hand-off)
 SPLIT_ROLES = ("context", "generation")  # a disaggregated fleet's roles

@@ -62,10 +62,24 @@ def checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
-def check_model_dir(path: Path) -> None:
-    """What loading would refuse first, without reading weights: config.json, a supported
-    model_type, the safetensors files."""
-    from adpfleet.runtime.model.config import ModelConfig
-
-    ModelConfig.from_dir(path)
+def check_model_dir(path: Path, engine: str = "adpfleet") -> None:
+    """What loading would refuse first, without reading weights: `check_config`, the safetensors files."""
+    check_config(path, engine)
     checkpoint_files(path)
+
+
+def check_config(path: Path, engine: str = "adpfleet") -> str:
+    """The model_type of the directory's config.json, refused (ModelLoadError) unless the engine would
+    load it: adpfleet's engine checks that it runs the model_type and the fields it reads; for vLLM
+    (`engine="vllm"`) the architecture is vLLM's to judge (it runs many adpfleet does not), so only a
+    model_type must be named. Either way the weights must be safetensors whose names stay in the
+    directory: a store's `*.bin` is a pickle, and nothing fetched from outside is unpickled."""
+    from adpfleet.runtime.model.config import ModelConfig, read_config_json
+
+    raw = read_config_json(path)
+    if engine == "adpfleet":
+        return ModelConfig.from_dict(raw, str(path / "config.json")).model_type
+    if not isinstance(raw.get("model_type"), str) or not raw["model_type"]:
+        raise ModelLoadError(f"{path / 'config.json'}: model_type must be a non-empty string (vLLM picks the "
+                             f"architecture by it); got {raw.get('model_type')!r}")
+    return raw["model_type"]

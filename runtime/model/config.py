@@ -13,7 +13,23 @@ from pathlib import Path
 from adpfleet.runtime.model.errors import ModelLoadError
 from adpfleet.runtime.model.registry import ConfigReader, architecture
 
-__all__ = ["ModelConfig", "ModelLoadError"]
+__all__ = ["ModelConfig", "ModelLoadError", "read_config_json"]
+
+
+def read_config_json(path: str | Path) -> dict:
+    """The JSON object of a model directory's `config.json`, or ModelLoadError (InvalidModel) saying why not."""
+    file = Path(path) / "config.json"
+    if not Path(path).is_dir():
+        raise ModelLoadError(f"model directory {path} does not exist")
+    if not file.is_file():
+        raise ModelLoadError(f"{file} is missing: a model directory needs a Hugging Face config.json")
+    try:
+        raw = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{file} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{file} must hold a JSON object")
+    return raw
 
 
 @dataclass(frozen=True)
@@ -79,18 +95,7 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelConfig":
-        file = Path(path) / "config.json"
-        if not Path(path).is_dir():
-            raise ModelLoadError(f"model directory {path} does not exist")
-        if not file.is_file():
-            raise ModelLoadError(f"{file} is missing: a model directory needs a Hugging Face config.json")
-        try:
-            raw = json.loads(file.read_text())
-        except json.JSONDecodeError as e:
-            raise ModelLoadError(f"{file} is not valid JSON: {e}") from None
-        if not isinstance(raw, dict):
-            raise ModelLoadError(f"{file} must hold a JSON object")
-        return cls.from_dict(raw, str(file))
+        return cls.from_dict(read_config_json(path), str(Path(path) / "config.json"))
 
     def to_hf_dict(self) -> dict:
         """The config.json a Hugging Face loader accepts for the same model."""

@@ -67,10 +67,11 @@ def test_a_vllm_server_runs_vllm_serve_on_the_cached_model_with_ranks_as_data_pa
     assert "--enable-mfu-metrics" in args
     assert args[-4:] == ["--dtype", "float32", "--max-model-len", "2048"]  # vllm.args as given, last
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "4"
-    # the model is fetched by adpfleet's image, as for adpfleet servers, into the cache vLLM reads
+    # the model is fetched by adpfleet's image, as for adpfleet servers, into the cache vLLM reads, and
+    # checked as vLLM will load it (an architecture adpfleet does not run is vLLM's to judge)
     fetch = pod["spec"]["initContainers"][0]
     assert fetch["image"] == "adpfleet:dev" and fetch["args"] == ["fetch-model", "hf://org/llama@main",
-                                                                  "--cache-dir", CACHE_MOUNT_PATH]
+                                                                  "--cache-dir", CACHE_MOUNT_PATH, "--engine", "vllm"]
     assert {"name": "model-cache", "mountPath": CACHE_MOUNT_PATH, "readOnly": True} in container["volumeMounts"]
     assert pod["metadata"]["labels"]["adpfleet.io/engine"] == "vllm"
     assert pod["metadata"]["labels"]["adpfleet.io/role"] == "aggregated"

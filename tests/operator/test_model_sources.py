@@ -52,7 +52,8 @@ def test_an_hf_source_is_fetched_by_an_init_container_into_the_cache_the_server_
     (fetch,) = pod["initContainers"]
     server = pod["containers"][0]
     assert fetch["name"] == "fetch-model" and fetch["command"] == ["adpfleet"]
-    assert fetch["args"] == ["fetch-model", "hf://acme/tiny-llama@v1", "--cache-dir", "/var/cache/adpfleet/models"]
+    assert fetch["args"] == ["fetch-model", "hf://acme/tiny-llama@v1", "--cache-dir", "/var/cache/adpfleet/models",
+                            "--engine", "adpfleet"]
     assert fetch["image"] == server["image"]  # the same image
     args = server["args"]
     assert args[args.index("--model") + 1:args.index("--model") + 4] == [
@@ -99,12 +100,13 @@ def test_a_pvc_source_is_mounted_read_only_where_the_runtime_looks_and_checked_f
         assert mounts(c)["/mnt/adpfleet/pvc/model-store"] == {"name": "model-source",
                                                               "mountPath": "/mnt/adpfleet/pvc/model-store",
                                                               "readOnly": True}
-    assert fetch["args"] == ["fetch-model", "pvc://model-store/llama/8b"]  # checks it the way loading would
+    # checks it the way loading would
+    assert fetch["args"] == ["fetch-model", "pvc://model-store/llama/8b", "--engine", "adpfleet"]
 
 
 def test_an_in_image_directory_is_checked_and_a_built_in_model_needs_no_init_container():
     directory = pod_spec({"uri": "/models/llama"})
-    assert directory["initContainers"][0]["args"] == ["fetch-model", "/models/llama"]
+    assert directory["initContainers"][0]["args"] == ["fetch-model", "/models/llama", "--engine", "adpfleet"]
     assert {v["name"] for v in directory["volumes"]} == {"scratch", "shm"}
     builtin = pod_spec({"name": "tiny"})
     assert "initContainers" not in builtin and {v["name"] for v in builtin["volumes"]} == {"scratch", "shm"}

@@ -163,6 +163,16 @@ def test_each_unavailable_model_has_its_reason_and_no_weights_are_downloaded(env
     assert not list((env / "cache").glob(f"*/{COMPLETE_MARKER}")), "no complete directory for a failure"
 
 
+def test_a_model_adpfleet_does_not_run_is_fetched_for_vllm_but_its_pickles_are_not(env, hub, checkpoints):
+    """vLLM judges the architecture (gpt2 is vLLM's to run); the safetensors rule stays (a *.bin is a pickle)."""
+    fetched = Path(resolve_model("hf://acme/gpt2", engine="vllm").path)
+    weights = sorted(p.name for p in checkpoints[2].glob("*.safetensors"))
+    assert weights and all((fetched / n).read_bytes() == (checkpoints[2] / n).read_bytes() for n in weights)
+    with pytest.raises(ModelSourceError) as err:
+        resolve_model("hf://acme/pickles", engine="vllm")
+    assert err.value.reason == "NoSafetensors"
+
+
 def test_a_dropped_connection_resumes_where_it_stopped(env, hub, tmp_path):
     """The client resumes with a Range request from the last chunk it wrote (it writes 10 MB
     chunks), so a connection dropped 11 MB into a 25 MB file is not downloaded from the start."""

@@ -73,6 +73,33 @@ def test_an_unusable_local_model_exits_with_its_reason(env, claim_root, capsys, 
     assert (failure.reason, failure.uri) == (reason, text)
 
 
+@pytest.mark.parametrize("breakage, reason, code", [
+    (None, None, 0),  # a model_type adpfleet does not run (falcon) is vLLM's to judge
+    ("no model_type", "InvalidModel", 17),
+    ("weights", "NoSafetensors", 15),  # a store's *.bin is a pickle: never fetched for loading
+    ("symlink", "UnsafeFileName", 25),
+])
+def test_a_model_for_vllm_is_checked_as_vllm_loads_it(env, claim_root, capsys, breakage, reason, code):
+    model = env / "model"
+    shutil.copytree(claim_root / "store" / "qwen2", model)
+    raw = {**json.loads((model / "config.json").read_text()), "model_type": "falcon"}
+    if breakage == "no model_type":
+        del raw["model_type"]
+    (model / "config.json").write_text(json.dumps(raw))
+    if breakage == "weights":
+        (model / "model.safetensors").rename(model / "pytorch_model.bin")
+    elif breakage == "symlink":
+        (model / "model.safetensors").rename(env / "outside.safetensors")
+        (model / "model.safetensors").symlink_to(env / "outside.safetensors")
+    assert main(["fetch-model", str(model), "--engine", "vllm"]) == code
+    out = capsys.readouterr()
+    if reason:
+        assert reason in out.err and parse_termination_message((env / "termination-log").read_text()).reason == reason
+    else:
+        assert out.out.strip() == str(model)
+        assert main(["fetch-model", str(model)]) == 16  # adpfleet's engine refuses what it does not run
+
+
 def test_fetch_model_does_not_import_torch(claim_root):
     code = (f"import sys; from adpfleet.cli import main; assert main(['fetch-model', '{claim_root}/store/qwen2']) == 0; "
             "assert 'torch' not in sys.modules, 'fetch-model imported torch'")

@@ -38,8 +38,10 @@ class ResolvedModel:
     revision: str | None = None  # hf: the commit it was fetched at
 
 
-def resolve_model(text: str, cache_dir: str | None = None, dest: str | None = None) -> ResolvedModel:
-    """The local model `text` names, fetching it first if it is remote and not in the cache."""
+def resolve_model(text: str, cache_dir: str | None = None, dest: str | None = None,
+                  engine: str = "adpfleet") -> ResolvedModel:
+    """The local model `text` names, fetching it first if it is remote and not in the cache (checked as
+    `engine` will load it before any weight byte)."""
     uri = parse_model_uri(text)
     try:
         if uri.kind == "builtin":
@@ -53,7 +55,7 @@ def resolve_model(text: str, cache_dir: str | None = None, dest: str | None = No
                 raise ModelSourceError(DIRECTORY_NOT_FOUND, f"model directory {path} does not exist")
             return ResolvedModel(str(path), uri.served_name)
         final = Path(dest) if dest else Path(uri.cache_dir(cache_dir or default_cache_root()))
-        marker = fill_once(final, lambda partial: _download(uri, partial))
+        marker = fill_once(final, lambda partial: _download(uri, partial, engine))
         log.info("%s is in %s%s", text, final, f" (revision {marker['revision']})" if marker.get("revision") else "")
         return ResolvedModel(str(final), uri.served_name, marker.get("revision"))
     except ModelSourceError as e:
@@ -61,8 +63,8 @@ def resolve_model(text: str, cache_dir: str | None = None, dest: str | None = No
         raise
 
 
-def _download(uri: ModelURI, partial: Path) -> dict:
-    from adpfleet.runtime.model.config import ModelConfig
+def _download(uri: ModelURI, partial: Path, engine: str) -> dict:
+    from adpfleet.runtime.model.checkpoint import check_config
 
     source = _source(uri)
     with _disk_errors(partial), source.errors():
@@ -73,10 +75,10 @@ def _download(uri: ModelURI, partial: Path) -> dict:
         label = f"hf://{uri.name}@{source.revision}" if uri.kind == "hf" else uri.uri  # the commit it pins
         metadata = metadata_files(listing)
         _fetch(source, metadata, listing, partial, label)
-        cfg = ModelConfig.from_dir(partial)  # refuses an unsupported model_type before the weights
+        model_type = check_config(partial, engine)  # refuses a model the engine cannot load before the weights
         weights = weight_files(listing, partial, uri.uri)
         total = sum(listing[n] for n in weights)
-        log.info("%s: %s, %d weight files", label, cfg.model_type, len(weights))
+        log.info("%s: %s, %d weight files", label, model_type, len(weights))
         t0 = time.monotonic()
         with Progress(partial, total + bytes_under(partial) - sum(size_of(partial / n) for n in weights), label):
             _fetch(source, weights, listing, partial, label)
@@ -133,15 +135,15 @@ def _disk_errors(directory: Path):
 
 
 def main(args) -> int:
-    """`adpfleet fetch-model URI [--dest DIR] [--cache-dir DIR]`: fetches (or finds) the model,
+    """`adpfleet fetch-model URI [--dest DIR] [--cache-dir DIR] [--engine E]`: fetches (or finds) the model,
     checks what loading would refuse first, prints the model's directory."""
     from adpfleet.runtime.model.checkpoint import check_model_dir
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    model = resolve_model(args.model, args.cache_dir, args.dest)
+    model = resolve_model(args.model, args.cache_dir, args.dest, args.engine)
     if parse_model_uri(args.model).kind != "builtin":
         try:
-            check_model_dir(Path(model.path))
+            check_model_dir(Path(model.path), args.engine)
         except ModelSourceError as e:
             e.uri = args.model
             raise
