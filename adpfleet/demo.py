@@ -86,9 +86,10 @@ class Plan:
         # --quick (CI) faults once the traffic is steady (it is from its first seconds), not a third
         # of the way in: the run stops 10 s after the recovery anyway
         window, scrape = (8, 2) if quick else (12, 3)
-        if engine == "vllm":  # the replacement's vLLM start (a minute or more) comes before its recovery
-            duration = 300 if quick else 360
-            return cls(engine, duration, 20 if quick else 60, window, scrape, 900, "aggregated")
+        if engine == "vllm":
+            # the replacement's vLLM start comes before its recovery: a minute on quiet cores, and more than
+            # 4.5 minutes beside the busy peer on 2 loaded ones (the run ends 10 s after the recovery anyway)
+            return cls(engine, 600 if quick else 720, 20 if quick else 60, window, scrape, 900, "aggregated")
         duration = 70 if quick else 150
         return cls(engine, duration, 12 if quick else duration / 3, window, scrape, 300, "generation")
 

@@ -30,7 +30,7 @@ def test_the_command_line_selects_the_vllm_plan_and_quick_keeps_its_window():
     assert (quick.role, quick.window, quick.scrape) == ("aggregated", adp.window, adp.scrape)
     assert adp.role == "generation" and (adp.duration, adp.fault_at) == (70, 12)  # the adpfleet run unchanged
     # the replacement's vLLM start comes before the recovery the quick run waits for
-    assert quick.duration - quick.fault_at >= 240 and quick.ready_timeout >= 600
+    assert quick.duration - quick.fault_at >= 540 and quick.ready_timeout >= 600  # > 4.5 min measured under load
     assert Plan.of("vllm", quick=False).duration >= quick.duration
 
 
