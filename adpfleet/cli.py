@@ -224,6 +224,9 @@ def _add_demo(sub) -> None:
     demo = sub.add_parser("demo", help="run the whole loop on this machine")
     demo.add_argument("--quick", action="store_true",
                       help="shortened run (CI): stop soon after the stall is remediated")
+    demo.add_argument("--engine", choices=("adpfleet", "vllm"), default="adpfleet",
+                      help="the fleet's engine: adpfleet's own (a frozen ADP rank), or the real vLLM (a frozen "
+                           "EngineCore; needs `scripts/setup --with-vllm`)")
     demo.add_argument("--keep", action="store_true", help="leave the cluster, operator and fleet running")
     demo.add_argument("--out", default="adpfleet-demo", help="directory for the plot and the summary JSON")
     demo.set_defaults(run="adpfleet.demo:main")

@@ -5,6 +5,11 @@ real `helm` chart, a small disaggregated fleet (1 context + 1 generation server,
 each, a router), client traffic with a live display, a rank frozen half-way (the server stays
 Running and Ready, and stops making progress), the operator detecting the stall and draining and
 restarting the server, and a summary with a plot of progress over time.
+
+`--engine vllm` tells the same story with the real vLLM (`scripts/setup --with-vllm`): two
+aggregated `vllm serve` servers of a tiny random Llama behind the router, one server's
+`VLLM::EngineCore` frozen from the node's side (SIGSTOP, while its engine runs requests: a vLLM
+engine frozen idle cannot be told from an idle one), the fleet serving on the peer meanwhile.
 """
 
 from __future__ import annotations
@@ -39,8 +44,9 @@ class Timeline:
     def now(self) -> float:
         return time.monotonic() - self.start
 
-    def mark(self, what: str) -> float:
-        t = self.now()
+    def mark(self, what: str, ago: float = 0.0) -> float:
+        """Note `what` as happening now, or `ago` seconds before now."""
+        t = self.now() - ago
         self.events.append((t, what))
         return t
 
@@ -59,19 +65,56 @@ class Traffic:
 
 
 API_KEY_SECRET = f"{FLEET}-api-key"
+# vLLM's CPU build here: a 1 GiB KV cache, and OpenMP threads left unbound (the pod's OMP_NUM_THREADS=1,
+# placed by the kernel): bound, every server (and a replacement's start) shared one core.
+VLLM_CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 
 
-def fleet_manifest(window: int, scrape: int) -> dict:
-    role = {"servers": 1, "adpRanks": 2, "engine": {"kvBlocks": 128, "collectiveTimeoutSeconds": 600}}
+@dataclass(frozen=True)
+class Plan:
+    """What the run does for its engine: how long, when the fault comes, which role is watched and frozen."""
+    engine: str
+    duration: float
+    fault_at: float
+    window: int
+    scrape: int
+    ready_timeout: float
+    role: str  # the role whose tokens the display counts and one of whose servers is frozen
+
+    @classmethod
+    def of(cls, engine: str, quick: bool) -> "Plan":
+        # --quick (CI) faults once the traffic is steady (it is from its first seconds), not a third
+        # of the way in: the run stops 10 s after the recovery anyway
+        window, scrape = (8, 2) if quick else (12, 3)
+        if engine == "vllm":
+            # the replacement's vLLM start comes before its recovery: a minute on quiet cores, and more than
+            # 4.5 minutes beside the busy peer on 2 loaded ones (the run ends 10 s after the recovery anyway)
+            return cls(engine, 600 if quick else 720, 20 if quick else 60, window, scrape, 900, "aggregated")
+        duration = 70 if quick else 150
+        return cls(engine, duration, 12 if quick else duration / 3, window, scrape, 300, "generation")
+
+
+def fleet_manifest(window: int, scrape: int, vllm_model: str | None = None) -> dict:
+    """The demo's fleet: adpfleet's engine, disaggregated; with `vllm_model` (a model directory on
+    this machine), two aggregated vLLM servers of it."""
+    # spec.image is adpfleet's: its servers, and for a vLLM fleet the router and the model check
+    spec = {"image": "adpfleet-runtime:demo", "auth": {"apiKeySecret": {"name": API_KEY_SECRET, "key": "key"}},
+            "router": {"replicas": 1},
+            "monitoring": {"scrapeIntervalSeconds": scrape},
+            "remediation": {"mode": "Auto", "stallWindowSeconds": window, "cooldownSeconds": 60,
+                            "drainTimeoutSeconds": 2}}
+    if vllm_model is None:
+        role = {"servers": 1, "adpRanks": 2, "engine": {"kvBlocks": 128, "collectiveTimeoutSeconds": 600}}
+        spec.update(model={"name": "tiny"}, context=role, generation=role,
+                    faultInjection=True)  # the demo freezes a rank on purpose
+    else:
+        # two servers: the peer serves while the frozen one is replaced (a vLLM start takes a minute or more)
+        spec.update(engine="vllm", model={"uri": vllm_model, "servedName": "tiny"},
+                    vllm={"image": "vllm/vllm-openai:v0.32.0", "args": ["--dtype", "float32", "--enforce-eager"]},
+                    aggregated={"servers": 2, "adpRanks": 1, "terminationGracePeriodSeconds": 5,
+                                "env": [{"name": k, "value": v} for k, v in VLLM_CPU_ENV.items()]})
     return {"apiVersion": "adpfleet.io/v1alpha1", "kind": "InferenceFleet",
-            "metadata": {"name": FLEET, "namespace": NAMESPACE},
-            "spec": {"image": "adpfleet-runtime:demo", "model": {"name": "tiny"},
-                     "auth": {"apiKeySecret": {"name": API_KEY_SECRET, "key": "key"}},
-                     "faultInjection": True,  # the demo freezes a rank on purpose
-                     "context": role, "generation": role, "router": {"replicas": 1},
-                     "monitoring": {"scrapeIntervalSeconds": scrape},
-                     "remediation": {"mode": "Auto", "stallWindowSeconds": window, "cooldownSeconds": 60,
-                                     "drainTimeoutSeconds": 2}}}
+            "metadata": {"name": FLEET, "namespace": NAMESPACE}, "spec": spec}
 
 
 def percentile(xs: list[float], q: float) -> float | None:
@@ -103,11 +146,12 @@ class Demo:
     def __init__(self, args):
         self.args = args
         self.quick = args.quick
-        self.duration = 70 if self.quick else 150
-        # --quick (CI) faults once the traffic is steady (it is from its first seconds), not a third
-        # of the way in: the run stops 10 s after the recovery anyway
-        self.fault_at = 12 if self.quick else self.duration / 3
-        self.window, self.scrape = (8, 2) if self.quick else (12, 3)
+        self.plan = Plan.of(getattr(args, "engine", "adpfleet"), self.quick)
+        self.duration, self.fault_at = self.plan.duration, self.plan.fault_at
+        self.window, self.scrape = self.plan.window, self.plan.scrape
+        self.vllm_model: str | None = None
+        self.before_fault: set[str] = set()    # uids of the serving role's pods when the fault came
+        self.first_tokens: dict[str, float] = {}  # pod uid -> when it had first generated tokens
         self.out = Path(args.out)
         self.timeline = Timeline()
         self.traffic = Traffic()
@@ -137,6 +181,19 @@ class Demo:
             self.binaries = ensure_binaries()
         except BinariesUnavailable as e:
             raise DemoError(f"{e}\nThe demo needs Go 1.26+ to build them once: run ./scripts/setup.") from None
+        if self.plan.engine == "vllm":
+            self.vllm_model = self.tiny_vllm_model()
+
+    def tiny_vllm_model(self) -> str:
+        from adpfleet.cluster import vllm_env, vllm_model
+
+        try:
+            vllm_env.locate()
+        except vllm_env.VllmUnavailable as e:
+            raise DemoError(f"{e}\n--engine vllm runs the real vLLM: build its environment once with "
+                            f"`scripts/setup --with-vllm` (./scripts/demo --engine vllm does).") from None
+        self.say("the tiny random Llama for vLLM (built once, cached beside the vLLM environment)")
+        return str(vllm_model.build_model())
 
     def cluster_up(self) -> None:
         from adpfleet.cluster.controlplane import ControlPlane
@@ -172,15 +229,17 @@ class Demo:
         self.helm("upgrade", "--install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--create-namespace",
                   "--set", f"watch.namespaces={{{NAMESPACE}}}", "--set", "operator.logFormat=plain",
                   "--wait", "--timeout", "180s")
-        self.say(f"applying InferenceFleet {FLEET!r}: tiny model, 1 context + 1 generation server x 2 ADP ranks, "
-                 f"router; stall window {self.window} s, scrape every {self.scrape} s, remediation Auto")
+        servers = ("1 context + 1 generation server x 2 ADP ranks" if self.plan.engine == "adpfleet"
+                   else "2 aggregated vLLM servers (vllm serve)")
+        self.say(f"applying InferenceFleet {FLEET!r}: tiny model, {servers}, router; stall window {self.window} s, "
+                 f"scrape every {self.scrape} s, remediation Auto")
         # The chart requires every fleet to have an API key (security.requireApiKey): the demo's own.
         self.api_key = secrets.token_urlsafe(24)
         self.kubectl("apply", "-f", "-", input=json.dumps({
             "apiVersion": "v1", "kind": "Secret", "metadata": {"name": API_KEY_SECRET, "namespace": NAMESPACE},
             "stringData": {"key": self.api_key}}))
-        self.kubectl("apply", "-f", "-", input=json.dumps(fleet_manifest(self.window, self.scrape)))
-        self.wait(lambda: self.condition("Ready") == "True", 300, "the fleet to become Ready")
+        self.kubectl("apply", "-f", "-", input=json.dumps(fleet_manifest(self.window, self.scrape, self.vllm_model)))
+        self.wait(lambda: self.condition("Ready") == "True", self.plan.ready_timeout, "the fleet to become Ready")
         self.timeline = Timeline()
         self.say("fleet Ready")
 
@@ -247,19 +306,28 @@ class Demo:
                 if not ok:
                     time.sleep(0.5)
 
-    def tokens_generated(self) -> float:
+    def samples(self, pod) -> dict:
+        """The server's ranks as the operator reads them (its engine's dialect); {} while it cannot say."""
         import httpx
 
+        from adpfleet.operator.adapters.dialects import ScrapeError, dialect_for
+
+        if not pod.status.pod_ip:
+            return {}
+        try:
+            return dialect_for(self.plan.engine).parse(
+                httpx.get(f"http://{pod.status.pod_ip}:8000/metrics", timeout=2).text)
+        except (httpx.HTTPError, ScrapeError):
+            return {}
+
+    def tokens_generated(self) -> float:
+        """Tokens the serving role's servers have generated; notes when each server first generated any."""
         total = 0.0
-        for pod in self.pods("generation"):
-            if not pod.status.pod_ip:
-                continue
-            try:
-                text = httpx.get(f"http://{pod.status.pod_ip}:8000/metrics", timeout=2).text
-            except httpx.HTTPError:
-                continue
-            total += sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                         if line.startswith("adpfleet_generation_tokens_total{"))
+        for pod in self.pods(self.plan.role):
+            tokens = sum(rank.generation_tokens for rank in self.samples(pod).values())
+            if tokens > 0:
+                self.first_tokens.setdefault(pod.metadata.uid, self.timeline.now())
+            total += tokens
         return total
 
     def observe(self) -> None:
@@ -289,6 +357,25 @@ class Demo:
             self.stop.wait(1.0)
 
     def inject_fault(self) -> None:
+        self.before_fault = {p.metadata.uid for p in self.pods(self.plan.role)}
+        (self.freeze_vllm_engine if self.plan.engine == "vllm" else self.freeze_rank)()
+
+    def freeze_vllm_engine(self) -> None:
+        """SIGSTOP one server's VLLM::EngineCore from the node's side, while its engine runs requests."""
+        from adpfleet.cluster import processes
+        from adpfleet.cluster.vllm_env import ENGINE_CORE
+
+        pods = {p.metadata.name: p for p in self.pods(self.plan.role)}
+
+        def running(name: str) -> float:
+            return sum(rank.requests_running or 0 for rank in self.samples(pods[name]).values())
+        victim, t_fault = processes.freeze_busy_pod({n: p.metadata.uid for n, p in pods.items()}, ENGINE_CORE,
+                                                    running)
+        self.fault_pod = victim
+        self.timeline.mark(f"Fault: froze {ENGINE_CORE} of {victim} (SIGSTOP from the node; it stays Running and "
+                           f"Ready, /health 200)", ago=time.time() - t_fault)
+
+    def freeze_rank(self) -> None:
         import httpx
 
         pod = self.pods("generation")[0]
@@ -360,10 +447,12 @@ class Demo:
         return counts
 
     def recovered_at(self) -> float | None:
+        """When a server that replaced the frozen one first generated tokens, after the remediation."""
         action = self.timeline.first("Remediation")
         if action is None:
             return None
-        return next((t for t, rate in self.timeline.samples if t > action and rate > 0), None)
+        return min((t for uid, t in self.first_tokens.items() if uid not in self.before_fault and t > action),
+                   default=None)
 
     # -- the end -------------------------------------------------------------------------------
     def summary(self) -> dict:
@@ -380,7 +469,8 @@ class Demo:
         after = [s for t, s in self.traffic.latencies if fault is not None and t >= fault]
         latency = {name: {"requests": len(xs), "p50_s": percentile(xs, 50), "p99_s": percentile(xs, 99)}
                    for name, xs in (("before_fault", before), ("from_fault", after))}
-        result = {"requests_completed": self.traffic.completed, "requests_failed": self.traffic.failed,
+        result = {"engine": self.plan.engine,
+                  "requests_completed": self.traffic.completed, "requests_failed": self.traffic.failed,
                   "errors": self.traffic.errors, "requests_retried": self.traffic.retried,
                   "requests_held": self.traffic.held, "router_retries": router.get("adpfleet_router_retries_total"),
                   "router_queued": router.get("adpfleet_router_queued_total"), "latency": latency,
@@ -420,7 +510,8 @@ class Demo:
         draw_marks(ax, [(label, self.timeline.first(prefix)) for prefix, label in MARKS])
         ax.set_xlabel("seconds")
         ax.set_ylabel("tokens/s")
-        ax.set_title("adpfleet demo: a frozen rank, detected and remediated")
+        ax.set_title(f"adpfleet demo: {'a frozen vLLM engine' if self.plan.engine == 'vllm' else 'a frozen rank'}, "
+                     f"detected and remediated")
         ax.legend(loc="upper right", fontsize=8)
         fig.tight_layout()
         self.out.mkdir(parents=True, exist_ok=True)

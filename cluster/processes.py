@@ -16,6 +16,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import psutil
 
@@ -162,6 +163,30 @@ def signal_pod_processes(pod_uid: str, title: str, sig: int) -> list[int]:
     for proc in targets:
         os.kill(proc.pid, sig)
     return [proc.pid for proc in targets]
+
+
+def freeze_busy_pod(pods: dict[str, str], title: str, running: Callable[[str], float], *, timeout: float = 60,
+                    tries: int = 5, settle_s: float = 0.5) -> tuple[str, float]:
+    """SIGSTOP the `title` processes of a pod (`pods`: name -> uid) whose engine runs 2 requests or
+    more (`running(name)`: what its /metrics say); (its name, the time.time() of the signal).
+
+    A vLLM engine's gauges are the state of its last step: one frozen just as its requests ended
+    reports 0 running and cannot be told from an idle one (docs/remediation.md, "Dialects"). So the
+    frozen engine's gauges are read again once its last outputs have reached them (`settle_s`), and
+    a freeze that caught no request running is thawed and tried again."""
+    deadline = time.monotonic() + timeout
+    for _ in range(tries):
+        while (busy := next((name for name in sorted(pods) if running(name) >= 2), None)) is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no pod of {sorted(pods)} ran 2 requests within {timeout:g} s")
+            time.sleep(0.05)
+        t_fault = time.time()
+        signal_pod_processes(pods[busy], title, signal.SIGSTOP)
+        time.sleep(settle_s)
+        if running(busy) >= 1:
+            return busy, t_fault
+        signal_pod_processes(pods[busy], title, signal.SIGCONT)
+    raise RuntimeError(f"{tries} freezes in a row caught an engine with no request running")
 
 
 def process_titles(roots: list[psutil.Process]) -> list[tuple[psutil.Process, str]]:

@@ -15,6 +15,9 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BUILD_SCRIPT = REPO_ROOT / "tools" / "vllm" / "build.sh"
+# The title of a DP=1 server's engine process (DP=N: VLLM::EngineCore_DP<r>): SIGSTOP it and the
+# server stays Running, Ready and answering /health while it produces nothing.
+ENGINE_CORE = "VLLM::EngineCore"
 _located: list["VllmEnvironment"] = []  # a found environment does not move; a missing one may be built later
 
 

@@ -32,6 +32,7 @@ RUN_BY = {
     ("remediation.md", "Rehearsing a stall (fault injection)"): "inject_as_documented",
 }
 RUNBOOKS_RUN_BY = "test_every_runbook_command_runs_against_the_release"
+VLLM_RUNBOOKS_RUN_BY = "test_a_frozen_vllm_engine_is_hung_and_only_its_server_is_replaced_with_no_request_lost"
 
 
 def _defined(name: str) -> bool:
@@ -45,7 +46,9 @@ def test_every_command_block_of_the_docs_is_run_by_a_test_or_says_why_not():
             if block.not_run:
                 reasons.append(block.not_run)
                 continue
-            runner = RUNBOOKS_RUN_BY if page.parent.name == "runbooks" else RUN_BY.get((page.name, block.section))
+            runner = RUN_BY.get((page.name, block.section))
+            if page.parent.name == "runbooks":
+                runner = VLLM_RUNBOOKS_RUN_BY if page.stem.endswith("-vllm") else RUNBOOKS_RUN_BY
             if runner is None or not all(_defined(name) for name in ([runner] if isinstance(runner, str) else runner)):
                 unrun.append(f"{block} (runner: {runner})")
     assert not unrun, "command blocks no test runs (run them, or mark them `<!-- not run by tests: why -->`):\n" + \

@@ -231,8 +231,8 @@ def test_install_runs_the_operator_under_its_service_account_and_it_reconciles_a
 
 
 # ---- every runbook command, run against this release and its fleet ---------------------------------
-# a vLLM fleet's runbook reads vllm: series, which the release's adpfleet fleet does not have (its page says which
-# tests cover what its commands read)
+# a vLLM fleet's runbook reads vllm: series, which the release's adpfleet fleet does not have: its commands run
+# against a vLLM fleet in tests/operator/test_vllm_fleet_e2e.py
 RUNBOOKS = sorted(p for p in (ROOT / "docs" / "runbooks").glob("*.md") if not p.stem.endswith("-vllm"))
 
 

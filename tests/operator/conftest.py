@@ -13,7 +13,7 @@ from adpfleet.cluster.apiproxy import CountingProxy  # noqa: E402
 from adpfleet.cluster.testing import wait_for  # noqa: E402
 from adpfleet.operator.resource import crd, names  # noqa: E402
 
-from operator_harness import Fleets, OperatorProcess  # noqa: E402
+from operator_harness import Fleets, operators  # noqa: E402
 
 CRD_FILE = Path(__file__).resolve().parents[2] / "crds" / crd.FILE_NAME
 
@@ -42,32 +42,15 @@ def fleets(k8s_cluster, k8s_namespace, fleet_crd) -> Fleets:
 
 @pytest.fixture
 def start_operator(api_proxy, k8s_namespace, fleets, tmp_path, request):
-    """start_operator(scope=None, **kwargs): an operator watching the test's namespace (or `scope`).
-    At the end the test's fleets are deleted while it still runs (it owns their finalizer), then it
-    is stopped; its log is printed when the test failed."""
-    started: list[OperatorProcess] = []
+    """start_operator(scope=None, **kwargs): an operator watching the test's namespace (or `scope`),
+    stopped after the test's fleets are deleted (`operator_harness.operators`); its log is printed
+    when the test failed."""
+    def failed() -> bool:
+        report = getattr(request.node, "rep_call", None)
+        return report is None or report.failed
 
-    def start(scope: list[str] | None = None, **kwargs) -> OperatorProcess:
-        op = OperatorProcess(api_proxy, tmp_path, scope or ["--namespace", k8s_namespace], **kwargs).start()
-        started.append(op)
-        return op
-
-    yield start
-    try:
-        for fleet in fleets.custom.list_namespaced_custom_object(names.GROUP, names.VERSION, fleets.ns,
-                                                                 names.PLURAL)["items"]:
-            fleets.delete(fleet["metadata"]["name"])
-        if any(op.running() for op in started):
-            wait_for(lambda: not fleets.custom.list_namespaced_custom_object(
-                names.GROUP, names.VERSION, fleets.ns, names.PLURAL)["items"], timeout=60,
-                what="the test's fleets to be deleted")
-    finally:
-        for op in started:
-            op.stop()
-        fleets.drop_finalizers()
-        failed = getattr(request.node, "rep_call", None)
-        if started and (failed is None or failed.failed):
-            print(f"---- operator log ({started[-1].log_path.parent}) ----\n{started[-1].log()[-20000:]}")
+    with operators(api_proxy, k8s_namespace, fleets, tmp_path, failed) as start:
+        yield start
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -4,6 +4,7 @@ request it made."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import socket
@@ -14,6 +15,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from kubernetes import client, watch
 from prometheus_client.parser import text_string_to_metric_families
@@ -219,6 +221,35 @@ class Fleets:
             for o in lister(self.ns, label_selector=selector).items:
                 out[(kind, o.metadata.name)] = o.metadata.resource_version
         return out
+
+
+@contextlib.contextmanager
+def operators(api_proxy: CountingProxy, namespace: str, fleets: Fleets, workdir: Path, failed: Callable[[], bool]):
+    """start(scope=None, **kwargs): operators watching `namespace` (or `scope`). On exit the
+    namespace's fleets are deleted while they still run (they own the finalizer), then they are
+    stopped; the last one's log is printed when `failed()`."""
+    started: list[OperatorProcess] = []
+
+    def start(scope: list[str] | None = None, **kwargs) -> OperatorProcess:
+        op = OperatorProcess(api_proxy, workdir, scope or ["--namespace", namespace], **kwargs).start()
+        started.append(op)
+        return op
+
+    yield start
+    try:
+        for fleet in fleets.custom.list_namespaced_custom_object(names.GROUP, names.VERSION, fleets.ns,
+                                                                 names.PLURAL)["items"]:
+            fleets.delete(fleet["metadata"]["name"])
+        if any(op.running() for op in started):
+            wait_for(lambda: not fleets.custom.list_namespaced_custom_object(
+                names.GROUP, names.VERSION, fleets.ns, names.PLURAL)["items"], timeout=60,
+                what="the test's fleets to be deleted")
+    finally:
+        for op in started:
+            op.stop()
+        fleets.drop_finalizers()
+        if started and failed():
+            print(f"---- operator log ({started[-1].log_path.parent}) ----\n{started[-1].log()[-20000:]}")
 
 
 def pod_ready(pod) -> bool:

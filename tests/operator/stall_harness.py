@@ -75,6 +75,7 @@ class Load:
     max_tokens: int = 24
     deadline: float = 90.0
     streaming: bool = False
+    api_key: str | None = None  # sent as a bearer token (a fleet with spec.auth refuses requests without it)
     outcomes: list[Outcome] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -97,7 +98,8 @@ class Load:
 
     def _client(self, i: int) -> None:
         n, streamed = 0, self.streaming and i % 2 == 1
-        with httpx.Client(timeout=httpx.Timeout(self.deadline, connect=5.0)) as http:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        with httpx.Client(timeout=httpx.Timeout(self.deadline, connect=5.0), headers=headers) as http:
             while not self._stop.is_set():
                 n += 1
                 body = {"prompt": f"client {i} request {n}: tell me about attention data parallelism " * 2,
