@@ -4,7 +4,8 @@ Fixtures:
     k8s_cluster    one control plane + node agent for the whole session (`LocalCluster`), checked
                    before each test module that uses it: a component an earlier test killed is
                    brought back, or the module fails with that component's log
-    k8s_namespace  a fresh namespace per test (its default service account exists), deleted after
+    k8s_namespace  a fresh namespace per test (its default service account exists), deleted after;
+                   `fresh_namespace` makes one (e.g. ahead of the test, for an operator to watch)
 
 Helpers on `LocalCluster`: `apply` (kubectl apply of YAML text, dicts or files), `kubectl`,
 `core` (the official client's CoreV1Api), `wait_for_pod`, `pod_ready`, `pod_events`; and
@@ -221,15 +222,23 @@ def _k8s_cluster_healthy_for_each_module(request: pytest.FixtureRequest):
         warnings.warn(ClusterRepaired(f"before {request.module.__name__}: {note}"), stacklevel=1)
 
 
-@pytest.fixture
-def k8s_namespace(k8s_cluster: LocalCluster, request: pytest.FixtureRequest):
+@contextlib.contextmanager
+def fresh_namespace(cluster: LocalCluster, test_name: str):
+    """A new namespace named after the test (and a random suffix), with its default service account;
+    deleted after."""
     from kubernetes import client
 
-    base = re.sub(r"[^a-z0-9-]+", "-", request.node.name.lower()).strip("-")[:48].strip("-")
+    base = re.sub(r"[^a-z0-9-]+", "-", test_name.lower()).strip("-")[:48].strip("-")
     name = f"{base}-{secrets.token_hex(3)}"
-    k8s_cluster.core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
+    cluster.core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
     # Pods are refused until the controller manager has created the namespace's default account.
-    wait_for(lambda: k8s_cluster.core.read_namespaced_service_account("default", name), timeout=30,
+    wait_for(lambda: cluster.core.read_namespaced_service_account("default", name), timeout=30,
              what=f"the default service account in {name}")
     yield name
-    k8s_cluster.core.delete_namespace(name)  # finishes in the background: the next test need not wait
+    cluster.core.delete_namespace(name)  # finishes in the background: the next test need not wait
+
+
+@pytest.fixture
+def k8s_namespace(k8s_cluster: LocalCluster, request: pytest.FixtureRequest):
+    with fresh_namespace(k8s_cluster, request.node.name) as name:
+        yield name

@@ -122,9 +122,13 @@ class OperatorProcess:
                 out[(s.name, frozenset(s.labels.items()))] = s.value
         return out
 
-    def metric(self, name: str, **labels) -> float:
-        return sum(v for (n, ls), v in self.metrics().items()
-                   if n == name and all(dict(ls).get(k) == v2 for k, v2 in labels.items()))
+    def metric(self, name: str, *, since: dict[tuple, float] | None = None, **labels) -> float:
+        """The sum of the samples of `name` with these labels; with `since` (an earlier `metrics()`),
+        what they grew by since then (a shared operator's counters count other tests' work too)."""
+        def total(samples: dict[tuple, float]) -> float:
+            return sum(v for (n, ls), v in samples.items()
+                       if n == name and all(dict(ls).get(k) == v2 for k, v2 in labels.items()))
+        return total(self.metrics()) - (total(since) if since is not None else 0)
 
 
 # ---- fleets ----
