@@ -124,9 +124,13 @@ class OperatorProcess:
                 out[(s.name, frozenset(s.labels.items()))] = s.value
         return out
 
-    def metric(self, name: str, **labels) -> float:
-        return sum(v for (n, ls), v in self.metrics().items()
-                   if n == name and all(dict(ls).get(k) == v2 for k, v2 in labels.items()))
+    def metric(self, name: str, *, since: dict[tuple, float] | None = None, **labels) -> float:
+        """The sum of the samples of `name` with these labels; with `since` (an earlier `metrics()`),
+        what they grew by since then (a shared operator's counters count other tests' work too)."""
+        def total(samples: dict[tuple, float]) -> float:
+            return sum(v for (n, ls), v in samples.items()
+                       if n == name and all(dict(ls).get(k) == v2 for k, v2 in labels.items()))
+        return total(self.metrics()) - (total(since) if since is not None else 0)
 
 
 # ---- fleets ----
@@ -237,19 +241,28 @@ def operators(api_proxy: CountingProxy, namespace: str, fleets: Fleets, workdir:
 
     yield start
     try:
-        for fleet in fleets.custom.list_namespaced_custom_object(names.GROUP, names.VERSION, fleets.ns,
-                                                                 names.PLURAL)["items"]:
-            fleets.delete(fleet["metadata"]["name"])
-        if any(op.running() for op in started):
-            wait_for(lambda: not fleets.custom.list_namespaced_custom_object(
-                names.GROUP, names.VERSION, fleets.ns, names.PLURAL)["items"], timeout=60,
-                what="the test's fleets to be deleted")
+        delete_fleets(fleets, any(op.running() for op in started))
     finally:
         for op in started:
             op.stop()
         fleets.drop_finalizers()
         if started and failed():
-            print(f"---- operator log ({started[-1].log_path.parent}) ----\n{started[-1].log()[-20000:]}")
+            print_log(started[-1])
+
+
+def delete_fleets(fleets: Fleets, operator_running: bool) -> None:
+    """Deletes the namespace's fleets; while an operator runs (it owns their finalizer), until they are gone."""
+    for fleet in fleets.custom.list_namespaced_custom_object(names.GROUP, names.VERSION, fleets.ns,
+                                                             names.PLURAL)["items"]:
+        fleets.delete(fleet["metadata"]["name"])
+    if operator_running:
+        wait_for(lambda: not fleets.custom.list_namespaced_custom_object(
+            names.GROUP, names.VERSION, fleets.ns, names.PLURAL)["items"], timeout=60,
+            what="the test's fleets to be deleted")
+
+
+def print_log(op: OperatorProcess) -> None:
+    print(f"---- operator log ({op.log_path.parent}) ----\n{op.log()[-20000:]}")
 
 
 def pod_ready(pod) -> bool:

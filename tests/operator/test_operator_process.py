@@ -1,5 +1,6 @@
 """The operator process itself: liveness from real heartbeats, /metrics, JSON logs, graceful
-shutdown, and namespace-scoped or cluster-wide watching."""
+shutdown, and namespace-scoped or cluster-wide watching. The tests that neither stop the operator
+nor give it flags share the module's (`module_operator`)."""
 
 import json
 import time
@@ -15,17 +16,19 @@ from specs import fleet_manifest
 
 
 @pytest.mark.k8s
-def test_metrics_count_reconciles_durations_and_every_api_request(start_operator, fleets):
-    op = start_operator()
+def test_metrics_count_reconciles_durations_and_every_api_request(module_operator, fleets):
+    op = module_operator  # shared with the module's other tests: its counters are read as what this fleet added
+    before = op.metrics()
     fleets.apply(fleet_manifest("demo", status_only=True, router={"enabled": False}))
     fleets.wait_ready("demo")
-    assert op.metric("adpfleet_operator_reconciles_total", result="ok") >= 1
-    assert op.metric("adpfleet_operator_reconcile_duration_seconds_count") >= 1
-    assert op.metric("adpfleet_operator_api_requests_total", verb="create", resource="pods") == 2
-    assert op.metric("adpfleet_operator_api_requests_total", verb="patch", resource="inferencefleets/status") >= 1
-    assert op.metric("adpfleet_operator_actions_total", action="CreateServer") == 2
-    assert op.metric("adpfleet_operator_fleets") == 1
-    assert op.metric("adpfleet_operator_reconcile_errors_total") == 0
+    assert op.metric("adpfleet_operator_reconciles_total", since=before, result="ok") >= 1
+    assert op.metric("adpfleet_operator_reconcile_duration_seconds_count", since=before) >= 1
+    assert op.metric("adpfleet_operator_api_requests_total", since=before, verb="create", resource="pods") == 2
+    assert op.metric("adpfleet_operator_api_requests_total", since=before, verb="patch",
+                     resource="inferencefleets/status") >= 1
+    assert op.metric("adpfleet_operator_actions_total", since=before, action="CreateServer") == 2
+    assert op.metric("adpfleet_operator_fleets") == 1  # a gauge: the earlier tests' fleets are gone
+    assert op.metric("adpfleet_operator_reconcile_errors_total", since=before) == 0
 
 
 @pytest.mark.k8s
@@ -94,13 +97,12 @@ def test_sigterm_stops_the_operator_promptly_and_cleanly(start_operator, fleets)
 
 
 @pytest.mark.k8s
-def test_a_namespace_scoped_operator_leaves_other_namespaces_alone(start_operator, fleets, k8s_cluster):
+def test_a_namespace_scoped_operator_leaves_other_namespaces_alone(module_operator, fleets, k8s_cluster):
     other = f"{fleets.ns[:50]}-other"
     k8s_cluster.core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=other)))
     try:
         elsewhere = Fleets(k8s_cluster, other)
         elsewhere.apply(fleet_manifest("stranger", status_only=True))
-        start_operator()
         fleets.apply(fleet_manifest("demo", status_only=True))
         fleets.wait_ready("demo")
         time.sleep(2)

@@ -3,6 +3,8 @@ them (status-only), so that many reconcile steps take seconds. Real servers: tes
 
 Every operator here is a real `adpfleet operator` process whose requests all pass through a
 counting proxy: write counts are measured from the outside, not taken from the operator's word.
+The tests that need no process of their own share the module's operator (`module_operator`), each
+with a namespace of its own; those that stop it, count its requests or give it flags start one.
 """
 
 import re
@@ -29,8 +31,7 @@ def names_of(pods):
     return [p.metadata.name for p in pods]
 
 
-def test_fleet_gets_its_servers_router_rbac_status_and_events(start_operator, fleets):
-    start_operator()
+def test_fleet_gets_its_servers_router_rbac_status_and_events(module_operator, fleets):
     fleets.apply(fleet_manifest("demo", status_only=True, context=role(2), generation=role(1)))
     fleet = fleets.wait_ready("demo")
 
@@ -56,8 +57,9 @@ def test_fleet_gets_its_servers_router_rbac_status_and_events(start_operator, fl
     assert conditions["Ready"]["reason"] == "AllServersReady"
     assert conditions["Progressing"]["status"] == "False" and conditions["Degraded"]["status"] == "False"
     assert all(c["observedGeneration"] == 1 and c["lastTransitionTime"] for c in conditions.values())
+    wait_for(lambda: fleets.events("FleetReady"), timeout=10, what="the FleetReady Event (written after the status)")
     created = fleets.events("CreatedServer")
-    assert len(created) == 1 and fleets.events("FleetReady")  # one Event per kind of change, naming each server
+    assert len(created) == 1  # one Event per kind of change, naming each server
     assert all(name in created[0].message for name in ("demo-context-0", "demo-context-1", "demo-generation-0"))
 
     row = printed_row(fleets, "demo")
@@ -90,8 +92,7 @@ def test_kubectl_get_shows_a_fleet_no_operator_watches_and_one_being_deleted(sta
     wait_for(lambda: row("unwatched")["DELETING"] != "", timeout=10, what="the DELETING column")
 
 
-def test_the_router_role_reads_pods_in_its_namespace_and_nothing_else(start_operator, fleets, k8s_cluster):
-    start_operator()
+def test_the_router_role_reads_pods_in_its_namespace_and_nothing_else(module_operator, fleets, k8s_cluster):
     fleets.apply(fleet_manifest("demo", status_only=True))
     fleets.wait_ready("demo")
     sa = f"system:serviceaccount:{fleets.ns}:demo-router"
@@ -104,8 +105,7 @@ def test_the_router_role_reads_pods_in_its_namespace_and_nothing_else(start_oper
     assert can("get", "secrets") == "no" and can("list", "pods", "default") == "no"
 
 
-def test_each_role_scales_up_and_down(start_operator, fleets):
-    start_operator()
+def test_each_role_scales_up_and_down(module_operator, fleets):
     fleets.apply(fleet_manifest("demo", status_only=True, context=role(1), generation=role(1)))
     fleets.wait_ready("demo")
     ready_since = fleets.condition("demo", "Ready")["lastTransitionTime"]
@@ -125,12 +125,13 @@ def test_each_role_scales_up_and_down(start_operator, fleets):
     counts = ("desired", "current", "updated", "ready", "servers")  # (and the role's lastScale, now it scaled)
     wait_for(lambda: {k: fleets.get("demo")["status"]["context"].get(k) for k in counts} == {
         "desired": 1, "current": 1, "updated": 1, "ready": 1, "servers": "1/1"}, timeout=10, what="the counts")
-    deleted = " ".join(e.message for e in fleets.events("DeletedServer"))
-    assert all(name in deleted for name in ("demo-context-1", "demo-context-2", "demo-generation-1"))
+    # a pass writes its Events after the status: the counts above can be read before the last of them
+    wait_for(lambda: all(name in " ".join(e.message for e in fleets.events("DeletedServer"))
+                         for name in ("demo-context-1", "demo-context-2", "demo-generation-1")), timeout=10,
+             what="a DeletedServer Event naming each scaled-down server")
 
 
-def test_a_spec_change_rolls_servers_one_at_a_time_never_leaving_a_role_without_a_ready_server(start_operator, fleets):
-    start_operator()
+def test_a_spec_change_rolls_servers_one_at_a_time_never_leaving_a_role_without_a_ready_server(module_operator, fleets):
     fleets.apply(fleet_manifest("demo", status_only=True, context=role(3), generation=role(1)))
     fleets.wait_ready("demo")
     before = {p.metadata.uid for p in fleets.pods("demo")}
@@ -160,8 +161,7 @@ def test_a_spec_change_rolls_servers_one_at_a_time_never_leaving_a_role_without_
     assert fleets.condition("demo", "Progressing")["observedGeneration"] == generation
 
 
-def test_a_server_deleted_by_hand_is_recreated_under_its_name(start_operator, fleets):
-    start_operator()
+def test_a_server_deleted_by_hand_is_recreated_under_its_name(module_operator, fleets):
     fleets.apply(fleet_manifest("demo", status_only=True, context=role(2), generation=role(1)))
     fleets.wait_ready("demo")
     victim = fleets.pods("demo", "context")[1]
@@ -215,8 +215,7 @@ def test_an_operator_restart_changes_nothing(start_operator, fleets, api_proxy):
     assert fleets.resource_versions("demo") == versions
 
 
-def test_deleting_the_fleet_removes_everything_it_created(start_operator, fleets):
-    start_operator()
+def test_deleting_the_fleet_removes_everything_it_created(module_operator, fleets):
     fleets.apply(fleet_manifest("demo", status_only=True, context=role(2), generation=role(1)))
     fleets.wait_ready("demo")
     assert len(fleets.owned_objects("demo")) >= 8
@@ -299,8 +298,7 @@ def test_the_security_objects_of_every_kind_of_fleet_are_accepted_by_the_api_ser
     assert refused.value.status == 422 and "endPort" in refused.value.body
 
 
-def test_a_server_that_cannot_be_scheduled_is_reported(start_operator, fleets):
-    start_operator()
+def test_a_server_that_cannot_be_scheduled_is_reported(module_operator, fleets):
     fleets.apply(fleet_manifest("demo", status_only=True, context=role(1, nodeSelector={"no-such": "node"})))
     wait_for(lambda: fleets.condition("demo", "Degraded").get("reason") == "ServersUnschedulable", timeout=30,
              what="Degraded/ServersUnschedulable")
@@ -308,8 +306,7 @@ def test_a_server_that_cannot_be_scheduled_is_reported(start_operator, fleets):
     assert fleets.condition("demo", "Progressing")["status"] == "True"
 
 
-def test_an_aggregated_fleet_runs_one_role_with_its_scale_target_budget_and_status(start_operator, fleets):
-    start_operator()
+def test_an_aggregated_fleet_runs_one_role_with_its_scale_target_budget_and_status(module_operator, fleets):
     manifest = fleet_manifest("agg", status_only=True, aggregated=role(2))
     del manifest["spec"]["context"], manifest["spec"]["generation"]
     fleets.apply(manifest)

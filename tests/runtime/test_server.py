@@ -103,6 +103,11 @@ def test_metrics_expose_every_counter_from_startup(server):
     assert 'adpfleet_kv_cache_capacity_blocks{role="aggregated",rank="0"} 64.0' in text
 
 
+def test_faults_are_refused_unless_enabled(server):
+    """This server runs without --fault-injection (test_faults.py injects them into servers with it)."""
+    assert httpx.post(server.url + "/faults", json={"kind": "freeze"}).status_code == 404
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_client_that_disconnects_aborts_its_request_and_frees_its_kv(server, stream):
     aborted = metric(server, "adpfleet_requests_finished_total", finish_reason="abort")
