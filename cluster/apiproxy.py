@@ -155,7 +155,9 @@ class CountingProxy:
             async def forward(request: web.Request) -> web.StreamResponse:
                 return await self._forward(session, request)
             app.router.add_route("*", "/{tail:.*}", forward)
-            runner = web.AppRunner(app, access_log=None, handle_signals=False)
+            # on stop, what is still open (a client's watch, held until the API server ends it) gets 1 s,
+            # then is cancelled: aiohttp's default would wait 60 s for it, past stop()'s join
+            runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
             await runner.setup()
             site = web.TCPSite(runner, "127.0.0.1", 0)
             await site.start()
