@@ -17,9 +17,10 @@ leading blocks of the prompt rank r holds (B tokens each), prefill[r] = P - B·h
      load term taken as the server's **busiest rank after placement**: ranks step in lockstep, so
      every pass of the server costs what its busiest rank scheduled;
   3. the cheapest server wins (ties: the lower URL) and the request carries `X-Data-Parallel-Rank: r*`.
-When no server's view holds even one block of the prompt (or the prompt cannot be read, or no
-server has a view), the request falls back to least-loaded and carries no hint: the server's
-dispatcher places it.
+When no rank in any server's view holds even one block of the prompt (or the prompt cannot be
+read, or no server has a view), the request falls back to least-loaded and carries no hint: the
+server's dispatcher places it. (A request moved off its hit rank by the bound still goes by the
+score, with its hint: the score has seen the load that moved it.)
 """
 
 from __future__ import annotations
@@ -50,9 +51,9 @@ class Pick:
     expected_block: bytes | None = None  # the last of those blocks (checked against the next snapshot)
 
 
-def score(ep: Endpoint, view: ServerView, hashes: Sequence[bytes], prompt: Prompt) -> Pick:
-    """The rank of one server for `prompt` and what choosing it costs (see the module's formula)."""
-    hits = view.hits(hashes)
+def score(ep: Endpoint, view: ServerView, hashes: Sequence[bytes], hits: Sequence[int], prompt: Prompt) -> Pick:
+    """The rank of one server for `prompt` (whose blocks are `hashes`, of which rank r holds the
+    first hits[r]) and what choosing it costs (see the module's formula)."""
     load = view.load()
     prefill = [len(prompt.token_ids) - h * view.tokens_per_block for h in hits]
     adds = [p + prompt.max_tokens for p in prefill]
@@ -64,9 +65,10 @@ def score(ep: Endpoint, view: ServerView, hashes: Sequence[bytes], prompt: Promp
 
 def best_by_prefix(views: Mapping[Endpoint, ServerView], candidates: Sequence[Endpoint],
                    prompt: Prompt) -> Pick | None:
-    """The cheapest (server, rank) among `candidates` with a view, or None when none holds a block."""
+    """The cheapest (server, rank) among `candidates` with a view, or None when no rank of them
+    holds a block of the prompt."""
     hashes_by_size: dict[int, list[bytes]] = {}
-    picks = []
+    picks, matched = [], False
     for ep in candidates:
         view = views.get(ep)
         if view is None:
@@ -74,8 +76,10 @@ def best_by_prefix(views: Mapping[Endpoint, ServerView], candidates: Sequence[En
         size = view.tokens_per_block
         if size not in hashes_by_size:
             hashes_by_size[size] = block_hash.prefix_hashes(prompt.token_ids, size)
-        picks.append(score(ep, view, hashes_by_size[size], prompt))
-    if not any(p.hit_blocks for p in picks):
+        hits = view.hits(hashes_by_size[size])
+        matched = matched or any(hits)
+        picks.append(score(ep, view, hashes_by_size[size], hits, prompt))
+    if not matched:
         return None
     return min(picks, key=lambda p: (p.cost, p.server.url))
 
