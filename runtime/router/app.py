@@ -184,6 +184,7 @@ class RouterFront:
         self.router: Router | None = None
         self.parsing: ThreadPoolExecutor | None = None
         self.prompts = self._prompt_reader(config)
+        self.views: PrefixViews | None = None
 
     # -- start and stop ------------------------------------------------------------------------
     @contextlib.asynccontextmanager
@@ -192,9 +193,9 @@ class RouterFront:
         http = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), trust_env=False,
                                  limits=httpx.Limits(max_connections=None, max_keepalive_connections=512))
         queue = RequestQueue(config.queue_size, config.queue_timeout, self.metrics, config.queue_max_bytes)
-        views = None
+        views = self.views = None
         if self.prompts is not None:
-            views = PrefixViews(self.pool, self.metrics, http, snapshot_headers(
+            views = self.views = PrefixViews(self.pool, self.metrics, http, snapshot_headers(
                 config.credentials.upstream_headers, config.credentials.api_key), config.cache_poll_interval)
         self.router = Router(self.pool, self.metrics, http, queue, request_timeout=config.request_timeout,
                              max_attempts=config.max_attempts, first_token_timeout=config.first_token_timeout,
@@ -227,10 +228,14 @@ class RouterFront:
         return PromptReader(config.tokenizer)
 
     async def _prompt(self, path: str, body: dict) -> Prompt | None:
-        """The prompt's tokens for the cache-aware policy, read off the event loop (tokenizing takes a while)."""
+        """The prompt's tokens for the cache-aware policy, read off the event loop (tokenizing takes
+        a while), once the view of the caches covers every request that has ended (prefix_view.py)."""
         if self.prompts is None:
             return None
-        return await asyncio.get_running_loop().run_in_executor(self.parsing, self.prompts.read, path, body)
+        prompt = await asyncio.get_running_loop().run_in_executor(self.parsing, self.prompts.read, path, body)
+        if prompt is not None:
+            await self.views.fresh()
+        return prompt
 
     def _discover(self, queue: RequestQueue) -> KubeDiscovery | None:
         """Fill the pool — from Kubernetes (the discovery returned runs until stopped) or from the

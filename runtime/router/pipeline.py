@@ -222,24 +222,25 @@ class Router:
         return pick
 
     # -- talking to one server ---------------------------------------------------------------
-    def _acquire(self, server: Endpoint) -> None:
-        self.pool.acquire(server)
+    def _acquire(self, pick: Pick) -> None:
+        self.pool.acquire(pick.server)
         self.metrics.set_in_flight(self.pool.in_flight())
 
-    def _release(self, server: Endpoint) -> None:
-        self.pool.release(server)
+    def _release(self, pick: Pick) -> None:
+        self.pool.release(pick.server)
         self.metrics.set_in_flight(self.pool.in_flight())
+        self.selector.request_ended(pick)
 
     async def _post(self, state: _Attempt, pick: Pick, path: str, body: dict) -> tuple[int, bytes]:
         server = state.waiting_on = pick.server
-        self._acquire(server)
+        self._acquire(pick)
         try:
             resp = await self.http.post(server.url + path, json=body, headers=_headers(state, pick))
             return resp.status_code, resp.content
         except httpx.HTTPError as e:
             raise AttemptFailed(_transport_failure(server, e)) from None
         finally:
-            self._release(server)
+            self._release(pick)
 
     async def _answer_from(self, state: _Attempt, pick: Pick, path: str, body: dict,
                            stream: bool) -> Answer | Relay:
@@ -256,7 +257,7 @@ class Router:
             return Answer(200, raw)
 
         state.waiting_on = server
-        self._acquire(server)
+        self._acquire(pick)
         resp: httpx.Response | None = None
         relay: Relay | None = None
         try:
@@ -279,7 +280,7 @@ class Router:
                 held.append(event.raw)
                 if event.is_done or event.has_output:
                     relay = Relay(held, events, server)
-                    relay.on_close += [self._releaser(server), resp.aclose]  # run last to first
+                    relay.on_close += [self._releaser(pick), resp.aclose]  # run last to first
                     return relay
             raise AttemptFailed(Failure("server_error", "the stream ended before any token", server))
         except httpx.HTTPError as e:
@@ -288,11 +289,11 @@ class Router:
             if relay is None:
                 if resp is not None:
                     await resp.aclose()
-                self._release(server)
+                self._release(pick)
 
-    def _releaser(self, server: Endpoint):
+    def _releaser(self, pick: Pick):
         async def release() -> None:
-            self._release(server)
+            self._release(pick)
         return release
 
     # -- after the point of no return --------------------------------------------------------

@@ -48,25 +48,27 @@ class Pick:
     hit_blocks: int = 0  # the leading blocks of the prompt the router expects that rank to hold
     prefill: int = 0  # prompt tokens the rank still has to compute, as the router expects
     cost: float = 0.0
+    tokens: int = 0  # the load it adds to that rank: its prefill plus max_tokens
     expected_block: bytes | None = None  # the last of those blocks (checked against the next snapshot)
 
 
-def score(ep: Endpoint, view: ServerView, hashes: Sequence[bytes], hits: Sequence[int], prompt: Prompt) -> Pick:
+def score(ep: Endpoint, view: ServerView, load: Sequence[int], hashes: Sequence[bytes], hits: Sequence[int],
+          prompt: Prompt) -> Pick:
     """The rank of one server for `prompt` (whose blocks are `hashes`, of which rank r holds the
-    first hits[r]) and what choosing it costs (see the module's formula)."""
-    load = view.load()
+    first hits[r]; `load` its ranks' pending tokens) and what choosing it costs (see the module's
+    formula)."""
     prefill = [len(prompt.token_ids) - h * view.tokens_per_block for h in hits]
     adds = [p + prompt.max_tokens for p in prefill]
     rank = place(load, adds, hits, view.bound)
     busiest = max([load[rank] + adds[rank]] + [load[r] for r in range(len(load)) if r != rank])
-    return Pick(ep, rank, hits[rank], prefill[rank], OVERLAP_WEIGHT * prefill[rank] + busiest,
+    return Pick(ep, rank, hits[rank], prefill[rank], OVERLAP_WEIGHT * prefill[rank] + busiest, adds[rank],
                 hashes[hits[rank] - 1] if hits[rank] else None)
 
 
-def best_by_prefix(views: Mapping[Endpoint, ServerView], candidates: Sequence[Endpoint],
-                   prompt: Prompt) -> Pick | None:
+def best_by_prefix(views: Mapping[Endpoint, ServerView], candidates: Sequence[Endpoint], prompt: Prompt,
+                   routed: Mapping[Endpoint, Sequence[int]] | None = None) -> Pick | None:
     """The cheapest (server, rank) among `candidates` with a view, or None when no rank of them
-    holds a block of the prompt."""
+    holds a block of the prompt. `routed`: this router's tokens in flight by server and rank."""
     hashes_by_size: dict[int, list[bytes]] = {}
     picks, matched = [], False
     for ep in candidates:
@@ -78,7 +80,8 @@ def best_by_prefix(views: Mapping[Endpoint, ServerView], candidates: Sequence[En
             hashes_by_size[size] = block_hash.prefix_hashes(prompt.token_ids, size)
         hits = view.hits(hashes_by_size[size])
         matched = matched or any(hits)
-        picks.append(score(ep, view, hashes_by_size[size], hits, prompt))
+        load = view.load((routed or {}).get(ep, ()))
+        picks.append(score(ep, view, load, hashes_by_size[size], hits, prompt))
     if not matched:
         return None
     return min(picks, key=lambda p: (p.cost, p.server.url))
@@ -106,15 +109,23 @@ class Selector:
             self._count("unread")
             return None
         candidates = [ep for ep in self.pool.usable(role, now) if ep not in avoid]
-        chosen = best_by_prefix(self.views.views, candidates, prompt)
+        chosen = best_by_prefix(self.views.views, candidates, prompt, self.views.routed)
         if chosen is None:
             self._count("no_match")
             return None
         self._count("prefix")
-        self.views.sent(chosen.server, chosen.rank, chosen.prefill + prompt.max_tokens, chosen.expected_block)
+        self.views.sent(chosen.server, chosen.rank, chosen.tokens, chosen.expected_block)
         if self.metrics is not None:
             self.metrics.prefix_predicted_tokens.inc(len(prompt.token_ids) - chosen.prefill)
         return chosen
+
+    def request_ended(self, pick: Pick) -> None:
+        """The request `pick` was for ended on its server (answered, failed, or abandoned)."""
+        if self.views is None or pick.server.role not in PREFIX_ROLES:
+            return
+        if pick.rank is not None:
+            self.views.ended(pick.server, pick.rank, pick.tokens)
+        self.views.request_ended()
 
     def _count(self, decision: str) -> None:
         if self.metrics is not None:

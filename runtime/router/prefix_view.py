@@ -4,9 +4,11 @@ Every `interval` seconds the poller reads `GET /internal/prefix_cache` (`serving
 of every context and aggregated server in the pool, with the fleet's internal token, and keeps one
 `ServerView` per server: the chained block hashes each rank's cache holds, each rank's pending
 tokens, the server's imbalance bound. Nothing here is guessed from where the router sent requests,
-except one thing: the tokens it sent to a rank since that rank's last snapshot are added to the
-snapshot's pending tokens (`ServerView.sent`), so that a burst between two polls spreads instead
-of piling on the rank the last snapshot showed idle.
+except the load of one rank: the larger of its pending tokens in the snapshot and the tokens of
+the requests this router has in flight on it (`PrefixViews.routed`: prefill still expected plus
+max_tokens, from the choice until the request ends). So a burst between two snapshots spreads
+instead of piling on the rank the last one showed idle, requests on their way count, and the
+requests of other routers count through the snapshot.
 
 **Staleness.** The server's snapshot lags a rank's cache by at most one pass plus the pipe
 (`executor/rank_cache_view.py`); the router's copy is at most `interval` + one poll's round trip
@@ -24,9 +26,9 @@ scheme) has no view: it is routed by load only, and each outcome is counted
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -42,6 +44,9 @@ from adpfleet.runtime.serving.rank_routing import SNAPSHOT_PATH
 log = logging.getLogger("adpfleet.router")
 
 PREFIX_ROLES = ("context", "aggregated")  # generation servers pull their KV: chosen by load
+# Polls follow the end of a request on any server (at most one round every MIN_GAP_S), else every
+# interval; a request routed by prefix waits for the round that covers the last end, at most FRESH_WAIT_S.
+MIN_GAP_S, FRESH_WAIT_S = 0.02, 0.05
 _HEX_HASH = re.compile(r"[0-9a-f]{64}")
 
 
@@ -56,11 +61,7 @@ class ServerView:
     bound: float
     cache: RankCacheView  # the blocks each rank holds
     pending: list[int]  # pending tokens by rank, as the server counted them
-    sent: list[int] = field(default_factory=list)  # tokens the router sent to each rank since
     expected: list[tuple[int, bytes]] = field(default_factory=list)  # (rank, last block a request expects)
-
-    def __post_init__(self):
-        self.sent = self.sent or [0] * len(self.pending)
 
     def hits(self, hashes: Sequence[bytes]) -> list[int]:
         """Per rank, how many leading blocks of `hashes` it holds."""
@@ -69,8 +70,10 @@ class ServerView:
     def holds(self, rank: int, block: bytes) -> bool:
         return rank < len(self.pending) and self.cache.hits([block])[rank] == 1
 
-    def load(self) -> list[int]:
-        return [p + s for p, s in zip(self.pending, self.sent)]
+    def load(self, routed: Sequence[int] = ()) -> list[int]:
+        """Per rank, the larger of the snapshot's pending tokens and what this router has in flight there."""
+        routed = list(routed) + [0] * (len(self.pending) - len(routed))
+        return [max(p, r) for p, r in zip(self.pending, routed)]
 
 
 def parse_snapshot(body) -> ServerView:
@@ -107,18 +110,49 @@ class PrefixViews:
                  interval: float):
         self.pool, self.metrics, self.http, self.headers, self.interval = pool, metrics, http, headers, interval
         self.views: dict[Endpoint, ServerView] = {}
+        self.routed: dict[Endpoint, list[int]] = {}  # tokens of this router's requests in flight, by rank
         self._outcome: dict[Endpoint, str] = {}  # the last outcome per server, to log changes only
+        self._wake = asyncio.Event()  # a request ended on a server: poll now, not at the interval
+        self._rounds = [0, 0]  # poll rounds started, finished
+        self._needed = 0  # the round that covers the last request ended
+        self._round_done = asyncio.Event()
 
     async def poll_forever(self) -> None:
         while True:
-            started = time.monotonic()
+            self._wake.clear()
+            self._rounds[0] += 1
             await self.poll_once()
-            await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
+            self._rounds[1] += 1
+            self._round_done.set()
+            self._round_done = asyncio.Event()
+            await asyncio.sleep(MIN_GAP_S)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.interval - MIN_GAP_S)
+
+    def request_ended(self) -> None:
+        """A request ended on a server (its blocks are in its next snapshot): poll again at once,
+        and let `fresh` wait for that poll."""
+        self._needed = self._rounds[0] + 1
+        self._wake.set()
+
+    async def fresh(self, limit: float = FRESH_WAIT_S) -> None:
+        """Until a poll has started since the last request ended, for at most `limit` seconds: the
+        next turn of a conversation, sent as the last one's answer ended, finds its blocks."""
+        deadline = asyncio.get_running_loop().time() + limit
+        while self._rounds[1] < self._needed:
+            remaining = deadline - asyncio.get_running_loop().time()
+            if remaining <= 0:
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._round_done.wait(), remaining)
 
     async def poll_once(self) -> None:
         servers = [ep for ep in self.pool.endpoints() if ep.role in PREFIX_ROLES]
         for gone in self.views.keys() - set(servers):
             del self.views[gone]
+        for gone in self.routed.keys() - set(servers):
+            if not any(self.routed[gone]):
+                del self.routed[gone]
         await asyncio.gather(*(self._poll(ep) for ep in servers))
 
     async def _poll(self, ep: Endpoint) -> None:
@@ -154,13 +188,19 @@ class PrefixViews:
             self.metrics.prefix_predictions.labels("held" if new.holds(rank, block) else "missing").inc()
 
     def sent(self, ep: Endpoint, rank: int, tokens: int, expected_block: bytes | None) -> None:
-        """The router sent `tokens` of work to (ep, rank), expecting it to hold `expected_block`."""
+        """The router sends `tokens` of work to (ep, rank), expecting it to hold `expected_block`."""
+        routed = self.routed.setdefault(ep, [])
+        routed += [0] * (rank + 1 - len(routed))
+        routed[rank] += tokens
         view = self.views.get(ep)
-        if view is None or rank >= len(view.sent):
-            return
-        view.sent[rank] += tokens
-        if expected_block is not None:
+        if view is not None and expected_block is not None:
             view.expected.append((rank, expected_block))
+
+    def ended(self, ep: Endpoint, rank: int, tokens: int) -> None:
+        """A request `sent` ended (answered, failed or abandoned)."""
+        routed = self.routed.get(ep)
+        if routed is not None and rank < len(routed):
+            routed[rank] = max(0, routed[rank] - tokens)
 
 
 def snapshot_headers(internal_headers: Callable[[str | None], dict], api_key: str | None) -> dict:

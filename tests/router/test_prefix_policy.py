@@ -98,8 +98,16 @@ def test_a_prediction_the_next_snapshot_does_not_bear_out_is_counted_missing():
     prefix_views = PrefixViews(pool, metrics, None, {}, 1.0)
     prefix_views.views = views(z=([5, 3], [0, 0]))
     pick = Selector(pool, "cache-aware", prefix_views, metrics).pick("aggregated", 0.0, set(), Prompt(PROMPT, 8))
-    assert (pick.rank, pick.hit_blocks) == (0, 5) and prefix_views.views[Z].load() == [12 + 8, 0]
+    assert (pick.rank, pick.hit_blocks) == (0, 5) and prefix_views.routed[Z] == [12 + 8]
     prefix_views._replace(Z, parse_snapshot(snapshot([4, 3], [0, 0], PROMPT)))  # block 5 evicted meanwhile
     count = {s.labels["outcome"]: s.value for s in metrics.prefix_predictions.collect()[0].samples
              if s.name.endswith("_total")}
     assert count == {"held": 0, "missing": 1}
+
+
+def test_a_rank_counts_the_larger_of_its_snapshot_and_the_requests_this_router_has_on_it():
+    view = parse_snapshot(snapshot([0, 0], [30, 100], PROMPT))
+    assert view.load([50, 40]) == [50, 100] and view.load() == [30, 100]
+    pick = best_by_prefix({Z: parse_snapshot(snapshot([5, 0], [0, 0], PROMPT))}, [Z], Prompt(PROMPT, 8),
+                          routed={Z: [200, 0]})
+    assert (pick.rank, pick.hit_blocks) == (1, 0)  # the rank with the hit is busy with this router's requests
