@@ -47,6 +47,7 @@ PREFIX_ROLES = ("context", "aggregated")  # generation servers pull their KV: ch
 # Polls follow the end of a request on any server (at most one round every MIN_GAP_S), else every
 # interval; a request routed by prefix waits for the round that covers the last end, at most FRESH_WAIT_S.
 MIN_GAP_S, FRESH_WAIT_S = 0.02, 0.05
+POLL_TIMEOUT_S = 2.0  # a server slower than this to answer is unreachable for the round
 _HEX_HASH = re.compile(r"[0-9a-f]{64}")
 
 
@@ -121,7 +122,10 @@ class PrefixViews:
         while True:
             self._wake.clear()
             self._rounds[0] += 1
-            await self.poll_once()
+            try:
+                await self.poll_once()
+            except Exception:  # noqa: BLE001 - a bug here must not freeze the view for good
+                log.exception("polling the prefix-cache snapshots failed")
             self._rounds[1] += 1
             self._round_done.set()
             self._round_done = asyncio.Event()
@@ -157,8 +161,7 @@ class PrefixViews:
 
     async def _poll(self, ep: Endpoint) -> None:
         try:
-            resp = await self.http.get(ep.url + SNAPSHOT_PATH, headers=self.headers,
-                                       timeout=max(1.0, 2 * self.interval))
+            resp = await self.http.get(ep.url + SNAPSHOT_PATH, headers=self.headers, timeout=POLL_TIMEOUT_S)
             if resp.status_code != 200:
                 outcome, why = "refused", f"HTTP {resp.status_code}"
             else:
