@@ -13,17 +13,19 @@ The workload (closed loop): `--sessions` sessions of `--turns` turns; sessions i
 resends, then the new user turn) and streams `--max-tokens` tokens (ignore_eos). `hot`: every
 session shares one system prompt (the lockstep-imbalance case).
 
-Reported per arm (ratios against least-loaded, today's router, measured in the same run):
+Reported per arm (ratios against least-loaded, today's router, measured in the same run: the
+table's "x LL" is the median over rounds of each round's ratio; the JSON has the pooled ones too):
 TTFT p50 / p99 (the router's first streamed output), throughput (completion tokens / wall time of
 the run), prefill tokens computed (the servers' `adpfleet_prompt_tokens_total`: hits skipped), hit
 tokens (`adpfleet_prefix_cache_hits_total`) against the ideal — one unbounded cache that held every
-prompt block of every request finished before this one was sent — rank imbalance (max/mean of the
+prompt block of every request whose prompt was computed (first token streamed) before this one
+was sent — rank imbalance (max/mean of the
 ranks' pending tokens in the servers' snapshots, sampled every 0.1 s while a server has work: the
 quantity the bound keeps under 1.25; the servers export no per-pass scheduled-token series), and
 vetoed passes (`adpfleet_forward_vetoed_total`). The machine is shared (2 cores, other jobs): the
 numbers are contended, the arms interleaved so that the ratios hold.
 
-    .venv/bin/python bench/prefix_routing.py                       # ~10 min on 2 busy cores
+    .venv/bin/python bench/prefix_routing.py                       # ~15 min on 2 busy cores
     .venv/bin/python bench/prefix_routing.py --quick               # a smoke run
 """
 
@@ -139,12 +141,12 @@ async def sample_imbalance(fleet: Fleet, samples: list[float], stop: asyncio.Eve
 
 
 def ideal_hit_tokens(sent: list[Sent]) -> int:
-    """Hit tokens of one unbounded cache holding every prompt block of the requests finished
-    before each request was sent."""
-    finished = sorted(sent, key=lambda r: r.done)
+    """Hit tokens of one unbounded cache holding every prompt block of the requests whose prompt
+    was computed (their first token streamed) before each request was sent."""
+    finished = sorted(sent, key=lambda r: r.first)
     total, held, i = 0, set(), 0
     for r in sorted(sent, key=lambda r: r.sent):
-        while i < len(finished) and finished[i].done <= r.sent:
+        while i < len(finished) and finished[i].first <= r.sent:
             held.update(block_hash.block_hashes(finished[i].prompt, B))
             i += 1
         hits = 0
@@ -205,11 +207,18 @@ def summarize(runs: list[dict]) -> dict:
             "router": runs[-1].get("router", {})}
 
 
-def with_ratios(arms: dict[str, dict]) -> dict[str, dict]:
+RATIOS = ("ttft_p50_s", "ttft_p99_s", "throughput_tok_s", "prefill_tokens")
+
+
+def with_ratios(arms: dict[str, dict], runs: dict[str, list[dict]]) -> dict[str, dict]:
+    """Each arm against least-loaded: pooled over the rounds, and the median of the rounds' own
+    ratios (the arms of one round ran back to back: the machine's load drifts less within one)."""
     base = arms[BASELINE]
-    for arm in arms.values():
-        arm["vs_least_loaded"] = {k: arm[k] / base[k] if base[k] else None
-                                  for k in ("ttft_p50_s", "ttft_p99_s", "throughput_tok_s", "prefill_tokens")}
+    for policy, arm in arms.items():
+        arm["vs_least_loaded"] = {k: arm[k] / base[k] if base[k] else None for k in RATIOS}
+        per_round = [(summarize([mine]), summarize([theirs])) for mine, theirs in zip(runs[policy], runs[BASELINE])]
+        arm["vs_least_loaded_per_round_median"] = {
+            k: statistics.median(m[k] / b[k] for m, b in per_round if b[k]) for k in RATIOS}
     return arms
 
 
@@ -217,13 +226,14 @@ def table(results: dict) -> str:
     rows = []
     for name, arms in results.items():
         for policy, a in arms.items():
-            r = a["vs_least_loaded"]
+            r = a["vs_least_loaded_per_round_median"]
             rows.append([name, policy, a["requests"], a["ttft_p50_s"] * 1000, r["ttft_p50_s"], a["ttft_p99_s"] * 1000,
-                         r["ttft_p99_s"], a["throughput_tok_s"], int(a["prefill_tokens"]), r["prefill_tokens"],
+                         r["ttft_p99_s"], a["throughput_tok_s"], r["throughput_tok_s"], int(a["prefill_tokens"]),
+                         r["prefill_tokens"],
                          a["hit_rate"], a["hit_vs_ideal"], a["imbalance_mean"], a["imbalance_p90"],
                          int(a["vetoed_passes"])])
     return format_table(["workload", "policy", "reqs", "TTFT p50 ms", "x LL", "TTFT p99 ms", "x LL", "tok/s",
-                         "prefill tok", "x LL", "hit rate", "hit/ideal", "imbal mean", "imbal p90", "vetoed"], rows)
+                         "x LL", "prefill tok", "x LL", "hit rate", "hit/ideal", "imbal mean", "imbal p90", "vetoed"], rows)
 
 
 def router_counts(router: RouterProcess) -> dict:
@@ -261,7 +271,7 @@ async def bench(fleet: Fleet, workloads: dict[str, tuple[Workload, int]], vocab:
                 runs[policy].append(run)
                 print(f"  {name} round {rnd + 1}/{rounds} {policy}: {run['requests']} requests in {run['wall_s']:.1f} s,"
                       f" TTFT p50 {percentile(run['ttft'], 0.5) * 1000:.0f} ms", flush=True)
-        results[name] = with_ratios({p: summarize(r) for p, r in runs.items()})
+        results[name] = with_ratios({p: summarize(r) for p, r in runs.items()}, runs)
     return results
 
 
@@ -272,16 +282,17 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=4, help="sessions sharing one system prompt")
     ap.add_argument("--system", type=int, default=384, help="system prompt tokens")
     ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--rounds", type=int, default=2, help="rounds of the chat workload (the hot one runs once)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of the chat workload")
+    ap.add_argument("--hot-rounds", type=int, default=2, help="rounds of the hot-prefix workload")
     ap.add_argument("--kv-blocks", type=int, default=512)
     ap.add_argument("--quick", action="store_true", help="a smoke run: 4 sessions x 2 turns, one round")
     ap.add_argument("--json", type=Path, default=DEFAULT_OUT)
     args = ap.parse_args()
     if args.quick:
-        args.sessions, args.turns, args.system, args.rounds = 4, 2, 128, 1
+        args.sessions, args.turns, args.system, args.rounds, args.hot_rounds = 4, 2, 128, 1, 1
     chat = Workload(args.sessions, args.turns, args.group, args.system, args.max_tokens)
     hot = Workload(args.sessions, args.turns, args.sessions, args.system, args.max_tokens)
-    workloads = {"chat": (chat, args.rounds), "hot": (hot, 1)}
+    workloads = {"chat": (chat, args.rounds), "hot": (hot, args.hot_rounds)}
     model = MODELS["small"]
     with tempfile.TemporaryDirectory(prefix="prefix-routing-") as tmp:
         model_dir, logs = Path(tmp) / "model", Path(tmp) / "logs"

@@ -155,3 +155,22 @@ def test_a_snapshot_that_refuses_or_lies_does_not_break_routing(liar, snapshot, 
     # a refused or unreadable snapshot leaves the server without a view (routed by load); a
     # well-formed lie is believed: the request goes with its rank hint and costs only a miss
     assert router.metric("adpfleet_router_prefix_decisions_total", decision="prefix") == chosen + (outcome == "ok")
+
+
+def test_in_a_disaggregated_fleet_the_context_rank_is_chosen_by_prefix(log_dir, server_trio):
+    ctx, gen = server_trio["context"], server_trio["generation"]
+    router = RouterProcess(log_dir, "--context", ctx.url, "--generation", gen.url, "--tokenizer", "tiny",
+                           "--cache-poll-interval", "600", "--health-interval", "0.5")
+    try:
+        router.wait_healthy().wait_usable(context=1, generation=1)
+        turn1 = [5 + i % 250 for i in range(4 * B + 3)]
+        before = finished([ctx])
+        client(router).completions.create(model="tiny", prompt=turn1, max_tokens=4)
+        (rank,) = settled([ctx], before, 1)
+        before, hits_before = finished([ctx]), hits([ctx])
+        client(router).completions.create(model="tiny", prompt=turn1 + [9] * B, max_tokens=4)
+        assert set(settled([ctx], before, 1)) == {rank}
+        assert delta(hits([ctx]), hits_before).get(rank, 0) >= 4 * B
+        assert router.metric("adpfleet_router_prefix_decisions_total", decision="prefix") == 1
+    finally:
+        router.stop()
