@@ -14,6 +14,7 @@ import sys
 from adpfleet.contract.engines import ADPFLEET, ENGINES
 from adpfleet.contract.env import LEADER_ADDRESS_ENV
 from adpfleet.contract.ports import SERVER_GROUP_PORT
+from adpfleet.contract.router_policy import DEFAULT_ROUTER_POLICY, ROUTER_POLICIES
 
 from adpfleet.model_uri import CACHE_ENV, ModelSourceError, write_termination_message
 
@@ -167,6 +168,16 @@ def _add_router(sub) -> None:
     router.add_argument("--queue-max-bytes", type=int, default=None,
                         help="bytes the bodies of the held requests may take in memory in all (parsed JSON); one "
                              "more is answered 429 with Retry-After at once (default 256 MiB)")
+    router.add_argument("--policy", choices=ROUTER_POLICIES, default=DEFAULT_ROUTER_POLICY,
+                        help="how servers are chosen: cache-aware (context and aggregated servers, and their ADP "
+                             "rank, by the prefill they save and their load; generation servers by load), "
+                             "least-loaded (fewest requests in flight), round-robin")
+    router.add_argument("--tokenizer", default=None, metavar="MODEL",
+                        help="cache-aware: the servers' --model (a built-in name or a model directory), to tokenize "
+                             "prompts as they do; without it every request is routed by load")
+    router.add_argument("--cache-poll-interval", type=float, default=0.5, metavar="SECONDS",
+                        help="cache-aware: seconds between polls of each server's GET /internal/prefix_cache (how "
+                             "stale the router's view of the caches may be)")
     _add_http_args(router)
     router.set_defaults(run="adpfleet.runtime.router.app:main")
 

@@ -13,4 +13,5 @@ node agent runs without kopf or pydantic (tests/test_layering.py keeps it so).
     quantity       Kubernetes resource quantities: the grammar and a parser
     pod_requests   what the scheduler reserves for a pod (Kubernetes' PodRequests)
     name_patterns  names a model source may use (Hugging Face repositories, buckets, claims)
+    router_policy  the router's policies (its --policy, the CRD's router.policy)
 """

@@ -26,12 +26,13 @@ from adpfleet.operator.decisions import gang as gangs
 from adpfleet.operator.decisions import engines, pod_template
 from adpfleet.operator.decisions.engines import adpfleet as adpfleet_engine
 from adpfleet.contract import quantity
+from adpfleet.contract.router_policy import CACHE_AWARE
 from adpfleet.operator.resource import names
 from adpfleet.operator.resource.names import FleetRef
 from adpfleet.operator.resource.engine import LABEL_ENGINE
 from adpfleet.operator.resource.kube_types import Resources
 from adpfleet.operator.resource.model_source import ModelSource
-from adpfleet.operator.resource.models import FleetSpec, RouterSpec
+from adpfleet.operator.resource.models import FleetSpec
 from adpfleet.operator.resource.server_role import GangScheduling
 
 
@@ -322,11 +323,16 @@ def group_services(fleet: FleetRef, spec: FleetSpec) -> list[dict]:
 
 # ---- router ----
 
-def router_args(fleet: FleetRef, router: RouterSpec) -> list[str]:
-    return ["router", "--host", "$(POD_IP)", "--port", str(names.ROUTER_HTTP_PORT),
+def router_args(fleet: FleetRef, spec: FleetSpec) -> list[str]:
+    router = spec.router
+    args = ["router", "--host", "$(POD_IP)", "--port", str(names.ROUTER_HTTP_PORT),
             "--kube-namespace", "$(POD_NAMESPACE)", "--kube-selector", names.discovery_selector(fleet.name),
             "--server-port", str(names.SERVER_HTTP_PORT),
-            "--queue-size", str(router.queue_size), "--queue-timeout", str(router.queue_timeout_seconds)]
+            "--queue-size", str(router.queue_size), "--queue-timeout", str(router.queue_timeout_seconds),
+            "--policy", router.policy]
+    if router.policy == CACHE_AWARE and spec.model.parsed.kind in ("builtin", "directory"):
+        args += ["--tokenizer", spec.model.source]  # the router has the image, not the download cache
+    return args
 
 
 def _with_hash(manifest: dict) -> dict:
@@ -351,7 +357,7 @@ def router_objects(fleet: FleetRef, spec: FleetSpec) -> list[dict]:
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["adpfleet"],
-        "args": router_args(fleet, spec.router),
+        "args": router_args(fleet, spec),
         "env": _downward_env() + SCRATCH_ENV_VARS,
         "ports": [{"name": "http", "containerPort": names.ROUTER_HTTP_PORT, "protocol": "TCP"}],
         # Ready while it listens, not only while servers are usable: it holds requests it cannot place

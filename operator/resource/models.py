@@ -12,6 +12,7 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
+from adpfleet.contract.router_policy import DEFAULT_ROUTER_POLICY, ROUTER_POLICIES
 from adpfleet.model_uri import BUILTIN_MODELS
 from adpfleet.operator.resource import names
 from adpfleet.operator.resource.cel import CelRule, KubeModel, cel_list
@@ -38,6 +39,14 @@ class RouterSpec(KubeModel):
     queue_timeout_seconds: int = Field(60, ge=1, le=3600,
                                        description="How long a held request waits in all for a server before the "
                                                    "router answers 503 with Retry-After (router --queue-timeout).")
+    policy: Literal[ROUTER_POLICIES] = Field(
+        DEFAULT_ROUTER_POLICY,
+        description="How the router chooses servers (router --policy). cache-aware: context and aggregated servers, "
+                    "and their ADP rank, by the prefill their prefix cache saves and their load (the servers' "
+                    "GET /internal/prefix_cache, polled every 0.5 s; generation servers by load); it tokenizes "
+                    "prompts with the model's tokenizer, which it can load for a built-in model or a directory in "
+                    "the image, and routes by load otherwise. least-loaded: fewest requests in flight. "
+                    "round-robin: in turn.")
     pod_template: RouterPodTemplate | None = Field(None, description=" ".join(RouterPodTemplate.__doc__.split()))
     disruption_budget: DisruptionBudget = Field(default_factory=DisruptionBudget,
                                                 description="The router's PodDisruptionBudget.")

@@ -4,7 +4,10 @@ One request, top to bottom (`app.py` → `pipeline.py`):
 
 1. `discovery.py` keeps the `ServerPool` (`pool.py`) up to date — a static list of URLs, or the
    fleet's pods watched in Kubernetes (pod IP, readiness, role label, drain annotation);
-2. the pool picks the least-loaded usable server(s) for the request;
+2. the policy (`policy.py`) picks the usable server(s) for the request: least-loaded, round
+   robin, or — the default — cache-aware: context and aggregated servers, and their ADP rank, by
+   the prefill they save (what each rank holds: `prefix_view.py`, from the servers' snapshots;
+   the prompt's blocks: `prompt_tokens.py`, hashed as the engine does) and their load;
 3. disaggregated: the context server answers the prompt's first token plus `disaggregated_params`
    (the KV handle); the generation server gets the client's body plus those params, pulls the KV
    and answers the whole request, which the router relays (SSE for streams);

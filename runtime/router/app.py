@@ -17,6 +17,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from adpfleet.runtime.router.discovery import KubeDiscovery, static_endpoints
 from adpfleet.runtime.router.metrics import CONTENT_TYPE, RouterMetrics
 from adpfleet.runtime.router.pipeline import Relay, Router
+from adpfleet.contract.router_policy import CACHE_AWARE, DEFAULT_ROUTER_POLICY, ROUTER_POLICIES
+from adpfleet.runtime.router.policy import Selector
+from adpfleet.runtime.router.prefix_view import PrefixViews, snapshot_headers
+from adpfleet.runtime.router.prompt_tokens import Prompt, PromptReader
 from adpfleet.runtime.router.retry import error_body
 from adpfleet.runtime.router.pool import ROLES, ServerPool
 from adpfleet.runtime.router.queue import DEFAULT_MAX_BYTES as DEFAULT_QUEUE_MAX_BYTES
@@ -52,6 +56,9 @@ class RouterConfig:
     enable_docs: bool = False
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     read_timeout: float = DEFAULT_READ_TIMEOUT_S
+    policy: str = DEFAULT_ROUTER_POLICY
+    tokenizer: str | None = None  # cache-aware: the servers' model, to tokenize prompts as they do
+    cache_poll_interval: float = 0.5
 
     @classmethod
     def from_args(cls, args) -> "RouterConfig":
@@ -63,7 +70,8 @@ class RouterConfig:
                      max_attempts=args.max_attempts, first_token_timeout=args.first_token_timeout,
                      health_interval=args.health_interval, queue_size=args.queue_size,
                      queue_timeout=args.queue_timeout, credentials=Credentials.from_args(args),
-                     enable_docs=args.enable_docs, **limits)
+                     enable_docs=args.enable_docs, policy=args.policy, tokenizer=args.tokenizer,
+                     cache_poll_interval=args.cache_poll_interval, **limits)
         config.validate()
         return config
 
@@ -90,6 +98,10 @@ class RouterConfig:
                             ("--max-request-bytes", self.max_request_bytes), ("--read-timeout", self.read_timeout)):
             if not value > 0:
                 raise ValueError(f"{name} must be positive, got {value}")
+        if self.policy not in ROUTER_POLICIES:
+            raise ValueError(f"--policy must be one of {', '.join(ROUTER_POLICIES)}, got {self.policy!r}")
+        if not self.cache_poll_interval > 0:
+            raise ValueError(f"--cache-poll-interval must be positive, got {self.cache_poll_interval}")
         if self.first_token_timeout is not None and not self.first_token_timeout > 0:
             raise ValueError(f"--first-token-timeout must be positive, got {self.first_token_timeout}")
         if self.queue_size < 0:
@@ -171,6 +183,8 @@ class RouterFront:
         self.metrics = RouterMetrics()
         self.router: Router | None = None
         self.parsing: ThreadPoolExecutor | None = None
+        self.prompts = self._prompt_reader(config)
+        self.views: PrefixViews | None = None
 
     # -- start and stop ------------------------------------------------------------------------
     @contextlib.asynccontextmanager
@@ -179,20 +193,49 @@ class RouterFront:
         http = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), trust_env=False,
                                  limits=httpx.Limits(max_connections=None, max_keepalive_connections=512))
         queue = RequestQueue(config.queue_size, config.queue_timeout, self.metrics, config.queue_max_bytes)
+        views = self.views = None
+        if self.prompts is not None:
+            views = self.views = PrefixViews(self.pool, self.metrics, http, snapshot_headers(
+                config.credentials.upstream_headers, config.credentials.api_key), config.cache_poll_interval)
         self.router = Router(self.pool, self.metrics, http, queue, request_timeout=config.request_timeout,
-                             max_attempts=config.max_attempts, first_token_timeout=config.first_token_timeout)
+                             max_attempts=config.max_attempts, first_token_timeout=config.first_token_timeout,
+                             selector=Selector(self.pool, config.policy, views, self.metrics))
         self.parsing = ThreadPoolExecutor(PARSE_THREADS, thread_name_prefix="parse")
         discovery = self._discover(queue)
-        prober = asyncio.create_task(probe_forever(self.pool, http, config.health_interval,
-                                                   config.credentials.upstream_headers(None), queue.notify))
+        tasks = [asyncio.create_task(probe_forever(self.pool, http, config.health_interval,
+                                                   config.credentials.upstream_headers(None), queue.notify))]
+        if views is not None:
+            tasks.append(asyncio.create_task(views.poll_forever()))
         try:
             yield
         finally:
-            prober.cancel()
+            for task in tasks:
+                task.cancel()
             if discovery is not None:
                 discovery.stop()
             await http.aclose()
             self.parsing.shutdown(wait=False, cancel_futures=True)
+
+    @staticmethod
+    def _prompt_reader(config: RouterConfig) -> PromptReader | None:
+        """The cache-aware policy's tokenizer; None (every request by load) for the other policies."""
+        if config.policy != CACHE_AWARE:
+            return None
+        if config.tokenizer is None:
+            log.warning("--policy cache-aware without --tokenizer: the router cannot compute the prompts' blocks, "
+                        "so every request is routed by load (give --tokenizer, the servers' --model)")
+            return None
+        return PromptReader(config.tokenizer)
+
+    async def _prompt(self, path: str, body: dict) -> Prompt | None:
+        """The prompt's tokens for the cache-aware policy, read off the event loop (tokenizing takes
+        a while), once the view of the caches covers every request that has ended (prefix_view.py)."""
+        if self.prompts is None:
+            return None
+        prompt = await asyncio.get_running_loop().run_in_executor(self.parsing, self.prompts.read, path, body)
+        if prompt is not None:
+            await self.views.fresh()
+        return prompt
 
     def _discover(self, queue: RequestQueue) -> KubeDiscovery | None:
         """Fill the pool — from Kubernetes (the discovery returned runs until stopped) or from the
@@ -230,8 +273,9 @@ class RouterFront:
         deadline = asyncio.get_running_loop().time() + self.config.request_timeout
         upstream = self.config.credentials.upstream_headers(request.headers.get("authorization"))
         try:
+            prompt = await self._prompt(path, body.fields)
             outcome = await until_disconnect(request, self.router.prepare(path, body.fields, deadline, upstream,
-                                                                          body.footprint))
+                                                                          body.footprint, prompt))
         except ClientGone:
             self.metrics.requests.labels("client_closed").inc()
             return Response(status_code=499)

@@ -36,6 +36,28 @@ class RouterMetrics:
         self.queue_wait = Histogram("adpfleet_router_queue_wait_seconds", "Time requests waited for a usable server.",
                                     buckets=(0.01, 0.1, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300),
                                     registry=self.registry)
+        self.prefix_snapshots = Counter(
+            "adpfleet_router_prefix_snapshots", "Polls of the servers' GET /internal/prefix_cache, by outcome: ok, "
+            "refused (not 200), unreachable, bad_snapshot (not the expected JSON); a server without a good one is "
+            "routed by load.", ["outcome"], registry=self.registry)
+        self.prefix_decisions = Counter(
+            "adpfleet_router_prefix_decisions", "Cache-aware choices of a context or aggregated server: prefix (a "
+            "(server, rank) holding part of the prompt, named by X-Data-Parallel-Rank), no_match (no view holds a "
+            "block of it: least-loaded), unread (no tokenizer, or a body the server will refuse: least-loaded).",
+            ["decision"], registry=self.registry)
+        self.prefix_predicted_tokens = Counter(
+            "adpfleet_router_prefix_predicted_hit_tokens", "Prompt tokens the router expected the ranks it chose to "
+            "hold (compare with the servers' adpfleet_prefix_cache_hits_total).", registry=self.registry)
+        self.prefix_predictions = Counter(
+            "adpfleet_router_prefix_predictions", "Requests sent to a rank for its prefix, by whether the rank's "
+            "next snapshot still held the last block expected: held, missing (the view was wrong or stale).",
+            ["outcome"], registry=self.registry)
+        for label in ("ok", "refused", "unreachable", "bad_snapshot"):
+            self.prefix_snapshots.labels(label)
+        for label in ("prefix", "no_match", "unread"):
+            self.prefix_decisions.labels(label)
+        for label in ("held", "missing"):
+            self.prefix_predictions.labels(label)
         for reason in REASONS:
             self.errors.labels(reason)
         for outcome in ("placed", "full", "over_bytes", "timeout", "left"):  # queue.OUTCOMES (queue.py imports this)

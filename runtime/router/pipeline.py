@@ -23,9 +23,12 @@ from adpfleet.runtime.router import sse
 from adpfleet.runtime.router.metrics import RouterMetrics
 from adpfleet.runtime.router.retry import (Failure, error_body, failure_from_status, final_error, is_client_error,
                                             retry_after, servers_to_avoid, should_retry)
+from adpfleet.runtime.router.policy import Pick, Selector
 from adpfleet.runtime.router.pool import ROLES, Endpoint, ServerPool
+from adpfleet.runtime.router.prompt_tokens import Prompt
 from adpfleet.runtime.router.queue import RequestQueue
 from adpfleet.runtime.serving.limits import RETRY_AFTER_S
+from adpfleet.runtime.serving.rank_routing import RANK_HEADER
 
 log = logging.getLogger("adpfleet.router")
 
@@ -82,17 +85,20 @@ def _transport_failure(server: Endpoint, exc: httpx.HTTPError) -> Failure:
 
 class Router:
     def __init__(self, pool: ServerPool, metrics: RouterMetrics, http: httpx.AsyncClient, queue: RequestQueue, *,
-                 request_timeout: float, max_attempts: int, first_token_timeout: float | None = None):
+                 request_timeout: float, max_attempts: int, first_token_timeout: float | None = None,
+                 selector: Selector | None = None):
         self.pool, self.metrics, self.http, self.queue = pool, metrics, http, queue
+        self.selector = selector or Selector(pool)
         self.request_timeout, self.max_attempts = request_timeout, max_attempts
         self.first_token_timeout = first_token_timeout
 
     # -- the attempts ------------------------------------------------------------------------
     async def prepare(self, path: str, body: dict, deadline: float, headers: dict | None = None,
-                      body_bytes: int = 0) -> Answer | Relay:
+                      body_bytes: int = 0, prompt: Prompt | None = None) -> Answer | Relay:
         """Attempts until one succeeds, a server rejects the input (4xx), or none is left.
         `headers` go to every server (the credential, see auth.Credentials.upstream_headers);
-        `body_bytes`: what `body` takes in memory, counted by the queue while it waits."""
+        `body_bytes`: what `body` takes in memory, counted by the queue while it waits;
+        `prompt`: its tokens, for the cache-aware policy (None: chosen by load)."""
         loop = asyncio.get_running_loop()
         failures: list[Failure] = []
         avoid: set[Endpoint] = set()
@@ -118,7 +124,7 @@ class Router:
             limit = deadline if not self.first_token_timeout else min(deadline, loop.time() + self.first_token_timeout)
             try:
                 async with asyncio.timeout_at(limit):
-                    return told(await self._attempt(state, path, body, avoid))
+                    return told(await self._attempt(state, path, body, avoid, prompt))
             except AttemptFailed as e:
                 failure = e.failure
             except TimeoutError:
@@ -173,17 +179,19 @@ class Router:
         return "usable: " + ", ".join(f"{role} {len(self.pool.usable(role, now))} of {len(self.pool.endpoints(role))}"
                                       for role in ROLES)
 
-    async def _attempt(self, state: _Attempt, path: str, body: dict, avoid: set[Endpoint]) -> Answer | Relay:
+    async def _attempt(self, state: _Attempt, path: str, body: dict, avoid: set[Endpoint],
+                       prompt: Prompt | None) -> Answer | Relay:
         stream = bool(body.get("stream"))
         mode = self.pool.mode(time.monotonic())
         if mode is None:  # _wait_for_server just saw usable servers, with no await since
             raise AttemptFailed(Failure("no_server", "no usable server"))
         if mode == "aggregated":
-            return await self._answer_from(state, self._pick("aggregated", avoid), path, body, stream)
+            return await self._answer_from(state, self._pick("aggregated", avoid, prompt), path, body, stream)
 
-        ctx = state.context = self._pick("context", avoid)
+        ctx_pick = self._pick("context", avoid, prompt)
+        ctx = state.context = ctx_pick.server
         ctx_body = {k: v for k, v in body.items() if k != "stream_options"} | {"stream": False}
-        status, raw = await self._post(state, ctx, path, ctx_body)
+        status, raw = await self._post(state, ctx_pick, path, ctx_body)
         if is_client_error(status, raw):
             return Answer(status, raw)
         if status != 200:
@@ -204,40 +212,42 @@ class Router:
         if not _kv_on_host(params.get("kv_endpoint"), ctx):  # the generation server trusts what the router sends
             raise AttemptFailed(Failure("bad_response", "the context server named a KV endpoint on another host",
                                         ctx, detail=f"{str(params.get('kv_endpoint'))[:80]!r}"))
-        gen = self._pick("generation", avoid)
+        gen = self._pick("generation", avoid, None)  # it pulls the prompt's KV: chosen by load
         return await self._answer_from(state, gen, path, {**body, "disaggregated_params": params}, stream)
 
-    def _pick(self, role: str, avoid: set[Endpoint]) -> Endpoint:
-        ep = self.pool.pick(role, time.monotonic(), avoid)
-        if ep is None:  # the pool changed since mode() was asked
+    def _pick(self, role: str, avoid: set[Endpoint], prompt: Prompt | None) -> Pick:
+        pick = self.selector.pick(role, time.monotonic(), avoid, prompt)
+        if pick is None:  # the pool changed since mode() was asked
             raise AttemptFailed(Failure("no_server", f"no {role} server is known"))
-        return ep
+        return pick
 
     # -- talking to one server ---------------------------------------------------------------
-    def _acquire(self, server: Endpoint) -> None:
-        self.pool.acquire(server)
+    def _acquire(self, pick: Pick) -> None:
+        self.pool.acquire(pick.server)
         self.metrics.set_in_flight(self.pool.in_flight())
 
-    def _release(self, server: Endpoint) -> None:
-        self.pool.release(server)
+    def _release(self, pick: Pick) -> None:
+        self.pool.release(pick.server)
         self.metrics.set_in_flight(self.pool.in_flight())
+        self.selector.request_ended(pick)
 
-    async def _post(self, state: _Attempt, server: Endpoint, path: str, body: dict) -> tuple[int, bytes]:
-        state.waiting_on = server
-        self._acquire(server)
+    async def _post(self, state: _Attempt, pick: Pick, path: str, body: dict) -> tuple[int, bytes]:
+        server = state.waiting_on = pick.server
+        self._acquire(pick)
         try:
-            resp = await self.http.post(server.url + path, json=body, headers=state.headers)
+            resp = await self.http.post(server.url + path, json=body, headers=_headers(state, pick))
             return resp.status_code, resp.content
         except httpx.HTTPError as e:
             raise AttemptFailed(_transport_failure(server, e)) from None
         finally:
-            self._release(server)
+            self._release(pick)
 
-    async def _answer_from(self, state: _Attempt, server: Endpoint, path: str, body: dict,
+    async def _answer_from(self, state: _Attempt, pick: Pick, path: str, body: dict,
                            stream: bool) -> Answer | Relay:
         """The server that answers the whole request (generation or aggregated)."""
+        server = pick.server
         if not stream:
-            status, raw = await self._post(state, server, path, body)
+            status, raw = await self._post(state, pick, path, body)
             if is_client_error(status, raw):
                 return Answer(status, raw)
             if status != 200:
@@ -247,12 +257,12 @@ class Router:
             return Answer(200, raw)
 
         state.waiting_on = server
-        self._acquire(server)
+        self._acquire(pick)
         resp: httpx.Response | None = None
         relay: Relay | None = None
         try:
             resp = await self.http.send(self.http.build_request("POST", server.url + path, json=body,
-                                                                headers=state.headers), stream=True)
+                                                                headers=_headers(state, pick)), stream=True)
             if resp.status_code != 200:
                 raw = await resp.aread()
                 if is_client_error(resp.status_code, raw):
@@ -270,7 +280,7 @@ class Router:
                 held.append(event.raw)
                 if event.is_done or event.has_output:
                     relay = Relay(held, events, server)
-                    relay.on_close += [self._releaser(server), resp.aclose]  # run last to first
+                    relay.on_close += [self._releaser(pick), resp.aclose]  # run last to first
                     return relay
             raise AttemptFailed(Failure("server_error", "the stream ended before any token", server))
         except httpx.HTTPError as e:
@@ -279,11 +289,11 @@ class Router:
             if relay is None:
                 if resp is not None:
                     await resp.aclose()
-                self._release(server)
+                self._release(pick)
 
-    def _releaser(self, server: Endpoint):
+    def _releaser(self, pick: Pick):
         async def release() -> None:
-            self._release(server)
+            self._release(pick)
         return release
 
     # -- after the point of no return --------------------------------------------------------
@@ -338,6 +348,11 @@ class Router:
     async def finish(self, relay: Relay) -> None:
         await relay.close()
         self.metrics.requests.labels(relay.outcome).inc()
+
+
+def _headers(state: _Attempt, pick: Pick) -> dict:
+    """The credential, and the rank the policy chose on that server (if it chose one)."""
+    return state.headers if pick.rank is None else {**state.headers, RANK_HEADER: str(pick.rank)}
 
 
 def _kv_on_host(endpoint, ctx: Endpoint) -> bool:

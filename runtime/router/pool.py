@@ -102,9 +102,10 @@ class ServerPool:
         return recovered
 
     # -- selection ---------------------------------------------------------------------------
-    def pick(self, role: str, now: float, avoid: Iterable[Endpoint] = ()) -> Endpoint | None:
+    def pick(self, role: str, now: float, avoid: Iterable[Endpoint] = (), by_load: bool = True) -> Endpoint | None:
         """The least-loaded server of `role`, preferring (in this order) servers this request has
-        not failed on (`avoid`), then healthy ones, then fewer in-flight requests."""
+        not failed on (`avoid`), then healthy ones, then fewer in-flight requests (unless not
+        `by_load`: round robin)."""
         avoid = set(avoid)
         candidates = [(ep, s) for ep, s in self._servers.items() if ep.role == role and s.present]
         if not candidates:
@@ -112,7 +113,7 @@ class ServerPool:
 
         def rank(item):
             ep, s = item
-            return (ep in avoid, not (s.probe_ok and now >= s.down_until), s.in_flight)
+            return (ep in avoid, not (s.probe_ok and now >= s.down_until), s.in_flight if by_load else 0)
 
         best = min(rank(c) for c in candidates)
         tied = sorted(ep for ep, s in candidates if rank((ep, s)) == best)

@@ -182,6 +182,8 @@ INVALID_SPECS = [
         api=("spec.remediation.escalation.action", "Unsupported value"), py=("escalation.action",)),
     bad("unknown router service type", _set("spec.router", {"serviceType": "Ingress"}),
         api=("spec.router.serviceType", "Unsupported value"), py=("router.serviceType",)),
+    bad("unknown router policy", _set("spec.router", {"policy": "fastest"}),
+        api=("spec.router.policy", "Unsupported value"), py=("router.policy",)),
     bad("servers given as a string", _set("spec.context.servers", "two"),
         api=("spec.context.servers", "expected numeric"), py=("context.servers",)),
     bad("reserved pod label", _set("spec.podMetadata", {"labels": {"adpfleet.io/role": "x"}}),

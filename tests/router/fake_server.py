@@ -57,7 +57,8 @@ def tokens_for(prompt: str, max_tokens: int, stop: list[str]) -> tuple[list[str]
 def build(role: str, host: str, port: int) -> FastAPI:
     app = FastAPI()
     cfg = {"token_delay": 0.0, "fail_status": None, "hang": False, "kv_hang": False, "kv_timeout": 5.0,
-           "kv_fail": False, "kv_fail_in_stream": False, "healthy": True, "kv_host": None, "refuse_params": False}
+           "kv_fail": False, "kv_fail_in_stream": False, "healthy": True, "kv_host": None, "refuse_params": False,
+           "snapshot": None}
     received: list[dict] = []
     active = [0]  # streams being sent
     held: dict[str, float] = {}
@@ -79,6 +80,19 @@ def build(role: str, host: str, port: int) -> FastAPI:
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": MODEL, "object": "model", "created": 0, "owned_by": "fake"}]}
+
+    @app.get("/internal/prefix_cache")
+    async def prefix_cache():
+        """The snapshot a cache-aware router polls: 404 by default (a server that has none), 403
+        ("refuse"), a body that is not JSON ("garbage"), or the JSON given (a lie of any shape)."""
+        snapshot = cfg["snapshot"]
+        if snapshot is None:
+            return error("not found", status=404)
+        if snapshot == "refuse":
+            return error("accepted only from the router", kind="forbidden", status=403)
+        if snapshot == "garbage":
+            return StreamingResponse(iter([b"{not json"]), media_type="application/json")
+        return snapshot
 
     @app.get("/kv/{handle}")
     async def kv(handle: str):
