@@ -5,8 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from adpfleet.runtime.model.config import ModelLoadError
-from adpfleet.runtime.model.tiny import BOS, BYTE_VOCAB, EOS, TINY_MODELS
+from adpfleet.model_uri import BUILTIN_MODELS
+from adpfleet.runtime.model.errors import ModelLoadError
+
+# Without torch: the router tokenizes with these (a built-in model's tokenizer is this one).
+BYTE_VOCAB = 256
+BOS, EOS = 256, 257
 
 
 class ByteTokenizer:
@@ -102,7 +106,7 @@ def _read_json(file: Path) -> dict:
 
 def load_tokenizer(spec: str, cfg) -> ByteTokenizer | HFTokenizer:
     """The byte tokenizer for built-in models and for directories without `tokenizer.json`."""
-    if spec in TINY_MODELS:
+    if spec in BUILTIN_MODELS:
         return ByteTokenizer()
     if not (Path(spec) / "tokenizer.json").is_file():
         return ByteTokenizer(cfg.eos_token_id)

@@ -7,7 +7,7 @@ import torch
 from adpfleet.runtime.engine import attention_metadata
 from adpfleet.runtime.engine.attention_metadata import SeqChunk
 from adpfleet.runtime.engine.request import Request
-from adpfleet.runtime.engine.sampling import Sampler
+from adpfleet.runtime.engine.sampler import Sampler
 from adpfleet.runtime.engine.scheduler import ScheduledBatch
 from adpfleet.runtime.engine.spec_decode import verify
 from adpfleet.runtime.model.attention import default_decode_backend

@@ -5,10 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from adpfleet.runtime.engine.sampling import SamplingParams
+
+if TYPE_CHECKING:  # the front end and the router build requests' prompts without torch
+    import torch
 
 
 class RequestState(enum.Enum):
@@ -85,5 +87,7 @@ class Request:
         if self.params.seed is None:
             return None
         if self._generator is None:
+            import torch
+
             self._generator = torch.Generator().manual_seed(self.params.seed)
         return self._generator

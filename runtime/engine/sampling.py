@@ -1,10 +1,9 @@
-"""Sampling parameters and the sampler (greedy, temperature, top-k, top-p, per-request seed)."""
+"""Sampling parameters (greedy, temperature, top-k, top-p, per-request seed) and their validation,
+without torch (the router reads requests with them); the draw itself is `sampler.py`'s."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import torch
 
 
 class InvalidRequestError(ValueError):
@@ -62,33 +61,3 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < MIN_TEMPERATURE
 
-
-class Sampler:
-    """Draws tokens for sampled (non-greedy) requests from their own generator, so a seeded request
-    draws the same tokens whatever it is batched with. (Greedy rows are one batched argmax, in
-    `ModelRunner.sample`.) A draw that fails sets the request's `error`: the engine fails that
-    request alone, and the token returned in its place is never emitted."""
-
-    @staticmethod
-    def sample(row: torch.Tensor, req) -> int:
-        """One draw from a row of logits under the request's temperature, top-k and top-p."""
-        try:
-            return Sampler._draw(row, req)
-        except (RuntimeError, ValueError) as e:  # e.g. a seed torch refuses, probabilities not finite
-            req.error = f"sampling failed: {e}"
-            return int(row.argmax())
-
-    @staticmethod
-    def _draw(row: torch.Tensor, req) -> int:
-        p = req.params
-        x = row.float() / p.temperature
-        if p.top_k and p.top_k < x.numel():
-            kth = torch.topk(x, p.top_k).values[-1]
-            x = x.masked_fill(x < kth, float("-inf"))
-        probs = torch.softmax(x, dim=-1)
-        if p.top_p < 1.0:
-            sorted_p, idx = probs.sort(descending=True)
-            drop = sorted_p.cumsum(0) - sorted_p > p.top_p  # keep the smallest prefix reaching top_p
-            sorted_p[drop] = 0
-            probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
-        return int(torch.multinomial(probs.cpu(), 1, generator=req.generator()).item())

@@ -9,7 +9,7 @@ from adpfleet.runtime.config import EngineConfig
 from adpfleet.runtime.engine.sampling import SamplingParams
 from adpfleet.runtime.engine.validation import make_request
 from adpfleet.runtime.executor.rank_group import RankGroup
-from adpfleet.runtime.model.loader import load_model_config
+from adpfleet.runtime.model.tiny import load_model_config
 from adpfleet.runtime.tokenizer import load_tokenizer
 
 

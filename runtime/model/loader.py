@@ -21,7 +21,7 @@ from adpfleet.runtime.model.checkpoint import checkpoint_files
 from adpfleet.runtime.model.config import ModelConfig, ModelLoadError
 from adpfleet.runtime.model.parallel import SINGLE, ParallelContext
 from adpfleet.runtime.model.registry import architecture
-from adpfleet.runtime.model.tiny import TINY_MODELS, tiny_checkpoint, tiny_config
+from adpfleet.runtime.model.tiny import TINY_MODELS, tiny_checkpoint
 from adpfleet.runtime.model.weights import (CheckpointTensor, WeightMismatch, default_loader,
                                             empty_parameters, read_checkpoint)
 
@@ -29,12 +29,6 @@ _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 Source = tuple[Path, Iterable[tuple[str, CheckpointTensor]]]
-
-
-def load_model_config(spec: str | Path) -> ModelConfig:
-    """The config of a built-in tiny model by name, or of a Hugging Face model directory, without
-    its weights (what a server's front end validates and tokenizes with)."""
-    return tiny_config(str(spec)) if str(spec) in TINY_MODELS else ModelConfig.from_dir(spec)
 
 
 def load_model(spec: str | Path, par: ParallelContext = SINGLE, device: str = "cpu",

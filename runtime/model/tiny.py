@@ -6,14 +6,23 @@ layout. Both use the byte-level tokenizer and a 4,096-token context.
 
 from __future__ import annotations
 
-import torch
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from adpfleet.model_uri import BUILTIN_MODELS
 from adpfleet.runtime.model.config import ModelConfig
+from adpfleet.runtime.tokenizer import BOS, EOS  # the byte-level tokenizer's, whose models these are
 
-BYTE_VOCAB = 256
-BOS, EOS = 256, 257
+if TYPE_CHECKING:
+    import torch
+
 TINY_MODELS = BUILTIN_MODELS
+
+
+def load_model_config(spec: str | Path) -> ModelConfig:
+    """The config of a built-in tiny model by name, or of a Hugging Face model directory, without
+    its weights and without torch (what a server's front end and the router validate and tokenize with)."""
+    return tiny_config(str(spec)) if str(spec) in TINY_MODELS else ModelConfig.from_dir(spec)
 
 
 def tiny_config(name: str) -> ModelConfig:
@@ -30,6 +39,8 @@ def tiny_config(name: str) -> ModelConfig:
 
 def tiny_checkpoint(name: str, seed: int = 0) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """The config and Hugging Face-named weights of a built-in model, the same for every seed user."""
+    import torch  # here: the config above is read without torch (the router's tokenizer)
+
     cfg = tiny_config(name)
     g = torch.Generator().manual_seed(seed)
     h, i, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads * cfg.head_dim, \

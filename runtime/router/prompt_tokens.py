@@ -7,8 +7,8 @@ servers' `--model`) — so it computes the very identities the ranks compute. An
 read (no tokenizer, a body the server will refuse) is `None`: the request is routed by load, and
 the server gives the client its 4xx.
 
-Loading a tokenizer imports the runtime's model floor (torch, for the built-in models' constants):
-the router pays it only when it routes by prefix.
+Nothing here imports torch (tests/router/test_prefix_policy.py checks it): a router that routes by
+prefix stays the small process a least-loaded one is.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class Prompt:
 
 class PromptReader:
     def __init__(self, tokenizer_spec: str):
-        from adpfleet.runtime.model.loader import load_model_config
+        from adpfleet.runtime.model.tiny import load_model_config
         from adpfleet.runtime.serving import protocol
         from adpfleet.runtime.tokenizer import load_tokenizer
 

@@ -18,7 +18,7 @@ from adpfleet.runtime.engine.request import Request
 from adpfleet.runtime.engine.sampling import InvalidRequestError, SamplingParams
 from adpfleet.runtime.engine.validation import make_request
 from adpfleet.runtime.executor.rank_group import RankGroup
-from adpfleet.runtime.model.loader import load_model_config
+from adpfleet.runtime.model.tiny import load_model_config
 from adpfleet.runtime.tokenizer import load_tokenizer
 
 

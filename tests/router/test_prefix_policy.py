@@ -3,6 +3,9 @@ round robin, and counting the view's wrong predictions."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from adpfleet.runtime.engine import block_hash
@@ -111,3 +114,17 @@ def test_a_rank_counts_the_larger_of_its_snapshot_and_the_requests_this_router_h
     pick = best_by_prefix({Z: parse_snapshot(snapshot([5, 0], [0, 0], PROMPT))}, [Z], Prompt(PROMPT, 8),
                           routed={Z: [200, 0]})
     assert (pick.rank, pick.hit_blocks) == (1, 0)  # the rank with the hit is busy with this router's requests
+
+
+def test_reading_prompts_for_prefix_routing_does_not_import_torch(tmp_path):
+    """A cache-aware router is the small process a least-loaded one is: the tokenizer, the request
+    models and the block hashes it reads prompts with are torch-free (torch put ~0.5 GB in it)."""
+    code = ("import sys\n"
+            "from adpfleet.runtime.router.app import build_app\n"
+            "from adpfleet.runtime.router.prompt_tokens import PromptReader\n"
+            "reader = PromptReader('tiny')\n"
+            "assert reader.read('/v1/completions', {'model': 'tiny', 'prompt': 'hi', 'max_tokens': 2}).max_tokens == 2\n"
+            "assert reader.read('/v1/chat/completions', {'model': 'tiny', 'messages': [{'role': 'user', "
+            "'content': 'hi'}], 'seed': 3, 'temperature': 1.0}).token_ids\n"
+            "assert 'torch' not in sys.modules, 'prefix routing imported torch'\n")
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, cwd=tmp_path)
