@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 NAME = "adpfleet_kernels"
-SOURCES = (Path(__file__).with_name("paged_attention.cpp"),)
+SOURCES = (Path(__file__).with_name("paged_attention.cpp"), Path(__file__).with_name("elementwise.cpp"))
 # -fno-math-errno lets exp() vectorise; OpenMP for torch's intra-op threads (at::parallel_for).
 CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno")
 LDFLAGS = ("-fopenmp",)
