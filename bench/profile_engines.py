@@ -42,9 +42,10 @@ CATEGORIES = [
     ("attention kernels", r"/(adpfleet::paged_decode_attention|aten::_?scaled_dot_product\w*|_C\w*::\w*attention\w*)$"),
     ("KV cache write", r"/(aten::index_copy_|_C\w*::\w*reshape_and_cache\w*)$"),
     ("torch.compile graphs (inductor-fused ops)", r"(CompiledFxGraph|Torch-Compiled Region|inductor|cpp_fused)"),
-    ("RMSNorm (+ residual add)", r"(^rms_norm/|/(aten::rms_norm|_C\w*::(fused_add_)?rms_norm)$)"),
-    ("RoPE", r"(^rope/|/_C\w*::rotary_embedding$)"),
-    ("SiLU x mul", r"(^silu_and_mul/|/_C\w*::silu_and_mul$)"),
+    ("RMSNorm (+ residual add)", r"(^rms_norm/|/(aten::rms_norm|adpfleet::(add_)?rms_norm|"
+                                 r"_C\w*::(fused_add_)?rms_norm)$)"),
+    ("RoPE", r"(^rope/|/(adpfleet::rope|_C\w*::rotary_embedding)$)"),
+    ("SiLU x mul", r"(^silu_and_mul/|/(adpfleet|_C\w*)::silu_and_mul$)"),
     ("residual add, other elementwise", r"/aten::(add|add_|mul|mul_|sub|div|neg|silu|exp|pow|rsqrt|mean|clamp\w*)$"),
     ("sampling (argmax, softmax, top-k)", r"/(aten::(argmax|max|softmax|_softmax|topk|sort|gather|log_softmax|"
                                           r"multinomial)|_C\w*::\w*sampl\w*)$"),
@@ -192,7 +193,8 @@ def side_report(result: dict) -> dict:
             "profiled_wall_s_all_rounds": result["profiled_wall_s_all_rounds"],
             "seconds": {k: round(v, 4) for k, v in seconds.items()},
             "share": {k: round(v / result["profiled_wall_s"], 4) for k, v in seconds.items()},
-            "top_ops": top_ops(result["ops"])}
+            "top_ops": top_ops(result["ops"]),
+            "ops": {k: {"self_s": round(v["self_us"] / 1e6, 5), "count": v["count"]} for k, v in result["ops"].items()}}
 
 
 def print_tables(engine: dict, vllm: dict) -> None:
