@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -302,6 +303,8 @@ def best_of_rounds(runs: list[dict]) -> dict:
     best = min(runs, key=lambda r: r["wall_s"])
     best = best | {"peak_rss_mb": max(r["peak_rss_mb"] for r in runs),
                    "wall_s_all_rounds": [round(r["wall_s"], 3) for r in runs]}
+    if best.get("cpu_s") is not None:  # CPU time, less sensitive than wall time to other load
+        best["cpu_s_all_rounds"] = [round(r["cpu_s"], 2) for r in runs]
     if "matmul_probe_gflops" in best:  # vLLM's side runs no probe
         best["matmul_probe_gflops_all_rounds"] = [round(r["matmul_probe_gflops"], 1) for r in runs]
     return best
@@ -333,7 +336,8 @@ def side_summary(name: str, r: dict, generated_tokens: int, prompt_tokens: int, 
             "total_tokens_per_s": round((prompt_tokens + generated_tokens) / wall, 1),
             "fraction_of_compute_limit": round(limit_s / wall, 4), "achieved_gflops": round(flops / wall / 1e9, 1),
             "peak_rss_mb": round(r["peak_rss_mb"], 1), "threads": r["threads"],
-            "wall_s_all_rounds": r["wall_s_all_rounds"],
+            "wall_s_all_rounds": r["wall_s_all_rounds"], "wall_s_median": statistics.median(r["wall_s_all_rounds"]),
+            "cpu_s_median": statistics.median(r["cpu_s_all_rounds"]) if "cpu_s_all_rounds" in r else None,
             "requests_identical_to_engine": sum(a == b for a, b in zip(r["outputs"], engine_outputs))}
     side |= {k: r[k] for k in ("matmul_probe_gflops_all_rounds", "engine_config", "attn_implementation",
                                "decode_attention", "peak_gpu_memory_mb", "enforce_eager") if k in r}
@@ -480,7 +484,14 @@ def main() -> None:
                        + (["decode tok/s", "% of bandwidth limit"] if decode_split else [])
                        + (["with neighbour / quiet"] if crowded else [])
                        + ["peak RSS MB", "same tokens"], rows))
+    # an A/B of engine arms on a loaded machine: the ratio of median rounds (every round interleaved)
+    ab = {s["arm"]: {"wall": round(s["wall_s_median"] / engine["wall_s_median"], 3),
+                     "cpu": round(s["cpu_s_median"] / engine["cpu_s_median"], 3)}
+          for s in sides[1:] if s["arm"].startswith("engine[")}
     print()
+    for arm, arm_ratio in ab.items():
+        print(f"{arm} / engine, medians of {rounds} rounds: wall {arm_ratio['wall']:.3f}x, CPU {arm_ratio['cpu']:.3f}x "
+              f"(> 1: the engine as it ships is faster)")
     for peer, peer_ratio in peers.items():
         print(f"engine / {peer}: {peer_ratio:.2f}x")
     if best_hf:
@@ -516,6 +527,7 @@ def main() -> None:
         "best_transformers_batch_size": best_hf and best_hf["batch_size"],
         "ratio_engine_to_best_transformers": ratio and round(ratio, 3),
         **{f"ratio_engine_to_{peer}": peer_ratio for peer, peer_ratio in peers.items()},
+        "median_ratio_arm_to_engine": ab,
         "target_ratio": TARGET_RATIO, "target_met": ratio is not None and ratio >= TARGET_RATIO,
     }
     if decode_split:

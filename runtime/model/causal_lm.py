@@ -42,9 +42,10 @@ class CausalLM(nn.Module):
         """Packed tokens [T] -> final hidden states [T, hidden]."""
         x = self.model.embed_tokens(input_ids)
         rope = self.rotary(positions)  # once per pass, for every layer
+        residual = None
         for layer in self.model.layers:
-            x = layer(x, meta, kv_cache, rope)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, meta, kv_cache, rope)
+        return self.model.norm.add(x, residual)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from adpfleet.runtime.model import kernels
 from adpfleet.runtime.model.attention import paged_attention
 from adpfleet.runtime.model.parallel import ParallelContext
 from adpfleet.runtime.model.weights import (column_parallel_loader, expert_loader, packed_loader,
@@ -20,10 +21,27 @@ from adpfleet.runtime.model.weights import (column_parallel_loader, expert_loade
 _ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+# The batch a prepacked weight's layout is chosen for (vLLM's choice too); any batch runs on it.
+_PACK_FOR_TOKENS = 32
+
+
+def onednn_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A parameter's weight reordered once into oneDNN's blocked layout, as vLLM prepacks its CPU
+    linears (a plain weight is reordered inside oneDNN on calls); kept on the parameter and redone
+    when the parameter is written again (its _version). A view, as an expert's slice, stays plain."""
+    if not isinstance(weight, nn.Parameter):
+        return weight
+    packed = getattr(weight, "onednn_packed", None)
+    if packed is None or packed[0] != weight._version:
+        packed = (weight._version, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_FOR_TOKENS))
+        weight.onednn_packed = packed
+    return packed[1]
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias): through oneDNN for float32 on the CPU, torch's default elsewhere."""
     if _ONEDNN_LINEAR and x.dtype == torch.float32 and x.device.type == "cpu" and x.numel():
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, onednn_weight(weight), bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
@@ -37,7 +55,23 @@ class Linear(nn.Linear):
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dimension as Hugging Face computes it: normalised in float32, cast
     back, then scaled by the weight (hidden states, and per-head q/k norms alike)."""
+    if fused(x) and weight.dtype == torch.float32:
+        return torch.ops.adpfleet.rms_norm(x, weight, eps)
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def fused(x: torch.Tensor) -> bool:
+    """Whether the C++ kernels fuse this tensor's elementwise steps (float32 on the CPU, built):
+    one pass and one parallel region where torch runs up to ten operators (kernels/elementwise.cpp)."""
+    return x.dtype == torch.float32 and x.device.type == "cpu" and kernels.available()
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's activation: SiLU of the first half of the last dimension times the second half."""
+    if fused(x):
+        return torch.ops.adpfleet.silu_and_mul(x)
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 class RMSNorm(nn.Module):
@@ -49,6 +83,13 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
 
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm of x + residual, x + residual): a decoder layer's residual add and the next norm."""
+        if fused(x) and self.weight.dtype == torch.float32:
+            return tuple(torch.ops.adpfleet.add_rms_norm(x, residual, self.weight, self.eps))
+        total = x + residual
+        return rms_norm(total, self.weight, self.eps), total
+
 
 class Rope:
     """The cos/sin of one pass's positions, gathered once and applied in every layer."""
@@ -57,12 +98,13 @@ class Rope:
         self.cos, self.sin = cos, sin  # [T, 1, head_dim]
 
     def __call__(self, *xs: torch.Tensor) -> list[torch.Tensor]:
-        out = []
-        for x in xs:
-            half = x.shape[-1] // 2
-            rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-            out.append((x.float() * self.cos + rotated.float() * self.sin).to(x.dtype))
-        return out
+        return [torch.ops.adpfleet.rope(x, self.cos, self.sin) if fused(x) and fused(self.cos) else self.rotate(x)
+                for x in xs]
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return (x.float() * self.cos + rotated.float() * self.sin).to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
@@ -128,8 +170,7 @@ class MLP(nn.Module):
 
     def forward(self, x):
         x = self.par.gather_tokens(x)
-        gate, up = self.gate_up_proj(x).split(self.local, dim=-1)
-        return self.par.reduce_to_local(self.down_proj(F.silu(gate) * up))
+        return self.par.reduce_to_local(self.down_proj(silu_and_mul(self.gate_up_proj(x))))
 
 
 class MoE(nn.Module):
@@ -148,7 +189,6 @@ class MoE(nn.Module):
         self.down = nn.Parameter(torch.empty(n_local, cfg.hidden_size, inter))
         set_loader(self.gate_up, expert_loader(self.num_experts, self.first_expert, last, ("gate", "up")))
         set_loader(self.down, expert_loader(self.num_experts, self.first_expert, last))
-        self.inter = inter
 
     def forward(self, x):
         x = self.par.gather_tokens(x)
@@ -160,8 +200,8 @@ class MoE(nn.Module):
             token_idx, slot = torch.where(experts == self.first_expert + local)
             if token_idx.numel() == 0:
                 continue
-            gate, up = linear(x[token_idx], self.gate_up[local]).split(self.inter, dim=-1)
-            y = linear(F.silu(gate) * up, self.down[local]) * weights[token_idx, slot, None]
+            y = linear(silu_and_mul(linear(x[token_idx], self.gate_up[local])), self.down[local])
+            y = y * weights[token_idx, slot, None]
             out.index_add_(0, token_idx, y)
         return self.par.reduce_to_local(out)
 
@@ -174,6 +214,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MoE(cfg, par) if cfg.is_moe else MLP(cfg, par)
 
-    def forward(self, x, meta, kv_cache, rope: Rope):
-        x = x + self.self_attn(self.input_layernorm(x), meta, kv_cache, rope)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, meta, kv_cache, rope: Rope):
+        """(this layer's output, the residual stream before it): the residual add is left to the
+        next layer's first norm (or the model's final one), fused with it."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.add(x, residual)
+        h, residual = self.post_attention_layernorm.add(self.self_attn(h, meta, kv_cache, rope), residual)
+        return self.mlp(h), residual

@@ -4,7 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from adpfleet.runtime.model.layers import RotaryEmbedding, linear, rms_norm
+from adpfleet.runtime.model import kernels
+from adpfleet.runtime.model.layers import Linear, RMSNorm, RotaryEmbedding, linear, rms_norm, silu_and_mul
 
 
 def test_linear_is_x_times_weight_transposed_plus_bias_in_any_layout():
@@ -40,3 +41,31 @@ def test_rope_of_a_pass_rotates_like_transformers_at_every_position():
 
     for ours, x in zip(rope(q, k), (q, k)):
         torch.testing.assert_close(ours, x * angles.cos() + rotate_half(x) * angles.sin(), atol=1e-5, rtol=1e-5)
+
+
+def test_a_linear_weight_written_after_a_forward_is_the_one_the_next_forward_uses():
+    layer, x = Linear(64, 96, bias=False), torch.randn(5, 64)
+    with torch.inference_mode():
+        layer(x)  # prepacks the weight (oneDNN, float32 on the CPU)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(96, 64))  # a reload
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight), atol=1e-5, rtol=1e-5)
+
+
+def test_the_fused_kernels_compute_the_torch_steps_they_replace_on_strided_views():
+    kernels.available() or pytest.skip("kernels not built")
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(7, 4 * 16 + 2 * 2 * 16, generator=g)  # q, k, v of 7 tokens, packed as the layer's output
+    q, k = qkv[:, :64].view(7, 4, 16), qkv[:, 64:96].view(7, 2, 16)
+    rope = RotaryEmbedding(head_dim=16, max_positions=64, theta=10000.0)(torch.tensor([0, 5, 63, 5, 1, 2, 3]))
+    for ours, x in zip(rope(q, k), (q, k)):
+        torch.testing.assert_close(ours, rope.rotate(x), atol=1e-6, rtol=1e-6)
+    gate_up = torch.randn(7, 2, 48, generator=g).view(7, 96)
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(silu_and_mul(gate_up), F.silu(gate) * up, atol=1e-6, rtol=1e-6)
+    norm, x, residual = RMSNorm(32, 1e-6), torch.randn(7, 32, generator=g), torch.randn(7, 32, generator=g)
+    norm.weight.data = torch.rand(32, generator=g) + 0.5
+    normed, total = norm.add(x, residual)
+    assert torch.equal(total, x + residual)  # the residual stream exactly as an unfused add
+    torch.testing.assert_close(normed, norm.weight * F.rms_norm(x + residual, (32,), eps=1e-6), atol=2e-6, rtol=2e-6)

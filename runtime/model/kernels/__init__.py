@@ -1,7 +1,7 @@
 """C++ kernels for the CPU, built once with torch's extension builder and loaded as `torch.ops.adpfleet`.
 
 `./scripts/setup` builds them (`python -m adpfleet.runtime.model.kernels`): a C++17 compiler and
-ninja compile `paged_attention.cpp` against the installed torch in 10-15 s (2 cores), into
+ninja compile `paged_attention.cpp` and `elementwise.cpp` against the installed torch in 10-15 s (2 cores), into
 ~/.cache/adpfleet/kernels/<torch version>-<source hash>/ (`ADPFLEET_KERNEL_DIR` moves it). Later
 processes only load the built library: no compiler is needed to run. A process that finds
 nothing built tries to build it itself; if that fails (no compiler), `available()` is False,
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 NAME = "adpfleet_kernels"
-SOURCES = (Path(__file__).with_name("paged_attention.cpp"),)
+SOURCES = (Path(__file__).with_name("paged_attention.cpp"), Path(__file__).with_name("elementwise.cpp"))
 # -fno-math-errno lets exp() vectorise; OpenMP for torch's intra-op threads (at::parallel_for).
 CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno")
 LDFLAGS = ("-fopenmp",)
