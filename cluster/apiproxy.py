@@ -142,6 +142,10 @@ class CountingProxy:
     def _serve(self) -> None:
         self._loop = asyncio.new_event_loop()
         self._loop.run_until_complete(self._main())
+        pending = asyncio.all_tasks(self._loop)  # handlers the 1 s shutdown left (watches): end them here
+        for task in pending:
+            task.cancel()
+        self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
         self._loop.close()
 
     async def _main(self) -> None:
