@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from adpfleet.runtime.engine.sampling import SamplingParams
 
@@ -48,7 +48,9 @@ class Request:
     kv_payload: object = None
     error: str | None = None  # set when something failed for this request alone; the engine fails it
     data_parallel_rank: int | None = None  # the ADP rank the router named (X-Data-Parallel-Rank), as vLLM's
-    _generator: torch.Generator | None = None
+    # a torch.Generator, made on the first draw; typed loosely because the node link reads this class's
+    # hints (typing.get_type_hints) in processes that never import torch here
+    _generator: Any = None
 
     @property
     def num_prompt_tokens(self) -> int:
