@@ -26,6 +26,7 @@ from adpfleet.operator.decisions import gang as gangs
 from adpfleet.operator.decisions import engines, pod_template
 from adpfleet.operator.decisions.engines import adpfleet as adpfleet_engine
 from adpfleet.contract import quantity
+from adpfleet.contract.engines import ADPFLEET
 from adpfleet.contract.router_policy import CACHE_AWARE
 from adpfleet.operator.resource import names
 from adpfleet.operator.resource.names import FleetRef
@@ -330,8 +331,11 @@ def router_args(fleet: FleetRef, spec: FleetSpec) -> list[str]:
             "--server-port", str(names.SERVER_HTTP_PORT),
             "--queue-size", str(router.queue_size), "--queue-timeout", str(router.queue_timeout_seconds),
             "--policy", router.policy]
-    if router.policy == CACHE_AWARE and spec.model.parsed.kind in ("builtin", "directory"):
-        args += ["--tokenizer", spec.model.source]  # the router has the image, not the download cache
+    # the router has adpfleet's image, not the download cache (nor a vLLM image's directories), and only
+    # adpfleet's servers publish their prefix caches: a vLLM fleet's router goes by load
+    reads_model = spec.model.parsed.kind in ("builtin", "directory")
+    if router.policy == CACHE_AWARE and spec.engine == ADPFLEET and reads_model:
+        args += ["--tokenizer", spec.model.source]
     return args
 
 

@@ -36,3 +36,12 @@ def test_another_policy_is_rendered_and_needs_no_tokenizer(policy):
                                             ("pvc://models/llama", None)])
 def test_the_router_tokenizes_with_a_model_it_can_read_and_routes_by_load_otherwise(uri, tokenizer):
     assert flag(router_args(model={"uri": uri}), "--tokenizer") == tokenizer
+
+
+def test_a_vllm_fleets_router_gets_no_tokenizer_and_routes_by_load():
+    """Its model directory is in the vLLM image, not the router's, and vLLM publishes no prefix-cache snapshot."""
+    from test_engines import vllm_spec
+
+    spec = FleetSpec.model_validate(vllm_spec(model="/models/llama"))
+    args = router_objects(FLEET, spec)[3]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--tokenizer" not in args
