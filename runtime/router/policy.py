@@ -125,7 +125,7 @@ class Selector:
             return
         if pick.rank is not None:
             self.views.ended(pick.server, pick.rank, pick.tokens)
-        self.views.request_ended()
+        self.views.request_ended(pick.server)
 
     def _count(self, decision: str) -> None:
         if self.metrics is not None:

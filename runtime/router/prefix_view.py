@@ -44,8 +44,9 @@ from adpfleet.runtime.serving.rank_routing import SNAPSHOT_PATH
 log = logging.getLogger("adpfleet.router")
 
 PREFIX_ROLES = ("context", "aggregated")  # generation servers pull their KV: chosen by load
-# Polls follow the end of a request on any server (at most one round every MIN_GAP_S), else every
-# interval; a request routed by prefix waits for the round that covers the last end, at most FRESH_WAIT_S.
+# A request's end re-polls the server it ended on (at most one round every MIN_GAP_S); every interval a
+# round polls them all; a request routed by prefix waits for the round that covers the last end, at most
+# FRESH_WAIT_S.
 MIN_GAP_S, FRESH_WAIT_S = 0.02, 0.05
 POLL_TIMEOUT_S = 2.0  # a server slower than this to answer is unreachable for the round
 _HEX_HASH = re.compile(r"[0-9a-f]{64}")
@@ -113,29 +114,37 @@ class PrefixViews:
         self.views: dict[Endpoint, ServerView] = {}
         self.routed: dict[Endpoint, list[int]] = {}  # tokens of this router's requests in flight, by rank
         self._outcome: dict[Endpoint, str] = {}  # the last outcome per server, to log changes only
-        self._wake = asyncio.Event()  # a request ended on a server: poll now, not at the interval
+        self._wake = asyncio.Event()  # a request ended on a server: poll it now, not at the interval
+        self._ended: set[Endpoint] = set()  # servers a request ended on since the last round began
         self._rounds = [0, 0]  # poll rounds started, finished
         self._needed = 0  # the round that covers the last request ended
         self._round_done = asyncio.Event()
 
     async def poll_forever(self) -> None:
+        loop = asyncio.get_running_loop()
+        full_at = loop.time()  # when the next round polls every server, ends or not
         while True:
             self._wake.clear()
+            every = loop.time() >= full_at
+            only, self._ended = (None if every else self._ended), set()
+            if every:
+                full_at = loop.time() + self.interval
             self._rounds[0] += 1
             try:
-                await self.poll_once()
+                await self.poll_once(only)
             except Exception:  # noqa: BLE001 - a bug here must not freeze the view for good
                 log.exception("polling the prefix-cache snapshots failed")
             self._rounds[1] += 1
             self._round_done.set()
             self._round_done = asyncio.Event()
             await asyncio.sleep(MIN_GAP_S)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.interval - MIN_GAP_S)
+            with contextlib.suppress(TimeoutError):  # woken by an end, or the full round is due
+                await asyncio.wait_for(self._wake.wait(), max(0.0, full_at - loop.time()))
 
-    def request_ended(self) -> None:
-        """A request ended on a server (its blocks are in its next snapshot): poll again at once,
+    def request_ended(self, ep: Endpoint) -> None:
+        """A request ended on `ep` (its blocks are in its next snapshot): poll it again at once,
         and let `fresh` wait for that poll."""
+        self._ended.add(ep)
         self._needed = self._rounds[0] + 1
         self._wake.set()
 
@@ -150,14 +159,15 @@ class PrefixViews:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._round_done.wait(), remaining)
 
-    async def poll_once(self) -> None:
+    async def poll_once(self, only: set[Endpoint] | None = None) -> None:
+        """Polls every server that takes requests by prefix, or those of them in `only`."""
         servers = [ep for ep in self.pool.endpoints() if ep.role in PREFIX_ROLES]
         for gone in self.views.keys() - set(servers):
             del self.views[gone]
         for gone in self.routed.keys() - set(servers):
             if not any(self.routed[gone]):
                 del self.routed[gone]
-        await asyncio.gather(*(self._poll(ep) for ep in servers))
+        await asyncio.gather(*(self._poll(ep) for ep in servers if only is None or ep in only))
 
     async def _poll(self, ep: Endpoint) -> None:
         try:
