@@ -14,6 +14,7 @@ import sys
 from adpfleet.contract.engines import ADPFLEET, ENGINES
 from adpfleet.contract.env import LEADER_ADDRESS_ENV
 from adpfleet.contract.ports import SERVER_GROUP_PORT
+from adpfleet.contract.roles import AGGREGATED, SPLIT_ROLES
 from adpfleet.contract.router_policy import DEFAULT_ROUTER_POLICY, ROUTER_POLICIES
 
 from adpfleet.model_uri import CACHE_ENV, ModelSourceError, write_termination_message
@@ -83,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_serve(sub) -> None:
     serve = sub.add_parser("serve", help="run an inference server (OpenAI-compatible HTTP API)")
-    serve.add_argument("--role", choices=["aggregated", "context", "generation"], default="aggregated")
+    serve.add_argument("--role", choices=[AGGREGATED, *SPLIT_ROLES], default=AGGREGATED)
     serve.add_argument("--dp", type=int, default=1, help="attention-data-parallel ranks")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from adpfleet.operator.decisions.leadership import Timing
-from adpfleet.operator.resource.engine import SERVER_ROLES
+from adpfleet.contract.roles import SERVER_ROLES
 
 if TYPE_CHECKING:  # the process imports them when it runs (the CLI's other commands need none of them)
     from adpfleet.operator.adapters.scrape import HttpScraper

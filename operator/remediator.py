@@ -28,7 +28,7 @@ from adpfleet.operator.decisions import groups
 from adpfleet.operator.decisions.history import Remediation, still_to_delete
 from adpfleet.operator.decisions.observed import FleetObservation, ServerPod
 from adpfleet.operator.drains import drained
-from adpfleet.operator.resource.engine import SERVER_ROLES
+from adpfleet.contract.roles import SERVER_ROLES
 from adpfleet.operator.resource.models import FleetSpec
 from adpfleet.operator.resource.names import FleetKey, FleetRef
 from adpfleet.operator.resource.vocabulary import Outcome

@@ -27,7 +27,7 @@ from adpfleet.operator.decisions.autoscaling import RoleLoad, ScaleDecision
 from adpfleet.operator.decisions.history import history_from_status, restarts_in_progress
 from adpfleet.operator.decisions.observed import FleetObservation
 from adpfleet.operator.decisions.scale_target import SetRoleReplicas
-from adpfleet.operator.resource.engine import SERVER_ROLES
+from adpfleet.contract.roles import SERVER_ROLES
 from adpfleet.operator.resource.models import FleetSpec
 from adpfleet.operator.resource.names import FleetKey, FleetRef
 from adpfleet.operator.telemetry import ScalingMetrics

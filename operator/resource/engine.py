@@ -1,4 +1,4 @@
-"""Which engine a fleet's servers run, and the roles a fleet can have (docs/operator.md, "vLLM fleets").
+"""Which engine a fleet's servers run (docs/operator.md, "vLLM fleets").
 
 `adpfleet` servers run `adpfleet serve`; `vllm` servers run the image's `vllm serve`. Everything
 else about a fleet (model source, pod template, auth, probes, NetworkPolicies, PDBs, gang
@@ -18,9 +18,6 @@ from adpfleet.operator.resource.cel import CelRule, KubeModel, cel_list
 
 EngineName = Literal[ENGINES]
 
-AGGREGATED = "aggregated"  # one role whose servers prefill and decode (no KV hand-off)
-SPLIT_ROLES = ("context", "generation")  # a disaggregated fleet's roles
-SERVER_ROLES = (*SPLIT_ROLES, AGGREGATED)  # every role a server pod can carry
 
 LABEL_ENGINE = "adpfleet.io/engine"  # on server pods: which engine runs there (which dialect reads its metrics)
 

@@ -12,11 +12,12 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
+from adpfleet.contract.roles import AGGREGATED, SPLIT_ROLES
 from adpfleet.contract.router_policy import DEFAULT_ROUTER_POLICY, ROUTER_POLICIES
 from adpfleet.model_uri import BUILTIN_MODELS
 from adpfleet.operator.resource import names
 from adpfleet.operator.resource.cel import CelRule, KubeModel, cel_list
-from adpfleet.operator.resource.engine import AGGREGATED, SPLIT_ROLES, EngineName, VllmEngine
+from adpfleet.operator.resource.engine import EngineName, VllmEngine
 from adpfleet.operator.resource.kube_types import (CIDR, LABEL_KEY, NAMESPACE_NAME, LocalObjectReference, Resources,
                                                   SecretKeyRef)
 from adpfleet.operator.resource.model_source import ModelSource

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-ROLES = ("context", "generation", "aggregated")
+from adpfleet.contract.roles import SERVER_ROLES as ROLES
 
 
 def normalize_url(url: str) -> str:
