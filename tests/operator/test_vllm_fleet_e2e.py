@@ -32,12 +32,10 @@ from vllm_servers import ENGINE_CORE, START_TIMEOUT_S, build_model
 
 from adpfleet.cluster import processes
 from adpfleet.cluster.testing import fresh_namespace, wait_for
-from adpfleet.operator.adapters.dialects import dialect_for
 from adpfleet.operator.decisions.history import parse_rfc3339
 
 from operator_harness import Fleets, OperatorProcess, PodTimeline, operators, pod_ready
-from specs import fleet_manifest
-from stall_harness import Load, remediations
+from stall_harness import Load, remediations, vllm_requests_running, vllm_stall_fleet
 
 pytestmark = [pytest.mark.k8s, pytest.mark.vllm, pytest.mark.slow]
 
@@ -53,20 +51,8 @@ RUNBOOK = doc_commands.ROOT / "docs" / "runbooks" / "AdpfleetServerStalled-vllm.
 
 
 def vllm_fleet(model_dir: str) -> dict:
-    manifest = fleet_manifest(FLEET)
-    spec = manifest["spec"]
-    del spec["context"], spec["generation"]
-    spec.update(engine="vllm", model={"uri": model_dir, "servedName": "tiny-llama"},
-                vllm={"image": "vllm/vllm-openai:v0.32.0", "args": ["--dtype", "float32", "--enforce-eager"]},
-                auth={"apiKeySecret": {"name": "vf-key", "key": "key"}},
-                aggregated={"servers": 2, "adpRanks": 1, "probes": {"readinessPeriodSeconds": 1},
-                            "terminationGracePeriodSeconds": 5,
-                            "env": [{"name": "VLLM_CPU_KVCACHE_SPACE", "value": "1"},
-                                    {"name": "VLLM_CPU_OMP_THREADS_BIND", "value": "nobind"}]},
-                monitoring={"scrapeIntervalSeconds": INTERVAL},
-                remediation={"mode": "Auto", "stallWindowSeconds": WINDOW, "cooldownSeconds": 5, "budgetPerHour": 20,
-                             "drainTimeoutSeconds": 5, "maxConcurrentPerRole": 1})
-    return manifest
+    return vllm_stall_fleet(FLEET, model_dir, window=WINDOW, interval=INTERVAL, servers=2, budget=20,
+                            auth={"apiKeySecret": {"name": "vf-key", "key": "key"}})
 
 
 @dataclass
@@ -124,17 +110,6 @@ def test_a_vllm_fleet_is_served_through_the_router_with_the_fleets_api_key(serve
 
 # ---- a frozen engine ------------------------------------------------------------------------------
 
-def running(pod) -> float:
-    """Requests the server's engine reports running (its /metrics, read as the operator reads them); 0 when the
-    API server, sharing 2 cores with 4 streams and a busy engine, did not answer within the read's timeout (in a
-    CI run: 5 s) — the caller reads again, as it does for an engine that is not busy enough."""
-    try:
-        text = httpx.get(f"http://{pod.status.pod_ip}:8000/metrics", timeout=5).text
-    except httpx.TimeoutException:
-        return 0.0
-    return sum(r.requests_running or 0 for r in dialect_for("vllm").parse(text).values())
-
-
 def decided(fleets, victim: str):
     """(the remediation record of `victim`, the Stalled condition, when seen): they come in one status write."""
     fleet = fleets.get(FLEET)
@@ -172,7 +147,7 @@ def freeze_and_see_it_healed(served: ServedFleet, before: dict, load: Load) -> d
     assert_nothing_flagged(fleets, served.op)
     # a server whose engine runs 2 requests or more, its gauges still showing work once frozen
     victim, t_fault = processes.freeze_busy_pod({name: p.metadata.uid for name, p in before.items()}, ENGINE_CORE,
-                                                lambda name: running(before[name]))
+                                                lambda name: vllm_requests_running(before[name]))
     record, stalled, t_seen = wait_for(lambda: decided(fleets, victim), timeout=120,
                                        what=f"a remediation of {victim}", interval=0.2)
     detected = detected_at(served.op, victim) - t_fault
