@@ -50,16 +50,17 @@ def stall_fleet(name: str, *, mode: str = "Auto", window: int = 6, interval: int
                                      "maxConcurrentPerRole": 1}}}
 
 
-def vllm_stall_fleet(name: str, model_dir: str, *, window: int, interval: int, servers: int = 2, cooldown: int = 5,
-                     budget: int = 20, auth: dict | None = None) -> dict:
-    """`servers` aggregated `vllm serve` servers of the model at `model_dir` (one rank each), the router;
+def vllm_stall_fleet(name: str, model_dir: str, *, window: int, interval: int, servers: int = 2, adp_ranks: int = 1,
+                     cooldown: int = 5, budget: int = 20, auth: dict | None = None) -> dict:
+    """`servers` aggregated `vllm serve` servers of the model at `model_dir` (`adp_ranks` data-parallel engines
+    each), the router;
     short windows so a test sees a stall in seconds. Each server runs one OpenMP thread that vLLM does not
     bind (`VLLM_CPU_OMP_THREADS_BIND=nobind`): bound to one core, every server of the fleet and a
     replacement's start shared that core while the other one idled, and a replacement starved past its
     start-up timeout. `auth`: the fleet's spec.auth (none: the router and vLLM take any request)."""
     spec = {"image": "adpfleet:dev", "engine": "vllm", "model": {"uri": model_dir, "servedName": "tiny-llama"},
             "vllm": {"image": "vllm/vllm-openai:v0.32.0", "args": ["--dtype", "float32", "--enforce-eager"]},
-            "aggregated": {"servers": servers, "adpRanks": 1, "probes": {"readinessPeriodSeconds": 1},
+            "aggregated": {"servers": servers, "adpRanks": adp_ranks, "probes": {"readinessPeriodSeconds": 1},
                            "terminationGracePeriodSeconds": 5,
                            "env": [{"name": "VLLM_CPU_KVCACHE_SPACE", "value": "1"},
                                    {"name": "VLLM_CPU_OMP_THREADS_BIND", "value": "nobind"}]},
@@ -71,16 +72,18 @@ def vllm_stall_fleet(name: str, model_dir: str, *, window: int, interval: int, s
     return {"apiVersion": names.API_VERSION, "kind": names.KIND, "metadata": {"name": name}, "spec": spec}
 
 
-def vllm_requests_running(pod) -> float:
-    """Requests the vLLM server `pod`'s engine reports running (its /metrics, read as the operator reads them);
-    0 when the server, sharing 2 loaded cores, did not answer within the read's timeout (in a CI run: 5 s) —
-    the caller reads again, as it does for an engine that is not busy enough."""
+def vllm_requests_running(pod, engine: int | None = None) -> float:
+    """Requests the vLLM server `pod`'s engines (or only engine `engine`) report running (its /metrics, read as
+    the operator reads them); 0 when the server, sharing 2 loaded cores, did not answer within the read's
+    timeout (in a CI run: 5 s) — the caller reads again, as it does for an engine that is not busy enough —
+    and for an engine that has not served yet (its gauges appear with its first request)."""
     from adpfleet.operator.adapters.dialects import dialect_for
     try:
         text = httpx.get(f"http://{pod.status.pod_ip}:{names.SERVER_HTTP_PORT}/metrics", timeout=5).text
     except httpx.TimeoutException:
         return 0.0
-    return sum(r.requests_running or 0 for r in dialect_for("vllm").parse(text).values())
+    ranks = dialect_for("vllm").parse(text)
+    return sum(r.requests_running or 0 for e, r in ranks.items() if engine is None or e == engine)
 
 
 # ---- client load ----------------------------------------------------------------------------------
@@ -356,6 +359,15 @@ def inject_as_documented(cluster, pod, kind: str, rank: int) -> dict:
 
 def remediations(fleet: dict) -> list[dict]:
     return (fleet.get("status") or {}).get("recentRemediations") or []
+
+
+def verdict_time(operator_log: str, server: str) -> float:
+    """When the operator judged `server` stalled: its (JSON) log line of the verdict. The remediation
+    record's time is later, when the action starts, after the Events went out: seconds under load."""
+    from datetime import datetime
+    entries = (json.loads(line) for line in operator_log.splitlines() if line.startswith("{"))
+    verdict = next(e for e in entries if e["message"].startswith(f"stall detected: {server} "))
+    return datetime.fromisoformat(verdict["timestamp"]).timestamp()
 
 
 def dump(path: Path, obj) -> None:

@@ -1,0 +1,79 @@
+"""A vLLM server with two data-parallel engines, one of them frozen, end to end on the local cluster.
+
+One InferenceFleet with `engine: vllm` and one aggregated server of `adpRanks: 2` (the operator renders
+`--data-parallel-size 2`: two `VLLM::EngineCore_DP<r>` processes behind one API server). Under streaming
+load through the fleet's router, only `VLLM::EngineCore_DP0` is frozen from the node's side (SIGSTOP) while
+it runs requests: vLLM's coordinator keeps engine 0's requests there and `/health` stays 200, engine 1
+goes on stepping. The operator, reading the server in vLLM's dialect (one rank per `engine` label), judges
+the server `hung` on rank 0 alone within the stall window and two scrapes, and replaces it.
+
+A DP=2 vLLM server takes several GB and a minute or more to start on two cores: this module starts one,
+once, and does not wait for its replacement to be Ready (the DP=1 module, test_vllm_fleet_e2e.py, follows
+a replacement to serving)."""
+
+from __future__ import annotations
+
+import base64
+import time
+
+import pytest
+from vllm_servers import ENGINE_CORE, START_TIMEOUT_S, build_model
+
+from adpfleet.cluster import processes
+from adpfleet.cluster.testing import fresh_namespace, wait_for
+
+from operator_harness import Fleets, PodTimeline, operators, pod_ready
+from stall_harness import Load, remediations, verdict_time, vllm_requests_running, vllm_stall_fleet
+
+pytestmark = [pytest.mark.k8s, pytest.mark.vllm, pytest.mark.slow]
+
+FLEET, KEY = "vdp", "vllm-dp-key"
+WINDOW, INTERVAL = 8, 1  # as the DP=1 module's: longer than vLLM's longest step here
+LONG_REQUEST_TOKENS = 384  # seconds of decoding each: engine 0 has requests running when it is frozen
+ENGINE_0 = f"{ENGINE_CORE}_DP0"
+
+
+@pytest.fixture
+def served(k8s_cluster, api_proxy, fleet_crd, tmp_path_factory, request):
+    """(fleets, operator): the fleet Ready, its operator watching; both gone after the test."""
+    with fresh_namespace(k8s_cluster, "vllm-dp-e2e") as ns:
+        fleets = Fleets(k8s_cluster, ns)
+        failed = lambda: getattr(request.node, "rep_call", None) is None or request.node.rep_call.failed  # noqa: E731
+        with operators(api_proxy, ns, fleets, tmp_path_factory.mktemp("vllm-dp-operator"), failed) as start:
+            fleets.core.create_namespaced_secret(ns, {"metadata": {"name": "vdp-key"},
+                                                      "data": {"key": base64.b64encode(KEY.encode()).decode()}})
+            op = start()
+            fleets.apply(vllm_stall_fleet(FLEET, str(build_model()), window=WINDOW, interval=INTERVAL, servers=1,
+                                          adp_ranks=2, auth={"apiKeySecret": {"name": "vdp-key", "key": "key"}}))
+            fleets.wait_ready(FLEET, timeout=START_TIMEOUT_S + 120)
+            yield fleets, op
+
+
+def test_only_engine_0_of_a_dp2_vllm_server_frozen_is_hung_on_rank_0_and_the_server_is_replaced(served):
+    fleets, op = served
+    (pod,) = fleets.live_pods(FLEET, "aggregated")
+    assert pod_ready(pod) and "--data-parallel-size" in (args := pod.spec.containers[0].args)
+    assert args[args.index("--data-parallel-size") + 1] == "2"
+
+    url = wait_for(lambda: fleets.router_url(FLEET), timeout=120, what="a Ready router", interval=1)
+    with PodTimeline(fleets.cluster, fleets.ns, FLEET) as timeline:
+        with Load(url, clients=6, max_tokens=LONG_REQUEST_TOKENS, deadline=240, streaming=True, api_key=KEY) as load:
+            wait_for(lambda: load.completed_since(time.time() - 120) >= 2, timeout=240, what="traffic")
+            assert op.metric("adpfleet_operator_stalls_detected_total") == 0  # busy, both engines stepping
+            victim, t_fault = processes.freeze_busy_pod({pod.metadata.name: pod.metadata.uid}, ENGINE_0,
+                                                        lambda name: vllm_requests_running(pod, engine=0))
+            record = wait_for(lambda: next((r for r in remediations(fleets.get(FLEET)) if r["server"] == victim),
+                                           None), timeout=120, what=f"a remediation of {victim}", interval=0.2)
+        detected = verdict_time(op.log(), victim) - t_fault
+        print(f"vLLM DP=2, engine 0 frozen -> hung verdict: {detected:.1f} s (bound {WINDOW + 2 * INTERVAL} s)",
+              flush=True)
+        assert (record["action"], record["signature"], record["targets"]) == ("RestartServer", "hung", [victim])
+        assert detected <= WINDOW + 2 * INTERVAL, f"hung decided {detected:.1f} s after the freeze"
+        (event,) = fleets.events("StallDetected")
+        # rank 0 alone: engine 1 kept stepping, and a sum over the engines would have hidden engine 0's hang
+        assert victim in event.message and "hung, ranks 0" in event.message and "ranks 0," not in event.message, \
+            event.message
+        # replaced: the server's pod is deleted and a new one of the same name is created
+        wait_for(lambda: [name for name, uid in timeline.created if uid != pod.metadata.uid] == [victim],
+                 timeout=120, what=f"a new {victim}", interval=0.5)
+    assert pod.metadata.uid in timeline.deleting
