@@ -43,8 +43,11 @@ def served(k8s_cluster, api_proxy, fleet_crd, tmp_path_factory, request):
             fleets.core.create_namespaced_secret(ns, {"metadata": {"name": "vdp-key"},
                                                       "data": {"key": base64.b64encode(KEY.encode()).decode()}})
             op = start()
-            fleets.apply(vllm_stall_fleet(FLEET, str(build_model()), window=WINDOW, interval=INTERVAL, servers=1,
-                                          adp_ranks=2, auth={"apiKeySecret": {"name": "vdp-key", "key": "key"}}))
+            fleet = vllm_stall_fleet(FLEET, str(build_model()), window=WINDOW, interval=INTERVAL, servers=1, adp_ranks=2,
+                                     auth={"apiKeySecret": {"name": "vdp-key", "key": "key"}})
+            # one API server (vLLM starts one per engine by default): a process, its torch import and its memory less
+            fleet["spec"]["vllm"]["args"] += ["--api-server-count", "1"]
+            fleets.apply(fleet)
             fleets.wait_ready(FLEET, timeout=START_TIMEOUT_S + 120)
             yield fleets, op
 
