@@ -26,8 +26,6 @@
 #include <numeric>
 #include <vector>
 
-#include "vector_exp.h"
-
 namespace {
 
 struct Shape {
@@ -55,55 +53,6 @@ inline void prefetch(const T* cache, const int32_t* block_table, int64_t pos, in
                      int64_t offset, int64_t bytes) {
   const char* p = reinterpret_cast<const char*>(token_row(cache, block_table, pos, bs, stride, offset));
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b);
-}
-
-// x[i] = exp(x[i] - m) for i < n, returning their sum: the softmax's exp, through torch's own
-// vectorised exp at its CPU capability (vector_exp.h); a scalar std::exp loop elsewhere.
-float exp_shifted_sum_scalar(float* x, int64_t n, float m) {
-  float sum = 0.0f;
-  for (int64_t i = 0; i < n; ++i) {
-    x[i] = std::exp(x[i] - m);
-    sum += x[i];
-  }
-  return sum;
-}
-
-#ifdef ADPFLEET_X86_VECTORS
-__attribute__((target("avx512f"))) float exp_shifted_sum_avx512(float* x, int64_t n, float m) {
-  const __m512 shift = _mm512_set1_ps(m);
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 lanes = n - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - i)) - 1);
-    const __m512 e = Sleef_expf16_u10(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, x + i), shift));
-    _mm512_mask_storeu_ps(x + i, lanes, e);
-    sum = _mm512_mask_add_ps(sum, lanes, sum, e);
-  }
-  return _mm512_reduce_add_ps(sum);
-}
-
-__attribute__((target("avx2"))) float exp_shifted_sum_avx2(float* x, int64_t n, float m) {
-  const __m256 shift = _mm256_set1_ps(m);
-  __m256 sum = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 e = Sleef_expf8_u10(_mm256_sub_ps(_mm256_loadu_ps(x + i), shift));
-    _mm256_storeu_ps(x + i, e);
-    sum = _mm256_add_ps(sum, e);
-  }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, sum);
-  float total = exp_shifted_sum_scalar(x + i, n - i, m);
-  for (float lane : lanes) total += lane;
-  return total;
-}
-#endif
-
-float exp_shifted_sum(float* x, int64_t n, float m) {
-#ifdef ADPFLEET_X86_VECTORS
-  if (adpfleet::exp_vector_bits() == 512) return exp_shifted_sum_avx512(x, n, m);
-  if (adpfleet::exp_vector_bits() == 256) return exp_shifted_sum_avx2(x, n, m);
-#endif
-  return exp_shifted_sum_scalar(x, n, m);
 }
 
 // One task: request r's queries for the KV heads [h0, h1) and the query heads that share them.
@@ -152,7 +101,13 @@ __attribute__((always_inline)) inline void attend_task(
     float* sr = scores.data() + r * seq_len;
     float m = -std::numeric_limits<float>::infinity();
     for (int64_t i = 0; i < n; ++i) m = std::max(m, sr[i]);
-    denom[r] = exp_shifted_sum(sr, n, m);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < n; ++i) {
+      sr[i] = std::exp(sr[i] - m);
+      sum += sr[i];
+    }
+    denom[r] = sum;
   }
   for (int64_t pos = 0; pos < seq_len; ++pos) {
     if (pos + kPrefetchAhead < seq_len)
