@@ -22,6 +22,7 @@ import torch
 
 NAME = "adpfleet_kernels"
 SOURCES = (Path(__file__).with_name("paged_attention.cpp"), Path(__file__).with_name("elementwise.cpp"))
+HEADERS = (Path(__file__).with_name("vector_exp.h"),)  # included by the sources: part of a build's identity
 # -fno-math-errno lets exp() vectorise; OpenMP for torch's intra-op threads (at::parallel_for).
 CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno")
 LDFLAGS = ("-fopenmp",)
@@ -34,7 +35,7 @@ class KernelBuildError(RuntimeError):
 def build_dir() -> Path:
     """Where the library for this torch and these sources lives (a new source or torch gets a new one)."""
     digest = hashlib.sha256()
-    for src in SOURCES:
+    for src in SOURCES + HEADERS:
         digest.update(src.read_bytes())
     digest.update(" ".join(CFLAGS + LDFLAGS).encode())
     root = Path(os.environ.get("ADPFLEET_KERNEL_DIR", Path.home() / ".cache" / "adpfleet" / "kernels"))
