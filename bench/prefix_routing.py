@@ -1,32 +1,44 @@
-"""Multi-turn chat through the router: round-robin, least-loaded and cache-aware, on the same fleet.
+"""Multi-turn chat with prefix caching: through the router (round-robin, least-loaded, cache-aware)
+on an aggregated and on a disaggregated fleet, and on one engine alone (adpfleet's cache on and
+off, and vLLM's CPU build with its prefix caching on, the peer).
 
-The fleet: 2 aggregated servers x 2 ADP ranks of a random ~34 M-parameter Llama (bench/
-engine_throughput.py's `small`: a prompt's prefill costs real time, unlike the built-in tiny
-models), prefix caches on, the fleet's internal token set; one router per policy in front of it
-(`adpfleet router --policy P`, the cache-aware one with `--tokenizer` the model directory).
-The arms take turns on the same servers, `--rounds` times, each run with prompts of its own (a
-salt in every system prompt), so no run finds another's blocks.
+Parts (`--parts`, comma-separated; all by default), each on fleets of its own, one after another:
+- `aggregated`: 2 aggregated servers x 2 ADP ranks, one router per policy in front of them
+  (`adpfleet router --policy P`, the cache-aware one with `--tokenizer` the model directory);
+- `disaggregated`: 1 context + 1 generation server x 2 ADP ranks, one router per policy (cache-
+  aware: the context rank chosen by prefix, the generation server by load);
+- `engine`: one server of one rank, sent the workload directly (no router): `adpfleet serve` with
+  the prefix cache on and with `--no-prefix-cache` (the baseline);
+- `vllm`: adds `vllm serve` (DP 1, prefix caching on, eager unless --vllm-compile) to the engine
+  part, sent the same requests the same way, so that its TTFT is measured as adpfleet's is.
+The model is a random ~34 M-parameter Llama (bench/engine_throughput.py's `small`: a prompt's
+prefill costs real time, unlike the built-in tiny models). A part's arms take turns on the same
+servers (after one warm-up request each), `--rounds` times, each run with prompts of its own (a
+salt in every system prompt), so no run finds another's blocks. The engine alone with a 1k-token
+90 %-shared prompt, warm against cold, is bench/prefix_cache.py's.
 
 The workload (closed loop): `--sessions` sessions of `--turns` turns; sessions in groups of
 `--group` share a system prompt of `--system` tokens; turn k sends the whole conversation so far
 (system prompt, then per earlier turn the user's 32 tokens and a fixed 32-token answer the client
 resends, then the new user turn) and streams `--max-tokens` tokens (ignore_eos). `hot`: every
-session shares one system prompt (the lockstep-imbalance case).
+session shares one system prompt (the lockstep-imbalance case; routed parts only).
 
-Reported per arm (ratios against least-loaded, today's router, measured in the same run: the
-table's "x LL" is the median over rounds of each round's ratio; the JSON has the pooled ones too):
-TTFT p50 / p99 (the router's first streamed output), throughput (completion tokens / wall time of
-the run), prefill tokens computed (the servers' `adpfleet_prompt_tokens_total`: hits skipped), hit
-tokens (`adpfleet_prefix_cache_hits_total`) against the ideal — one unbounded cache that held every
-prompt block of every request whose prompt was computed (first token streamed) before this one
-was sent — rank imbalance (max/mean of the
-ranks' pending tokens in the servers' snapshots, sampled every 0.1 s while a server has work: the
-quantity the bound keeps under 1.25; the servers export no per-pass scheduled-token series), and
-vetoed passes (`adpfleet_forward_vetoed_total`). The machine is shared (2 cores, other jobs): the
-numbers are contended, the arms interleaved so that the ratios hold.
+Reported per arm (ratios against the part's baseline — least-loaded, today's router, or the engine
+with its cache off — measured in the same run: the table's "x base" is the median over rounds of
+each round's ratio; the JSON has the pooled ones too): TTFT p50 / p99 (the first streamed output
+the client sees), throughput (completion tokens / wall time of the run), prefill tokens computed
+(`adpfleet_prompt_tokens_total`: hits skipped; vLLM's prompt tokens less its hits), hit tokens
+(`adpfleet_prefix_cache_hits_total`, `vllm:prefix_cache_hits`) against the ideal — one unbounded
+cache that held every prompt block of every request whose prompt was computed (first token
+streamed) before this one was sent — the per-pass rank imbalance (the servers' histogram
+`adpfleet_pass_imbalance`, max/mean of the ranks' scheduled tokens of every pass that ran: mean,
+percentiles as bucket bounds, share over 1.25; the JSON also has the older proxy, max/mean of the
+ranks' pending tokens sampled from the servers' snapshots every 0.1 s), and vetoed passes
+(`adpfleet_forward_vetoed_total`). The machine is shared (2 cores, other jobs): the numbers are
+contended, the arms interleaved so that the ratios hold.
 
-    .venv/bin/python bench/prefix_routing.py                       # ~15 min on 2 busy cores
-    .venv/bin/python bench/prefix_routing.py --quick               # a smoke run
+    .venv/bin/python bench/prefix_routing.py                            # ~40 min on 2 busy cores
+    .venv/bin/python bench/prefix_routing.py --parts aggregated --quick # one part, a smoke run
 """
 
 from __future__ import annotations
@@ -34,6 +46,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import sys
@@ -50,9 +63,10 @@ sys.path.insert(0, str(HERE.parent / "tests" / "runtime"))  # the suite's server
 
 from common import format_table, machine_info  # noqa: E402
 from engine_throughput import FIRST_TOKEN_ID, MODELS, save_model  # noqa: E402
-from servers import RouterProcess, Server, metric  # noqa: E402
+from servers import Process, RouterProcess, Server, free_port  # noqa: E402
 
-from adpfleet.contract.router_policy import ROUTER_POLICIES  # noqa: E402
+from adpfleet.contract.metrics import IMBALANCE_BUCKETS  # noqa: E402
+from adpfleet.contract.router_policy import CACHE_AWARE, LEAST_LOADED, ROUTER_POLICIES  # noqa: E402
 from adpfleet.runtime.engine import block_hash  # noqa: E402
 from adpfleet.runtime.serving.rank_routing import SNAPSHOT_PATH  # noqa: E402
 
@@ -60,9 +74,6 @@ DEFAULT_OUT = HERE / "results" / "prefix_routing.json"
 TOKEN = "bench-internal-token"
 B = 16  # the servers' tokens per block
 USER_TOKENS, ANSWER_TOKENS = 32, 32
-BASELINE = "least-loaded"
-COUNTERS = ("adpfleet_prompt_tokens_total", "adpfleet_prefix_cache_hits_total", "adpfleet_prefix_cache_queries_total",
-            "adpfleet_forward_vetoed_total", "adpfleet_requests_finished_total")
 
 
 @dataclass
@@ -101,20 +112,75 @@ class Sent:
 
 
 @dataclass
-class Fleet:
-    servers: list[Server]
-    routers: dict[str, RouterProcess]
-    http: httpx.AsyncClient = field(default_factory=lambda: httpx.AsyncClient(timeout=300, trust_env=False))
+class Arm:
+    """One way of serving the workload: the URL its requests go to and the servers that count them.
+    `prefill` compute prompts (aggregated or context servers), `decode` finish requests (aggregated
+    or generation), `snapshots` are the ADP servers whose ranks' balance is sampled; `dialect` says
+    whose /metrics these are (adpfleet or vllm)."""
+    url: str
+    prefill: list[Process]
+    decode: list[Process]
+    snapshots: list[Process] = field(default_factory=list)
+    dialect: str = "adpfleet"
+    model: str | None = None  # the name a vLLM server serves
+    router: RouterProcess | None = None
 
     def counters(self) -> dict[str, float]:
-        return {name: sum(metric(s, name) for s in self.servers) for name in COUNTERS}
+        """prefill (tokens computed), hits, queries, vetoed, finished, summed over the arm's servers,
+        and the cumulative buckets (`imb_le_<bound>`), sum and count of the per-pass imbalance."""
+        if self.dialect == "vllm":
+            (v,) = {*self.prefill, *self.decode}
+            m = scrape(v)
+            prompt, hits = m("vllm:prompt_tokens_total"), m("vllm:prefix_cache_hits_total")
+            return {"prefill": prompt - hits, "hits": hits, "queries": m("vllm:prefix_cache_queries_total"),
+                    "vetoed": 0.0, "finished": m("vllm:request_success_total")}
+        got = {s: scrape(s) for s in dict.fromkeys([*self.prefill, *self.decode])}
+        out = {"prefill": sum(got[s]("adpfleet_prompt_tokens_total") for s in self.prefill),
+               "hits": sum(got[s]("adpfleet_prefix_cache_hits_total") for s in self.prefill),
+               "queries": sum(got[s]("adpfleet_prefix_cache_queries_total") for s in self.prefill),
+               "vetoed": sum(m("adpfleet_forward_vetoed_total") for m in got.values()),
+               "finished": sum(got[s]("adpfleet_requests_finished_total") for s in self.decode)}
+        # every rank of a server observes the same passes: rank 0's series are the server's
+        adp = [got[s] for s in self.snapshots]
+        for part in ("sum", "count"):
+            out[f"imb_{part}"] = sum(m(f"adpfleet_pass_imbalance_{part}", rank="0") for m in adp)
+        for bound in IMBALANCE_BUCKETS:
+            out[f"imb_le_{bound}"] = sum(m("adpfleet_pass_imbalance_bucket", rank="0", le=str(bound)) for m in adp)
+        return out
 
 
-async def one_turn(fleet: Fleet, url: str, prompt: list[int], max_tokens: int) -> Sent:
+def scrape(server: Process):
+    """One read of a server's /metrics: a function summing the samples of a name whose labels
+    include the given ones."""
+    text = httpx.get(server.url + "/metrics", timeout=10, trust_env=False).text
+    samples = [line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#")]
+
+    def m(name: str, **labels) -> float:
+        return sum(float(v) for k, v in samples if k.split("{")[0] == name
+                   and all(f'{lk}="{lv}"' in k for lk, lv in labels.items()))
+    return m
+
+
+@dataclass
+class Part:
+    """A fleet and the arms that take turns on it; each arm's ratios are against `baseline`'s."""
+    fleet: str
+    arms: dict[str, Arm]
+    baseline: str
+    workloads: dict[str, tuple[Workload, int]]
+    processes: list[Process]
+    http: httpx.AsyncClient = field(default_factory=lambda: httpx.AsyncClient(timeout=300, trust_env=False))
+
+    def stop(self) -> None:
+        for p in self.processes:
+            p.stop()
+
+
+async def one_turn(http: httpx.AsyncClient, arm: Arm, prompt: list[int], max_tokens: int) -> Sent:
     record = Sent(prompt, time.monotonic())
-    body = {"model": None, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
+    body = {"model": arm.model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
             "temperature": 0}
-    async with fleet.http.stream("POST", url + "/v1/completions", json=body) as resp:
+    async with http.stream("POST", arm.url + "/v1/completions", json=body) as resp:
         if resp.status_code != 200:
             raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
         async for line in resp.aiter_lines():
@@ -124,17 +190,19 @@ async def one_turn(fleet: Fleet, url: str, prompt: list[int], max_tokens: int) -
     return record
 
 
-async def session(fleet: Fleet, url: str, turns: list[list[int]], max_tokens: int, out: list[Sent]) -> None:
+async def session(http: httpx.AsyncClient, arm: Arm, turns: list[list[int]], max_tokens: int,
+                  out: list[Sent]) -> None:
     for prompt in turns:
-        out.append(await one_turn(fleet, url, prompt, max_tokens))
+        out.append(await one_turn(http, arm, prompt, max_tokens))
 
 
-async def sample_imbalance(fleet: Fleet, samples: list[float], stop: asyncio.Event) -> None:
+async def sample_imbalance(http: httpx.AsyncClient, servers: list[Process], samples: list[float],
+                           stop: asyncio.Event) -> None:
     """max/mean of the ranks' pending tokens of each server with work, every 0.1 s."""
     headers = {"Authorization": f"Bearer {TOKEN}"}
     while not stop.is_set():
-        for s in fleet.servers:
-            snap = (await fleet.http.get(s.url + SNAPSHOT_PATH, headers=headers)).json()
+        for s in servers:
+            snap = (await http.get(s.url + SNAPSHOT_PATH, headers=headers)).json()
             if sum(r["pending_tokens"] for r in snap["ranks"]) > 0:
                 samples.append(snap["imbalance"])
         await asyncio.sleep(0.1)
@@ -163,77 +231,111 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
 
 
-async def run_arm(fleet: Fleet, policy: str, workload: Workload, salt: int, vocab: int) -> dict:
-    before = fleet.counters()
+async def run_arm(part: Part, name: str, workload: Workload, salt: int, vocab: int) -> dict:
+    arm = part.arms[name]
+    before = arm.counters()
     sent: list[Sent] = []
     samples: list[float] = []
     stop = asyncio.Event()
-    sampler = asyncio.create_task(sample_imbalance(fleet, samples, stop))
+    sampler = asyncio.create_task(sample_imbalance(part.http, arm.snapshots, samples, stop))
     started = time.monotonic()
-    url = fleet.routers[policy].url
-    await asyncio.gather(*(session(fleet, url, turns, workload.max_tokens, sent)
+    await asyncio.gather(*(session(part.http, arm, turns, workload.max_tokens, sent)
                            for turns in workload.conversations(salt, vocab)))
     wall = time.monotonic() - started
     stop.set()
     await sampler
     # the ranks' counters follow the outputs on the pipe: wait until every request is counted
     deadline = time.monotonic() + 30
-    while fleet.counters()["adpfleet_requests_finished_total"] - before["adpfleet_requests_finished_total"] < len(sent):
-        if time.monotonic() > deadline:
-            break
+    while arm.counters()["finished"] - before["finished"] < len(sent) and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    after = fleet.counters()
-    d = {k: after[k] - before[k] for k in COUNTERS}
-    ttft = [r.first - r.sent for r in sent]
-    return {"policy": policy, "requests": len(sent), "wall_s": wall, "ttft": ttft,
-            "completion_tokens": len(sent) * workload.max_tokens, "prefill_tokens": d["adpfleet_prompt_tokens_total"],
-            "hit_tokens": d["adpfleet_prefix_cache_hits_total"], "query_tokens": d["adpfleet_prefix_cache_queries_total"],
-            "ideal_hit_tokens": ideal_hit_tokens(sent), "vetoed_passes": d["adpfleet_forward_vetoed_total"],
-            "imbalance_samples": samples}
+    after = arm.counters()
+    d = {k: after[k] - before[k] for k in after}
+    return {"arm": name, "requests": len(sent), "wall_s": wall, "ttft": [r.first - r.sent for r in sent],
+            "completion_tokens": len(sent) * workload.max_tokens, "prefill_tokens": d["prefill"],
+            "hit_tokens": d["hits"], "query_tokens": d["queries"], "ideal_hit_tokens": ideal_hit_tokens(sent),
+            "vetoed_passes": d["vetoed"] if arm.dialect == "adpfleet" else None, "imbalance_samples": samples,
+            "pass_imbalance": {k.removeprefix("imb_"): v for k, v in d.items() if k.startswith("imb_")},
+            "router": router_counts(arm.router) if arm.router else {}}
+
+
+IMBALANCE_BOUND = 1.25  # the issue's target for the hot-prefix case (the servers' own bound: docs/adp.md)
+
+
+def imbalance_summary(samples: list[float]) -> dict:
+    """Percentiles of the sampled imbalance of the ranks' pending tokens and the share of samples
+    over the bound (None: no ADP server in the arm, nothing sampled)."""
+    keys = ("mean", "p50", "p90", "p99", "over_bound")
+    if not samples:
+        return {**{f"pending_imbalance_{k}": None for k in keys}, "pending_imbalance_samples": 0}
+    values = (statistics.fmean(samples), percentile(samples, 0.5), percentile(samples, 0.9),
+              percentile(samples, 0.99), sum(x > IMBALANCE_BOUND for x in samples) / len(samples))
+    return {**{f"pending_imbalance_{k}": v for k, v in zip(keys, values)}, "pending_imbalance_samples": len(samples)}
+
+
+def pass_imbalance_summary(h: dict[str, float]) -> dict:
+    """The servers' per-pass imbalance histogram (`le_<bound>` cumulative counts, sum, count): its
+    mean, percentiles (a bucket's upper bound: the smallest bound that many passes were at or
+    under) and the share of passes over the bound. None: no ADP server, or no pass ran."""
+    keys = ("mean", "p50", "p90", "p99", "over_bound")
+    if not h.get("count"):
+        return {**{f"pass_imbalance_{k}": None for k in keys}, "pass_imbalance_passes": 0}
+    n = h["count"]
+
+    def quantile(q: float) -> float | None:  # None: past the last finite bucket
+        return next((b for b in IMBALANCE_BUCKETS if h[f"le_{b}"] >= q * n), None)
+    values = (h["sum"] / n, quantile(0.5), quantile(0.9), quantile(0.99), 1 - h[f"le_{IMBALANCE_BOUND}"] / n)
+    return {**{f"pass_imbalance_{k}": v for k, v in zip(keys, values)}, "pass_imbalance_passes": int(n)}
 
 
 def summarize(runs: list[dict]) -> dict:
     """One arm's runs pooled."""
     ttft = [t for r in runs for t in r["ttft"]]
-    samples = [s for r in runs for s in r["imbalance_samples"]]
     total = {k: sum(r[k] for r in runs) for k in ("requests", "wall_s", "completion_tokens", "prefill_tokens",
-                                                  "hit_tokens", "query_tokens", "ideal_hit_tokens", "vetoed_passes")}
-    return {**total, "ttft_p50_s": percentile(ttft, 0.5), "ttft_p99_s": percentile(ttft, 0.99),
-            "throughput_tok_s": total["completion_tokens"] / total["wall_s"],
+                                                  "hit_tokens", "query_tokens", "ideal_hit_tokens")}
+    vetoed = None if runs[0]["vetoed_passes"] is None else sum(r["vetoed_passes"] for r in runs)
+    return {**total, "vetoed_passes": vetoed, "ttft_p50_s": percentile(ttft, 0.5),
+            "ttft_p99_s": percentile(ttft, 0.99), "throughput_tok_s": total["completion_tokens"] / total["wall_s"],
             "hit_rate": total["hit_tokens"] / max(1, total["query_tokens"]),
             "hit_vs_ideal": total["hit_tokens"] / max(1, total["ideal_hit_tokens"]),
-            "imbalance_mean": statistics.fmean(samples) if samples else 1.0,
-            "imbalance_p90": percentile(samples, 0.9) if samples else 1.0, "imbalance_samples": len(samples),
-            "router": runs[-1].get("router", {})}
+            **imbalance_summary([s for r in runs for s in r["imbalance_samples"]]),
+            **pass_imbalance_summary({k: sum(r["pass_imbalance"].get(k, 0) for r in runs)
+                                      for k in runs[0]["pass_imbalance"]}), "router": runs[-1]["router"]}
 
 
 RATIOS = ("ttft_p50_s", "ttft_p99_s", "throughput_tok_s", "prefill_tokens")
 
 
-def with_ratios(arms: dict[str, dict], runs: dict[str, list[dict]]) -> dict[str, dict]:
-    """Each arm against least-loaded: pooled over the rounds, and the median of the rounds' own
+def with_ratios(arms: dict[str, dict], runs: dict[str, list[dict]], baseline: str) -> dict[str, dict]:
+    """Each arm against the baseline: pooled over the rounds, and the median of the rounds' own
     ratios (the arms of one round ran back to back: the machine's load drifts less within one)."""
-    base = arms[BASELINE]
-    for policy, arm in arms.items():
-        arm["vs_least_loaded"] = {k: arm[k] / base[k] if base[k] else None for k in RATIOS}
-        per_round = [(summarize([mine]), summarize([theirs])) for mine, theirs in zip(runs[policy], runs[BASELINE])]
-        arm["vs_least_loaded_per_round_median"] = {
-            k: statistics.median(m[k] / b[k] for m, b in per_round if b[k]) for k in RATIOS}
+    base = arms[baseline]
+    for name, arm in arms.items():
+        arm["vs_baseline"] = {k: arm[k] / base[k] if base[k] else None for k in RATIOS}
+        per_round = [(summarize([mine]), summarize([theirs])) for mine, theirs in zip(runs[name], runs[baseline])]
+        arm["vs_baseline_per_round_median"] = {
+            k: statistics.median(m[k] / b[k] for m, b in per_round if b[k]) if any(b[k] for _, b in per_round)
+            else None for k in RATIOS}
     return arms
 
 
 def table(results: dict) -> str:
     rows = []
-    for name, arms in results.items():
-        for policy, a in arms.items():
-            r = a["vs_least_loaded_per_round_median"]
-            rows.append([name, policy, a["requests"], a["ttft_p50_s"] * 1000, r["ttft_p50_s"], a["ttft_p99_s"] * 1000,
-                         r["ttft_p99_s"], a["throughput_tok_s"], r["throughput_tok_s"], int(a["prefill_tokens"]),
-                         r["prefill_tokens"],
-                         a["hit_rate"], a["hit_vs_ideal"], a["imbalance_mean"], a["imbalance_p90"],
-                         int(a["vetoed_passes"])])
-    return format_table(["workload", "policy", "reqs", "TTFT p50 ms", "x LL", "TTFT p99 ms", "x LL", "tok/s",
-                         "x LL", "prefill tok", "x LL", "hit rate", "hit/ideal", "imbal mean", "imbal p90", "vetoed"], rows)
+    for part, workloads in results.items():
+        for name, arms in workloads.get("workloads", {}).items():
+            for arm_name, a in arms.items():
+                r = a["vs_baseline_per_round_median"]
+                rows.append([part, name, arm_name, a["requests"], a["ttft_p50_s"] * 1000, r["ttft_p50_s"],
+                             a["ttft_p99_s"] * 1000, r["ttft_p99_s"], a["throughput_tok_s"], r["throughput_tok_s"],
+                             int(a["prefill_tokens"]), r["prefill_tokens"], a["hit_rate"], a["hit_vs_ideal"],
+                             *(dash(a[f"pass_imbalance_{k}"]) for k in ("mean", "p50", "p90", "p99", "over_bound")),
+                             dash(None if a["vetoed_passes"] is None else int(a["vetoed_passes"]))])
+    return format_table(["part", "workload", "arm", "reqs", "TTFT p50 ms", "x base", "TTFT p99 ms", "x base", "tok/s",
+                         "x base", "prefill tok", "x base", "hit rate", "hit/ideal", "pass imbal mean", "p50", "p90",
+                         "p99", "passes > 1.25", "vetoed"], rows)
+
+
+def dash(value):
+    return "-" if value is None else value
 
 
 def router_counts(router: RouterProcess) -> dict:
@@ -242,71 +344,194 @@ def router_counts(router: RouterProcess) -> dict:
     return {k: v for k, v in router.metrics().items() if k.split("{")[0] in names}
 
 
-def start_fleet(model_dir: Path, logs: Path, kv_blocks: int) -> Fleet:
-    env = {"ADPFLEET_INTERNAL_TOKEN": TOKEN}
-    servers = [Server("--role", "aggregated", "--model", str(model_dir), "--dp", "2", "--kv-blocks", str(kv_blocks),
-                      log_path=logs / f"server-{i}.log", env=env) for i in range(2)]
-    for s in servers:
-        s.wait_healthy(600)
-    urls = [f for s in servers for f in ("--aggregated", s.url)]
-    routers = {p: RouterProcess(logs, *urls, "--policy", p, *(["--tokenizer", str(model_dir)] if p == "cache-aware"
-                                                                else []), env=env) for p in ROUTER_POLICIES}
+def adp_server(model_dir: Path, logs: Path, role: str, *extra: str, dp: int = 2, kv_blocks: int = 512,
+               label: str = "", behind_router: bool = True) -> Server:
+    """`adpfleet serve` of the bench's model; one behind a router takes the fleet's internal token
+    (its snapshot is for the router's eyes only), one the bench talks to directly is open."""
+    env = {"ADPFLEET_INTERNAL_TOKEN": TOKEN} if behind_router else {}
+    return Server("--role", role, "--model", str(model_dir), "--dp", str(dp), "--kv-blocks", str(kv_blocks), *extra,
+                  log_path=logs / f"{role}{label}.log", env=env)
+
+
+def start_routers(model_dir: Path, logs: Path, servers: list[str], **usable: int) -> dict[str, RouterProcess]:
+    """One router per policy in front of the same servers (`servers`: its --ROLE URL flags)."""
+    routers = {p: RouterProcess(logs, *servers, "--policy", p, *(["--tokenizer", str(model_dir)]
+                                                                 if p == CACHE_AWARE else []),
+                                env={"ADPFLEET_INTERNAL_TOKEN": TOKEN}) for p in ROUTER_POLICIES}
     for r in routers.values():
         r.wait_healthy(120)
-        r.wait_usable(aggregated=2)
-    return Fleet(servers, routers)
+        r.wait_usable(**usable)
+    return routers
 
 
-async def bench(fleet: Fleet, workloads: dict[str, tuple[Workload, int]], vocab: int) -> dict:
+def routed_part(model_dir: Path, logs: Path, args, workloads: dict) -> Part:
+    """2 aggregated servers x 2 ADP ranks behind one router per policy."""
+    servers = [adp_server(model_dir, logs, "aggregated", kv_blocks=args.kv_blocks, label=f"-{i}") for i in range(2)]
+    for s in servers:
+        s.wait_healthy(600)
+    routers = start_routers(model_dir, logs, [f for s in servers for f in ("--aggregated", s.url)], aggregated=2)
+    arms = {p: Arm(r.url, servers, servers, servers, router=r) for p, r in routers.items()}
+    return Part("2 aggregated servers x 2 ADP ranks", arms, LEAST_LOADED, workloads, [*routers.values(), *servers])
+
+
+def disaggregated_part(model_dir: Path, logs: Path, args, workloads: dict) -> Part:
+    """1 context + 1 generation server x 2 ADP ranks behind one router per policy: the context rank
+    chosen by prefix (cache-aware), the generation server by load."""
+    ctx = adp_server(model_dir, logs, "context", kv_blocks=args.kv_blocks)
+    gen = adp_server(model_dir, logs, "generation", kv_blocks=args.kv_blocks)
+    for s in (ctx, gen):
+        s.wait_healthy(600)
+    routers = start_routers(model_dir, logs, ["--context", ctx.url, "--generation", gen.url], context=1, generation=1)
+    arms = {p: Arm(r.url, [ctx], [gen], [ctx, gen], router=r) for p, r in routers.items()}
+    return Part("1 context + 1 generation server x 2 ADP ranks", arms, LEAST_LOADED, workloads,
+                [*routers.values(), ctx, gen])
+
+
+ENGINE_ON, ENGINE_OFF, VLLM = "adpfleet cache on", "adpfleet cache off", "vllm prefix caching on"
+
+
+def engine_part(model_dir: Path, logs: Path, args, workloads: dict, with_vllm: bool) -> Part:
+    """One engine, one rank, no router: adpfleet's server with the prefix cache on and off, and
+    (`with_vllm`) `vllm serve` with its prefix caching on, each sent the workload directly."""
+    on = adp_server(model_dir, logs, "aggregated", dp=1, kv_blocks=args.kv_blocks, label="-cache-on",
+                    behind_router=False)
+    off = adp_server(model_dir, logs, "aggregated", "--no-prefix-cache", dp=1, kv_blocks=args.kv_blocks,
+                     label="-cache-off", behind_router=False)
+    arms = {ENGINE_ON: Arm(on.url, [on], [on]), ENGINE_OFF: Arm(off.url, [off], [off])}
+    processes: list[Process] = [on, off]
+    if with_vllm:
+        vllm = vllm_server(model_dir, logs / "vllm", compile=args.vllm_compile)
+        processes.append(vllm)
+        arms[VLLM] = Arm(vllm.url, [vllm], [vllm], dialect="vllm", model=VLLM_MODEL_NAME)
+    try:
+        for p in processes:
+            p.wait_healthy(900)
+    except Exception:
+        for p in processes:
+            p.stop()
+        raise
+    return Part("1 server x 1 rank, no router", arms, ENGINE_OFF, workloads, processes)
+
+
+VLLM_MODEL_NAME, VLLM_BLOCK = "small", 32
+
+
+def vllm_server(model_dir: Path, workdir: Path, compile: bool) -> Process:
+    """`vllm serve` (its CPU build, DP 1) as the adpfleet server is run: float32, 2048-token passes,
+    prompts as token ids (no tokenizer), prefix caching on, OpenMP on one core as the adpfleet
+    rank's one thread; eager unless `compile` (as the suite runs it: torch.compile took over 10 min
+    to start here); 32-token blocks (its CPU backend's smallest fast size: 16 warns that it is
+    not optimized), so it can find a prefix to 32 tokens where adpfleet finds it to 16. From a
+    directory of its own (cluster/vllm_env.py says why)."""
+    from adpfleet.cluster import vllm_env
+
+    (workdir / "tmp").mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    cmd = vllm_env.locate().serve_command(
+        model_dir, "--host", "127.0.0.1", "--port", str(port), "--served-model-name", VLLM_MODEL_NAME,
+        "--dtype", "float32", "--skip-tokenizer-init", "--enable-prefix-caching", "--block-size", str(VLLM_BLOCK),
+        "--max-num-batched-tokens", "2048", "--max-model-len", "1024", *([] if compile else ["--enforce-eager"]))
+    env = {"TMPDIR": str(workdir / "tmp"), "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+           "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(sorted(os.sched_getaffinity(0))[0]),
+           "VLLM_ENGINE_READY_TIMEOUT_S": "1800"}
+    return Process(cmd, port, workdir / "vllm.log", env=env, cwd=workdir)
+
+
+async def run_part(part: Part, vocab: int, salt: int) -> dict:
+    """Every workload's rounds, the arms interleaved (each first in turn), with prompts of their own."""
     results = {}
-    salt = 1
-    for name, (workload, rounds) in workloads.items():
-        runs: dict[str, list[dict]] = {p: [] for p in ROUTER_POLICIES}
+    names = list(part.arms)
+    warm_up = random.Random(-salt)  # one short request per arm first: no arm pays its servers' first passes
+    for arm in part.arms.values():
+        await one_turn(part.http, arm, [warm_up.randrange(FIRST_TOKEN_ID, vocab) for _ in range(2 * B)], 2)
+    for wl_name, (workload, rounds) in part.workloads.items():
+        runs: dict[str, list[dict]] = {n: [] for n in names}
         for rnd in range(rounds):
-            order = ROUTER_POLICIES[rnd % 3:] + ROUTER_POLICIES[:rnd % 3]  # interleaved, each first in turn
-            for policy in order:
+            for name in names[rnd % len(names):] + names[:rnd % len(names)]:
                 salt += 1
-                run = await run_arm(fleet, policy, workload, salt, vocab)
-                run["router"] = router_counts(fleet.routers[policy])
-                runs[policy].append(run)
-                print(f"  {name} round {rnd + 1}/{rounds} {policy}: {run['requests']} requests in {run['wall_s']:.1f} s,"
-                      f" TTFT p50 {percentile(run['ttft'], 0.5) * 1000:.0f} ms", flush=True)
-        results[name] = with_ratios({p: summarize(r) for p, r in runs.items()}, runs)
-    return results
+                run = await run_arm(part, name, workload, salt, vocab)
+                runs[name].append(run)
+                print(f"  {wl_name} round {rnd + 1}/{rounds} {name}: {run['requests']} requests in "
+                      f"{run['wall_s']:.1f} s, TTFT p50 {percentile(run['ttft'], 0.5) * 1000:.0f} ms", flush=True)
+        results[wl_name] = with_ratios({n: summarize(r) for n, r in runs.items()}, runs, part.baseline)
+    await part.http.aclose()
+    return {"fleet": part.fleet, "baseline": part.baseline, "workloads": results}
 
 
-def main() -> None:
+PARTS = ("aggregated", "disaggregated", "engine", "vllm")
+
+
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--parts", default=",".join(PARTS),
+                    help=f"comma-separated, of {', '.join(PARTS)} (vllm: the peer's arm in the engine part)")
     ap.add_argument("--sessions", type=int, default=12)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--group", type=int, default=4, help="sessions sharing one system prompt")
     ap.add_argument("--system", type=int, default=384, help="system prompt tokens")
     ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--rounds", type=int, default=3, help="rounds of the chat workload")
-    ap.add_argument("--hot-rounds", type=int, default=2, help="rounds of the hot-prefix workload")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of the chat workload (routed parts)")
+    ap.add_argument("--hot-rounds", type=int, default=2, help="rounds of the hot-prefix workload (routed parts)")
+    ap.add_argument("--engine-rounds", type=int, default=2, help="rounds of the chat workload (engine part)")
     ap.add_argument("--kv-blocks", type=int, default=512)
+    ap.add_argument("--vllm-compile", action="store_true",
+                    help="vLLM with torch.compile (its default; over 10 min to start on 2 busy cores); else eager")
     ap.add_argument("--quick", action="store_true", help="a smoke run: 4 sessions x 2 turns, one round")
     ap.add_argument("--json", type=Path, default=DEFAULT_OUT)
     args = ap.parse_args()
+    args.parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    if unknown := set(args.parts) - set(PARTS):
+        ap.error(f"--parts: unknown {sorted(unknown)}; choose from {', '.join(PARTS)}")
     if args.quick:
-        args.sessions, args.turns, args.system, args.rounds, args.hot_rounds = 4, 2, 128, 1, 1
+        args.sessions, args.turns, args.system, args.rounds, args.hot_rounds, args.engine_rounds = 4, 2, 128, 1, 1, 1
+    return args
+
+
+def plan(args) -> dict[str, tuple]:
+    """Part name -> (builder, its workloads), in the order they run."""
     chat = Workload(args.sessions, args.turns, args.group, args.system, args.max_tokens)
     hot = Workload(args.sessions, args.turns, args.sessions, args.system, args.max_tokens)
-    workloads = {"chat": (chat, args.rounds), "hot": (hot, args.hot_rounds)}
-    model = MODELS["small"]
+    routed = {"chat": (chat, args.rounds), "hot": (hot, args.hot_rounds)}
+    parts = {}
+    if "aggregated" in args.parts:
+        parts["aggregated"] = (routed_part, routed)
+    if "disaggregated" in args.parts:
+        parts["disaggregated"] = (disaggregated_part, routed)
+    if {"engine", "vllm"} & set(args.parts):
+        with_vllm = "vllm" in args.parts
+        parts["engine"] = (lambda *a: engine_part(*a, with_vllm=with_vllm), {"chat": (chat, args.engine_rounds)})
+    return parts
+
+
+def run_one_part(build, model_dir: Path, logs: Path, args, workloads: dict, vocab: int, salt: int) -> dict:
+    """One part's results, or its error: a part that fails (a peer that would not start) leaves the
+    others' results standing."""
+    part = None
+    try:
+        part = build(model_dir, logs, args, workloads)
+        return asyncio.run(run_part(part, vocab, salt))
+    except Exception as exc:  # noqa: BLE001 (reported in the JSON and the table's place)
+        print(f"  failed: {exc!r}"[:2000], flush=True)
+        return {"error": repr(exc)[:2000]}
+    finally:
+        if part is not None:
+            part.stop()
+
+
+def main() -> None:
+    args = parse_args()
+    model, results, salt = MODELS["small"], {}, 1
     with tempfile.TemporaryDirectory(prefix="prefix-routing-") as tmp:
         model_dir, logs = Path(tmp) / "model", Path(tmp) / "logs"
         logs.mkdir()
         save_model(model_dir, model, seed=0)
-        fleet = start_fleet(model_dir, logs, args.kv_blocks)
-        try:
-            results = asyncio.run(bench(fleet, workloads, model["vocab_size"]))
-        finally:
-            for p in [*fleet.routers.values(), *fleet.servers]:
-                p.stop()
+        for name, (build, workloads) in plan(args).items():
+            print(f"{name}:", flush=True)
+            results[name] = run_one_part(build, model_dir, logs, args, workloads, model["vocab_size"], salt)
+            salt += 1000
     print(table(results))
     out = {"bench": "prefix_routing", "machine": machine_info(), "args": {k: str(v) for k, v in vars(args).items()},
-           "fleet": "2 aggregated servers x 2 ADP ranks, model 'small' (random Llama, ~34 M parameters)",
+           "model": "small (random Llama, ~34 M parameters)",
            "contended": "2 shared CPU cores; other jobs ran at the same time", "results": results}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(out, indent=1))

@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 from adpfleet.contract.exposition import render
-from adpfleet.contract.metrics import (COUNTERS, FINISH_REASONS, GAUGES, LATENCY_BUCKETS, PADDING_OUTCOMES,
-                                       PADDING_PHASES, LatencyHistogram)
+from adpfleet.contract.metrics import (COUNTERS, FINISH_REASONS, GAUGES, IMBALANCE_BUCKETS, LATENCY_BUCKETS,
+                                       PADDING_OUTCOMES, PADDING_PHASES, Histogram)
 from adpfleet.contract.signatures import Signature
 
 log = logging.getLogger("adpfleet.cluster.synthetic_metrics")
@@ -108,16 +108,17 @@ class SyntheticServer:
         stats.last_progress_timestamp = progress_until
         stats.time_to_first_token = _histogram(load.ttft, TOKENS_PER_SECOND / 32 * moving)
         stats.inter_token_latency = _histogram(load.itl, TOKENS_PER_SECOND * moving)
+        stats.pass_imbalance = Histogram(IMBALANCE_BUCKETS)
         return stats
 
 
-def _histogram(mean: float, count: float) -> LatencyHistogram:
+def _histogram(mean: float, count: float) -> Histogram:
     """`count` observations all of `mean` seconds."""
     buckets = [0.0] * len(LATENCY_BUCKETS)
     first = next((i for i, bound in enumerate(LATENCY_BUCKETS) if bound >= mean), None)
     if first is not None:
         buckets[first] = count
-    return LatencyHistogram(buckets=buckets, sum=count * mean, count=count)
+    return Histogram(LATENCY_BUCKETS, buckets, count * mean, count)
 
 
 class Farm:

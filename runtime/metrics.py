@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from adpfleet.contract.exposition import render
-from adpfleet.contract.metrics import FINISH_REASONS, PADDING_OUTCOMES, PADDING_PHASES, LatencyHistogram
+from adpfleet.contract.metrics import FINISH_REASONS, IMBALANCE_BUCKETS, PADDING_OUTCOMES, PADDING_PHASES, Histogram
 
 __all__ = ["RankStats", "render"]
 
@@ -40,8 +40,9 @@ class RankStats:
     kv_transfers_in_flight: int = 0
     kv_transfers_awaiting_pull: int = 0
     last_progress_timestamp: float = field(default_factory=time.time)
-    time_to_first_token: LatencyHistogram = field(default_factory=LatencyHistogram)
-    inter_token_latency: LatencyHistogram = field(default_factory=LatencyHistogram)
+    time_to_first_token: Histogram = field(default_factory=Histogram)
+    inter_token_latency: Histogram = field(default_factory=Histogram)
+    pass_imbalance: Histogram = field(default_factory=lambda: Histogram(IMBALANCE_BUCKETS))
     # internal (benchmarks), not exported
     requests_fetched: int = 0
     collective_calls: int = 0

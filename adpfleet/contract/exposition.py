@@ -3,15 +3,15 @@ the runtime's /metrics and the local cluster's synthetic servers, so the two can
 
 `render(role, ranks)` takes (rank, stats) pairs; a stats object has an attribute per family's
 `field` (counters and gauges a number, labeled counters a dict keyed by label values, histograms a
-`LatencyHistogram`). Every family is written for every rank, so a series exists (at 0) from start-up.
+`Histogram`). Every family is written for every rank, so a series exists (at 0) from start-up.
 """
 
 from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-from adpfleet.contract.metrics import (COUNTERS, GAUGES, HISTOGRAMS, LABELED_COUNTERS, LATENCY_BUCKETS,
-                                       NODE_RANK_LABEL, RANK_LABEL, ROLE_LABEL, LatencyHistogram)
+from adpfleet.contract.metrics import (COUNTERS, GAUGES, HISTOGRAMS, LABELED_COUNTERS, NODE_RANK_LABEL, RANK_LABEL,
+                                       ROLE_LABEL, Histogram)
 
 
 def render(role: str, ranks: Sequence[tuple[int, object]], node_rank: int | None = None) -> str:
@@ -46,9 +46,9 @@ def _family(lines: list[str], name: str, kind: str, help_: str, samples: Iterabl
         lines.append(f"{name}{{{_labels(labels)}}} {float(value)!r}")
 
 
-def _histogram(lines: list[str], name: str, labels: str, h: LatencyHistogram) -> None:
+def _histogram(lines: list[str], name: str, labels: str, h: Histogram) -> None:
     cumulative = 0
-    for bound, n in zip(LATENCY_BUCKETS, h.buckets):
+    for bound, n in zip(h.bounds, h.buckets):
         cumulative += n
         lines.append(f'{name}_bucket{{{labels},le="{bound}"}} {float(cumulative)!r}')
     lines.append(f'{name}_bucket{{{labels},le="+Inf"}} {float(h.count)!r}')

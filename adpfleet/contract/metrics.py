@@ -72,6 +72,9 @@ HISTOGRAMS = (
            "token handed over by the context server, KV pull included).", "ttft"),
     Family("inter_token_latency", "adpfleet_inter_token_latency_seconds", "Seconds between two tokens of a request.",
            "itl"),
+    Family("pass_imbalance", "adpfleet_pass_imbalance",
+           "Per pass that ran on ADP ranks, max over mean of the ranks' scheduled tokens (padding dummies "
+           "included): the lockstep imbalance (at most the number of ranks; not observed on one rank)."),
 )
 
 
@@ -95,28 +98,36 @@ LABELED_COUNTERS = (PADDING_DUMMIES, REQUESTS_FINISHED)
 
 # Latency buckets in seconds (vLLM's scale, from a few ms on a GPU to a minute on a loaded CPU).
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# Imbalance buckets (max/mean, 1 to the number of ranks), 1.25 the ADP dispatcher's bound (docs/adp.md).
+IMBALANCE_BUCKETS = (1.0, 1.05, 1.1, 1.25, 1.5, 2.0, 3.0, 4.0, 8.0)
 
 
 @dataclass
-class LatencyHistogram:
-    """Observations per bucket (not cumulative), their sum and count; rendered as a Prometheus histogram."""
-    buckets: list[int] = field(default_factory=lambda: [0] * len(LATENCY_BUCKETS))
+class Histogram:
+    """Observations per bucket (not cumulative), their sum and count; rendered as a Prometheus histogram
+    with `bounds` as its `le` (latencies in seconds unless told)."""
+    bounds: list[float] = field(default_factory=lambda: list(LATENCY_BUCKETS))
+    buckets: list[int] = field(default_factory=list)
     sum: float = 0.0
     count: int = 0
 
-    def observe(self, seconds: float) -> None:
-        for i, bound in enumerate(LATENCY_BUCKETS):
-            if seconds <= bound:
+    def __post_init__(self) -> None:
+        self.bounds = list(self.bounds)
+        self.buckets = self.buckets or [0] * len(self.bounds)
+
+    def observe(self, value: float) -> None:
+        for i, bound in enumerate(self.bounds):
+            if value <= bound:
                 self.buckets[i] += 1
                 break
-        self.sum += seconds
+        self.sum += value
         self.count += 1
 
 
 def read_fields() -> dict[str, str]:
     """Series name -> RankSample field, for every family the operator reads."""
     scalars = {f.name: f.read for f in (*COUNTERS, *GAUGES) if f.read}
-    histograms = {f"{f.name}_{part}": f"{f.read}_{part}" for f in HISTOGRAMS for part in ("sum", "count")}
+    histograms = {f"{f.name}_{part}": f"{f.read}_{part}" for f in HISTOGRAMS if f.read for part in ("sum", "count")}
     return {**scalars, **histograms}
 
 

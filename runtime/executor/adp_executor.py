@@ -5,7 +5,8 @@
   2. pre-schedule padding
   3. schedule() (and draft, with speculative decoding)
   4. post-schedule padding
-  5. the can_queue vote: one all-gather of every rank's batch size and token count
+  5. the can_queue vote: one all-gather of every rank's batch size and token count (their
+     max/mean, the pass's lockstep imbalance, is observed when the forward runs)
   6. if every rank has a batch: forward (padded to the largest token count), sample and verify,
      advance request states, respond, free; otherwise roll back the tentative allocations.
      Either way the dummy goes (torn down or rolled back)
@@ -86,6 +87,9 @@ class ADPExecutor:
             return not batch.is_empty, None
         votes = self.comm.all_gather_ints([len(batch.requests), batch.num_tokens])
         can_queue = all(size > 0 for size, _ in votes)
-        if not can_queue and any(size > 0 for size, _ in votes):
+        tokens = [t for _, t in votes]
+        if can_queue:  # every rank observes the same pass: the forward costs the largest share
+            self.engine.stats.pass_imbalance.observe(max(tokens) * len(tokens) / sum(tokens))
+        elif any(size > 0 for size, _ in votes):
             self.engine.stats.forward_vetoed += 1
-        return can_queue, max(tokens for _, tokens in votes)
+        return can_queue, max(tokens)

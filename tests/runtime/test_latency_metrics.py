@@ -4,7 +4,7 @@ Prometheus histograms (promtool accepts them), read by the operator's parser as 
 import shutil
 import subprocess
 
-from adpfleet.contract.metrics import LATENCY_BUCKETS, LatencyHistogram
+from adpfleet.contract.metrics import LATENCY_BUCKETS, Histogram
 from adpfleet.operator.adapters.dialects import ADPFLEET
 from adpfleet.runtime.config import EngineConfig
 from adpfleet.runtime.engine.llm_engine import LLMEngine
@@ -23,7 +23,7 @@ def test_each_request_observes_one_time_to_first_token_and_a_latency_per_further
 
 
 def test_a_histogram_counts_each_observation_in_its_bucket_and_above():
-    h = LatencyHistogram()
+    h = Histogram()
     for seconds in (0.001, 0.3, 0.3, 99.0):
         h.observe(seconds)
     assert h.count == 4 and h.sum == 0.001 + 0.6 + 99.0

@@ -435,3 +435,14 @@ def test_a_placed_requests_first_token_is_emitted_before_the_passs_forward_and_i
     assert forwards_before == 0 and first.request_id == "pulled" and first.new_token_ids == [9]
     assert result.ran and all(o.request_id != "pulled" or o.new_token_ids != [9] for o in result.outputs)
     assert released == [True] and payload.k is None  # copied into the blocks, then given back
+
+
+def test_a_pass_that_runs_observes_its_lockstep_imbalance_and_a_vetoed_one_does_not():
+    e = engine()
+    e.add_request([5] * 6, SamplingParams(max_tokens=2), "six")  # 6 prompt tokens against the peer's 2
+    ADPExecutor(e, FakeVote(peer_size=1, peer_tokens=2)).step()
+    assert (e.stats.pass_imbalance.count, e.stats.pass_imbalance.sum) == (1, 6 / 4)
+    vetoed = engine()
+    vetoed.add_request([5] * 6, SamplingParams(max_tokens=2), "six")
+    ADPExecutor(vetoed, FakeVote(peer_size=0, peer_tokens=0, peer_work=1)).step()
+    assert vetoed.stats.forward_vetoed == 1 and vetoed.stats.pass_imbalance.count == 0
