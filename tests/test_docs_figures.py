@@ -174,16 +174,20 @@ def test_operator_md_cites_the_multinode_run_of_bench_results_multinode_json():
 def test_benchmarks_md_prefix_routing_table_is_bench_results_prefix_routing_json():
     results = json.loads((ROOT / "bench/results/prefix_routing.json").read_text())["results"]
     page = (ROOT / "docs/benchmarks.md").read_text()
-    table = page[page.index("| workload | policy | TTFT p50 ms |"):].split("\n\n")[0].splitlines()[2:]
-    rows = {tuple(cells[:2]): cells[2:] for cells in ([c.strip().strip("*") for c in line.strip("|").split("|")]
+    table = page[page.index("| part | workload | arm | TTFT p50 ms |"):].split("\n\n")[0].splitlines()[2:]
+    rows = {tuple(cells[:3]): cells[3:] for cells in ([c.strip().strip("*") for c in line.strip("|").split("|")]
                                                        for line in table)}
-    assert set(rows) == {(w, p) for w, arms in results.items() for p in arms}
-    for (workload, policy), cells in rows.items():
-        a = results[workload][policy]
-        r = a["vs_least_loaded_per_round_median"]
+    arms = {(part, w, arm): a for part, body in results.items()
+            for w, by_arm in body.get("workloads", {}).items() for arm, a in by_arm.items()}
+    assert set(rows) == set(arms)
+    for key, cells in rows.items():
+        a = arms[key]
+        r = a["vs_baseline_per_round_median"]
+        imbalance = [a[f"pass_imbalance_{k}"] for k in ("mean", "p50", "p90", "p99")]
+        over, vetoed = a["pass_imbalance_over_bound"], a["vetoed_passes"]
         expected = [f"{a['ttft_p50_s'] * 1000:,.0f}", f"{r['ttft_p50_s']:.2f}", f"{a['ttft_p99_s'] * 1000:,.0f}",
                     f"{r['ttft_p99_s']:.2f}", f"{a['throughput_tok_s']:.1f}", f"{r['throughput_tok_s']:.2f}",
                     f"{a['prefill_tokens']:,.0f}", f"{r['prefill_tokens']:.2f}", f"{a['hit_rate']:.2f}",
-                    f"{a['hit_vs_ideal']:.2f}", f"{a['imbalance_mean']:.2f} / {a['imbalance_p90']:.2f}",
-                    f"{a['vetoed_passes']:.0f}"]
-        assert [c.replace("**", "") for c in cells] == expected, (workload, policy)
+                    f"{a['hit_vs_ideal']:.2f}", "-" if imbalance[0] is None else " / ".join(f"{v:.2f}" for v in imbalance),
+                    "-" if over is None else f"{over * 100:.0f} %", "-" if vetoed is None else f"{vetoed:.0f}"]
+        assert [c.replace("**", "") for c in cells] == expected, key

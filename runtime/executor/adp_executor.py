@@ -88,7 +88,7 @@ class ADPExecutor:
         votes = self.comm.all_gather_ints([len(batch.requests), batch.num_tokens])
         can_queue = all(size > 0 for size, _ in votes)
         tokens = [t for _, t in votes]
-        if can_queue:  # every rank observes the same pass: the forward costs the largest share
+        if can_queue and sum(tokens) > 0:  # every rank observes the same pass: the forward costs the largest share
             self.engine.stats.pass_imbalance.observe(max(tokens) * len(tokens) / sum(tokens))
         elif any(size > 0 for size, _ in votes):
             self.engine.stats.forward_vetoed += 1
