@@ -47,7 +47,10 @@ class Event:
 
 
 async def events(lines: AsyncIterator[str]) -> AsyncIterator[Event]:
-    """Group an SSE line stream into events (comments and blank keep-alives are dropped)."""
+    """Group an SSE line stream into events (comments and blank keep-alives are dropped). An event the
+    stream ended in, before its blank line, is dropped as the SSE spec says: it was cut (a vLLM server
+    killed mid-stream ended its body inside an event's JSON), so the stream ends without [DONE] and the
+    relay says so with an error event, never by passing half an event to the client."""
     data: list[str] = []
     raw: list[str] = []
     async for line in lines:
@@ -62,8 +65,6 @@ async def events(lines: AsyncIterator[str]) -> AsyncIterator[Event]:
         if line.startswith("data:"):
             value = line[5:]
             data.append(value[1:] if value.startswith(" ") else value)
-    if data:  # a last event without its blank line: the stream was cut
-        yield Event(("\n".join(raw) + "\n\n").encode(), "\n".join(data))
 
 
 def encode(body: dict) -> bytes:

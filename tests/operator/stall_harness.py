@@ -186,7 +186,11 @@ class Load:
             if data == "[DONE]":
                 done = True
                 break
-            event = json.loads(data)
+            try:
+                event = json.loads(data)
+            except ValueError:  # half an event: an outcome of its own, never a client thread that dies unseen
+                out.detail, out.after_tokens = f"stream_malformed_event: {data[:160]}", out.ttft is not None
+                return
             if "error" in event:
                 out.detail = f"stream_error_event: {str(event['error'].get('message'))[:160]}"
                 out.after_tokens = out.ttft is not None

@@ -311,6 +311,11 @@ def test_sse_events_are_grouped_and_relayed_byte_for_byte():
     assert events[0].has_output and events[1].is_done
 
 
+def test_an_event_the_stream_ended_in_is_dropped_not_relayed_half():
+    events = _collect('data: {"choices": [{"text": "a"}]}', "", 'data: {"choices": [{"te')
+    assert [e.raw for e in events] == [b'data: {"choices": [{"text": "a"}]}\n\n']
+
+
 def test_a_chat_role_delta_is_not_output_but_content_usage_and_finish_are():
     def out(body):
         return sse.Event(b"", json.dumps(body)).has_output
