@@ -239,15 +239,17 @@ def operators(api_proxy: CountingProxy, namespace: str, fleets: Fleets, workdir:
         started.append(op)
         return op
 
-    yield start
     try:
-        delete_fleets(fleets, any(op.running() for op in started))
+        yield start  # a failure in the caller's block (a fleet never Ready) is raised here: clean up all the same
     finally:
-        for op in started:
-            op.stop()
-        fleets.drop_finalizers()
-        if started and failed():
-            print_log(started[-1])
+        try:
+            delete_fleets(fleets, any(op.running() for op in started))
+        finally:
+            for op in started:
+                op.stop()
+            fleets.drop_finalizers()
+            if started and failed():
+                print_log(started[-1])
 
 
 def delete_fleets(fleets: Fleets, operator_running: bool) -> None:
