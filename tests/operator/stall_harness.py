@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 
 import httpx
@@ -368,7 +369,6 @@ def remediations(fleet: dict) -> list[dict]:
 def verdict_time(operator_log: str, server: str) -> float:
     """When the operator judged `server` stalled: its (JSON) log line of the verdict. The remediation
     record's time is later, when the action starts, after the Events went out: seconds under load."""
-    from datetime import datetime
     entries = (json.loads(line) for line in operator_log.splitlines() if line.startswith("{"))
     verdict = next(e for e in entries if e["message"].startswith(f"stall detected: {server} "))
     return datetime.fromisoformat(verdict["timestamp"]).timestamp()
