@@ -94,11 +94,3 @@ def dtype(request) -> torch.dtype:
     return getattr(torch, request.config.getoption("--dtype"))
 
 
-@pytest.fixture(scope="session")
-def vllm_server(tmp_path_factory):
-    """One real `vllm serve` (vLLM's CPU build) of the tests' random Llama, shared by the session; its
-    API key is vllm_servers.TEST_API_KEY (tests/vllm_servers.py)."""
-    from vllm_servers import vllm_server as serve
-
-    with serve(tmp_path_factory.mktemp("vllm")) as server:
-        yield server

@@ -1,27 +1,40 @@
-"""A pod whose container runs `vllm serve` (as vLLM's images do) runs on the local node from the vLLM
-environment: it becomes Ready on its probe, serves the official client on its own address, and
-the node can freeze its engine by title, the way the demo and the stall tests wedge a vLLM server.
+"""The real vLLM (PyPI's CPU build, in its own environment), in a pod whose container runs `vllm serve`
+(as vLLM's images do) on the local node: it becomes Ready on its probe; the official `openai` client
+completes against it on the pod's own address; its API key is enforced; a frozen engine looks the
+way the operator must catch it (/health 200, work in the gauges, every progress counter flat), frozen
+from the node's side by the process title, as the demo and the stall tests wedge a vLLM server; and
+deleting the pod ends every process of it.
 
-One vLLM start (tens of seconds); the model is the tests' random Llama, mounted from the host.
+One vLLM start for the module (tens of seconds; the suite's other vLLM servers are fleets'); the
+model is the tests' random Llama, mounted from the host. The tests run in the order written: the
+last deletes the pod.
 """
 
 from __future__ import annotations
 
+import contextlib
 import signal
+import threading
+import time
+from dataclasses import dataclass
 
 import httpx
 import openai
 import pytest
+from servers import metric
 from vllm_servers import ENGINE_CORE, START_TIMEOUT_S, build_model
 
 from adpfleet.cluster import processes
-from adpfleet.cluster.testing import pod_manifest, wait_for
+from adpfleet.cluster.testing import fresh_namespace, pod_manifest, wait_for
 
 pytestmark = [pytest.mark.k8s, pytest.mark.vllm, pytest.mark.slow]
 
+KEY = "pod-key"
+FLAT_FOR_S = 1.5  # the tiny model makes ~100 steps a second here: 1.5 s of none is no accident
+
 
 def vllm_pod(name: str, model_dir: str) -> dict:
-    env = [{"name": k, "value": v} for k, v in (("VLLM_API_KEY", "pod-key"), ("VLLM_CPU_KVCACHE_SPACE", "1"),
+    env = [{"name": k, "value": v} for k, v in (("VLLM_API_KEY", KEY), ("VLLM_CPU_KVCACHE_SPACE", "1"),
                                                  ("VLLM_CPU_OMP_THREADS_BIND", "1"), ("HF_HUB_OFFLINE", "1"),
                                                  ("VLLM_NO_USAGE_STATS", "1"))]
     container = {"image": "vllm/vllm-openai:v0.32.0", "ports": [{"name": "http", "containerPort": 8000}],
@@ -33,20 +46,109 @@ def vllm_pod(name: str, model_dir: str) -> dict:
                         volumes=[{"name": "model", "hostPath": {"path": model_dir, "type": "Directory"}}])
 
 
-def test_a_vllm_serve_pod_runs_from_the_vllm_environment_serves_and_its_engine_freezes_from_the_node(
-        k8s_cluster, k8s_namespace):
-    k8s_cluster.apply(vllm_pod("vllm", str(build_model())), k8s_namespace)
-    pod = k8s_cluster.wait_for_pod(k8s_namespace, "vllm", timeout=START_TIMEOUT_S)
-    url, uid = f"http://{pod.status.pod_ip}:8000", pod.metadata.uid
-    group = int(pod.status.container_statuses[0].container_id.removeprefix("adpfleet://"))  # its process group
-    client = openai.OpenAI(base_url=url + "/v1", api_key="pod-key", max_retries=0, timeout=60)
-    assert client.completions.create(model="tiny", prompt="the pod", max_tokens=4).usage.completion_tokens == 4
-    frozen = processes.signal_pod_processes(uid, ENGINE_CORE, signal.SIGSTOP)
+@dataclass
+class VllmPod:
+    cluster: object
+    ns: str
+    name: str
+    url: str
+    uid: str
+    group: int  # the pod's process group on the node
+
+    # servers.metric reads `url`
+
+    def client(self, api_key: str = KEY, **kwargs) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, **kwargs)
+
+    @contextlib.contextmanager
+    def frozen(self, title: str = ENGINE_CORE):
+        """SIGSTOP, from the node, the pod's processes titled `title` for the block; SIGCONT after it."""
+        pids = processes.signal_pod_processes(self.uid, title, signal.SIGSTOP)
+        try:
+            yield pids
+        finally:
+            processes.signal_pod_processes(self.uid, title, signal.SIGCONT)
+
+
+@pytest.fixture(scope="module")
+def vllm(k8s_cluster):
+    with fresh_namespace(k8s_cluster, "vllm-pod") as ns:
+        k8s_cluster.apply(vllm_pod("vllm", str(build_model())), ns)
+        pod = k8s_cluster.wait_for_pod(ns, "vllm", timeout=START_TIMEOUT_S)
+        group = int(pod.status.container_statuses[0].container_id.removeprefix("adpfleet://"))
+        yield VllmPod(k8s_cluster, ns, "vllm", f"http://{pod.status.pod_ip}:8000", pod.metadata.uid, group)
+
+
+def test_the_openai_client_completes_with_and_without_streaming(vllm):
+    client = vllm.client(timeout=60)
+    completion = client.completions.create(model="tiny", prompt="the fleet server", max_tokens=8,
+                                           extra_body={"ignore_eos": True})
+    assert completion.usage.completion_tokens == 8 and completion.choices[0].finish_reason == "length"
+    chunks = list(client.completions.create(model="tiny", prompt="the fleet server", max_tokens=8, stream=True,
+                                            extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) and chunks[-1].choices[0].finish_reason == "length"
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "the pod"}],
+                                          max_tokens=4)
+    assert chat.choices[0].message.role == "assistant"
+
+
+def test_a_request_without_the_api_key_is_refused_but_health_and_metrics_are_open(vllm):
+    with pytest.raises(openai.AuthenticationError):
+        vllm.client(api_key="wrong").completions.create(model="tiny", prompt="x", max_tokens=1)
+    assert httpx.get(vllm.url + "/health", timeout=10).status_code == 200
+    assert 'vllm:num_requests_running{engine="0",model_name="tiny"}' in httpx.get(vllm.url + "/metrics",
+                                                                                   timeout=10).text
+
+
+def test_a_frozen_engine_core_answers_health_with_work_and_no_progress(vllm):
+    client = vllm.client(timeout=120)
+    stream = client.completions.create(model="tiny", prompt="the engine", max_tokens=4000, stream=True,
+                                       extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    next(chunks)  # the request is running
+    reader = threading.Thread(target=_read_until_closed, args=(chunks,), daemon=True)
+    reader.start()
     try:
-        assert len(frozen) == 1 and httpx.get(url + "/health", timeout=5).status_code == 200
+        with vllm.frozen(ENGINE_CORE) as frozen:
+            assert len(frozen) == 1  # the one engine of a DP=1 server, found by its title
+            settled = _settled_progress(vllm)
+            time.sleep(FLAT_FOR_S)  # flatness is a claim about time: it needs some to pass
+            assert _progress(vllm) == settled
+            assert httpx.get(vllm.url + "/health", timeout=5).status_code == 200
+            assert metric(vllm, "vllm:num_requests_running", engine="0") == 1
+        wait_for(lambda: _progress(vllm)[0] > settled[0], timeout=30, what="tokens after the thaw")
     finally:
-        processes.signal_pod_processes(uid, ENGINE_CORE, signal.SIGCONT)
-    k8s_cluster.core.delete_namespaced_pod("vllm", k8s_namespace)
-    k8s_cluster.wait_for_pod_gone(k8s_namespace, "vllm", timeout=30)
-    wait_for(lambda: group not in processes.live_groups(), timeout=10,
+        stream.close()
+        reader.join(30)
+
+
+def test_deleting_the_pod_ends_every_process_of_it(vllm):
+    vllm.cluster.core.delete_namespaced_pod(vllm.name, vllm.ns)
+    vllm.cluster.wait_for_pod_gone(vllm.ns, vllm.name, timeout=30)
+    wait_for(lambda: vllm.group not in processes.live_groups(), timeout=10,
              what="every process of the vLLM pod (engine and worker included) to exit")
+
+
+def _read_until_closed(chunks) -> None:
+    with contextlib.suppress(httpx.HTTPError, openai.APIError):  # the test closes the stream at its end
+        for _ in chunks:
+            pass
+
+
+def _progress(server: VllmPod) -> tuple[float, float]:
+    """(generation tokens, engine steps) of engine 0."""
+    return (metric(server, "vllm:generation_tokens_total", engine="0"),
+            metric(server, "vllm:iteration_tokens_total_count", engine="0"))
+
+
+def _settled_progress(server: VllmPod) -> tuple[float, float]:
+    """Progress once two scrapes half a second apart agree: what the engine sent before it froze
+    has reached the API server's counters."""
+    seen = [_progress(server)]
+
+    def agrees() -> bool:
+        time.sleep(0.5)
+        seen.append(_progress(server))
+        return seen[-1] == seen[-2]
+    wait_for(agrees, timeout=10, what="the counters to settle after the freeze")
+    return seen[-1]
