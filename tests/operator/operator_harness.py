@@ -323,33 +323,55 @@ class PodTimeline:
         pods: dict[str, object] = {}
         selector = f"{names.LABEL_FLEET}={self.fleet},{names.LABEL_ROLE}"
         core = client.CoreV1Api(self.cluster.api_client)
-        listed = core.list_namespaced_pod(self.namespace, label_selector=selector)
-        for p in listed.items:
-            pods[p.metadata.uid] = p
-            self.created.append((p.metadata.name, p.metadata.uid))
-        self._record(pods)
-        version = listed.metadata.resource_version
+        version = self._relist(core, selector, pods)
         self._ready_to_go.set()
         w = watch.Watch()
         while not self._stop.is_set():
-            for event in w.stream(core.list_namespaced_pod, self.namespace, label_selector=selector,
-                                  resource_version=version, timeout_seconds=1):
-                pod = event["object"]
-                version = pod.metadata.resource_version
-                self.phases[pod.metadata.uid] = pod.status.phase
-                if pod.metadata.deletion_timestamp is not None:
-                    self.deleting.setdefault(pod.metadata.uid, time.monotonic())
-                if pod_ready(pod):
-                    self.ready_at.setdefault(pod.metadata.uid, time.monotonic())
-                if event["type"] == "DELETED":
-                    pods.pop(pod.metadata.uid, None)
-                else:
-                    if pod.metadata.uid not in pods and (pod.metadata.name, pod.metadata.uid) not in self.created:
-                        self.created.append((pod.metadata.name, pod.metadata.uid))
-                    pods[pod.metadata.uid] = pod
-                self._record(pods)
-                if self._stop.is_set():
-                    break
+            try:
+                # the server ends each watch after a second; a read that hangs past 15 s is cut here
+                for event in w.stream(core.list_namespaced_pod, self.namespace, label_selector=selector,
+                                      resource_version=version, timeout_seconds=1, _request_timeout=15):
+                    version = event["object"].metadata.resource_version
+                    self._seen(event["type"], event["object"], pods)
+                    if self._stop.is_set():
+                        break
+            except Exception as e:  # noqa: BLE001 - a watch cut or hung (under load, a restart): list again
+                print(f"PodTimeline: the watch ended ({e!r}); listing again", flush=True)
+                time.sleep(0.2)
+                version = self._relist(core, selector, pods)
+
+    def _relist(self, core, selector: str, pods: dict) -> str:
+        """Every pod of the fleet as the API server lists it now (also after a watch was cut: a pod
+        gone meanwhile keeps the last phase seen); the list's resource version, to watch from."""
+        while True:
+            try:
+                listed = core.list_namespaced_pod(self.namespace, label_selector=selector)
+                break
+            except Exception as e:  # noqa: BLE001
+                if self._stop.wait(0.5):
+                    raise
+                print(f"PodTimeline: listing failed ({e!r}); again", flush=True)
+        for gone in pods.keys() - {p.metadata.uid for p in listed.items}:
+            pods.pop(gone)
+        for p in listed.items:
+            self._seen("ADDED", p, pods, record=False)
+        self._record(pods)  # one sample for the whole list: a partial one would count pods missing
+        return listed.metadata.resource_version
+
+    def _seen(self, kind: str, pod, pods: dict, record: bool = True) -> None:
+        self.phases[pod.metadata.uid] = pod.status.phase
+        if pod.metadata.deletion_timestamp is not None:
+            self.deleting.setdefault(pod.metadata.uid, time.monotonic())
+        if pod_ready(pod):
+            self.ready_at.setdefault(pod.metadata.uid, time.monotonic())
+        if kind == "DELETED":
+            pods.pop(pod.metadata.uid, None)
+        else:
+            if pod.metadata.uid not in pods and (pod.metadata.name, pod.metadata.uid) not in self.created:
+                self.created.append((pod.metadata.name, pod.metadata.uid))
+            pods[pod.metadata.uid] = pod
+        if record:
+            self._record(pods)
 
     def _record(self, pods: dict) -> None:
         now = time.monotonic()

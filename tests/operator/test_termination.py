@@ -6,10 +6,11 @@ Succeeded. The same fleet's server, router and operator expose /metrics that the
 `promtool check metrics` accepts.
 
 One fleet of real servers (tiny model, one rank each) for the whole module: servers take a while
-to start on two cores. A stream of the tiny model lasts about ten seconds, less than a new server
-takes to become Ready; so streams run in chains (a new one starts when one ends), and each case
-checks that the server it ends still ran streams after its deletion, and that every stream of the
-client completed."""
+to start on two cores. A stream of the tiny model lasts a few seconds, less than a new server takes
+to become Ready; so streams run in chains (a new one starts when one ends) until the server a case
+ends is seen deleted, and each case checks that the server still ran streams after its deletion,
+and that every stream of the client completed. Streams are kept short: a server's drain must
+finish them within its grace period even on loaded cores (at 3,800 tokens one did not)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import json
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 
 import httpx
 import pytest
@@ -33,8 +35,8 @@ pytestmark = [pytest.mark.k8s, pytest.mark.slow, pytest.mark.multiproc]
 
 FLEET = "grace"
 SERVER_START = 300
-STREAM_TOKENS = 3800  # as long as the model allows (4096 positions)
-KV_BLOCKS = 1000  # four such streams on one server (16 tokens a block)
+STREAM_TOKENS = 1000  # ~3 s on an idle core; the drain (55 s) finishes it on loaded ones
+KV_BLOCKS = 1000  # four such streams on one server (16 tokens a block), with room to spare
 
 
 def role(servers: int) -> dict:
@@ -76,16 +78,18 @@ class Stream:
 
 
 class Chains:
-    """`n` streams in flight through the router at all times, until `stop()`."""
+    """`n` streams in flight through the router at all times, until `stop()` or `until()` holds
+    (checked before each new stream: a deletion seen stops the chains at once)."""
 
-    def __init__(self, url: str, n: int):
+    def __init__(self, url: str, n: int, until: Callable[[], bool] = lambda: False):
         self.streams: list[Stream] = []
         self._stop = threading.Event()
+        self._until = until
         for _ in range(n):
             threading.Thread(target=self._chain, args=(url,), daemon=True).start()
 
     def _chain(self, url: str) -> None:
-        while not self._stop.is_set():
+        while not self._stop.is_set() and not self._until():
             stream = Stream(url)
             self.streams.append(stream)
             stream.ended.wait(150)
@@ -116,9 +120,14 @@ def promtool_check(text: str, what: str) -> None:
     assert proc.returncode == 0 and not (proc.stdout + proc.stderr).strip(), f"{what}: {proc.stdout}{proc.stderr}"
 
 
+def deletion_seen(timeline: PodTimeline, pods: list) -> Callable[[], bool]:
+    uids = {p.metadata.uid for p in pods}
+    return lambda: bool(uids & timeline.deleting.keys())
+
+
 def deleted_while_streaming(timeline: PodTimeline, pods: list, chains: Chains, *, timeout: float = 30):
-    """The one of `pods` being deleted, once its deletion is seen: it still runs at least one of
-    the client's streams (it drains), and every stream completes."""
+    """The one of `pods` being deleted, once its deletion is seen (`chains` run until then): it
+    still runs at least one of the client's streams (it drains), and every stream completes."""
     uids = {p.metadata.uid: p for p in pods}
     pod = wait_for(lambda: next((uids[u] for u in timeline.deleting if u in uids), None), timeout=timeout,
                    what="a server's deletion")
@@ -170,46 +179,10 @@ def test_streams_survive_their_servers_scale_down_deletion_roll_and_eviction_and
     promtool_check(op._get("/metrics")[1], "operator")
 
     with PodTimeline(fleets.cluster, fleets.ns, FLEET) as timeline:
-        # Scale-down 2 -> 1: the server removed is drained first (the router sends it nothing new),
-        # finishes the streams it runs, and only then is deleted.
-        generation = fleets.live_pods(FLEET, "generation")
-        chains = Chains(url, 4)
-        wait_for(lambda: all(running(p) >= 1 for p in generation), timeout=60, what="streams on both servers")
-        chains.stop()
-        fleets.patch_spec(FLEET, {"generation": {"servers": 1}})
-        removed = drained_then_deleted(timeline, generation, chains)
-
-        # Deleted by hand: the server finishes its streams and comes back under its own name.
-        only = fleets.live_pods(FLEET, "generation")
-        assert [p.metadata.uid for p in only] != [removed.metadata.uid] and len(only) == 1
-        chains = Chains(url, 2)
-        wait_for(lambda: running(only[0]) >= 1, timeout=60, what="streams on the server")
-        chains.stop()
-        fleets.cluster.kubectl("delete", "pod", only[0].metadata.name, "-n", fleets.ns, "--wait=false")
-        deleted = deleted_while_streaming(timeline, only, chains)
-        wait_for(lambda: [(p.metadata.name, p.metadata.uid != deleted.metadata.uid and pod_ready(p))
-                          for p in fleets.live_pods(FLEET, "generation")] == [(deleted.metadata.name, True)],
-                 timeout=SERVER_START, what="the server back under its own name", interval=1)
-        fleets.wait_ready(FLEET, timeout=SERVER_START)
-
-        # Rolled: the new server starts beside the old one, which runs streams until the new one is
-        # Ready (the router sends only to Ready servers), and finishes them after its deletion.
-        old = fleets.live_pods(FLEET, "generation")
-        chains = Chains(url, 2)
-        wait_for(lambda: running(old[0]) >= 1, timeout=60, what="streams on the old server")
-        fleets.patch_spec(FLEET, {"generation": {"engine": {"kvBlocks": KV_BLOCKS + 10}}})
-        wait_for(lambda: any(uid not in {p.metadata.uid for p in old} and "generation" in name
-                             and uid in timeline.ready_at for name, uid in timeline.created),
-                 timeout=SERVER_START, what="the new server to be Ready")
-        chains.stop()
-        rolled = deleted_while_streaming(timeline, old, chains)
-        fleets.wait_ready(FLEET, timeout=SERVER_START)
-
         # A node drain as `kubectl drain` does it, through the Eviction API: the role's
-        # PodDisruptionBudget lets one of its two servers go at a time (the second eviction is
-        # refused with 429 until the first one's replacement is Ready), and no stream is lost.
-        fleets.patch_spec(FLEET, {"generation": {"servers": 2}})
-        fleets.wait_ready(FLEET, timeout=SERVER_START)
+        # PodDisruptionBudget lets one of its two servers go at a time (the second eviction is refused
+        # with 429 until the first one's replacement is Ready), and no stream is lost. First: the fleet
+        # starts with the two servers it needs, and the scale-down below leaves the one the others need.
         two = fleets.live_pods(FLEET, "generation")
         chains = Chains(url, 2)
         wait_for(lambda: sum(running(p) for p in two) >= 1, timeout=60, what="streams on the generation servers")
@@ -226,8 +199,42 @@ def test_streams_survive_their_servers_scale_down_deletion_roll_and_eviction_and
         wait_for(lambda: len([p for p in fleets.live_pods(FLEET, "generation") if pod_ready(p)
                               and p.metadata.uid not in {q.metadata.uid for q in two}]) == 2,
                  timeout=SERVER_START, what="both evicted servers back", interval=1)
+        fleets.wait_ready(FLEET, timeout=SERVER_START)
 
-        ended = [removed, deleted, rolled, *two]
+        # Scale-down 2 -> 1: the server removed is drained first (the router sends it nothing new),
+        # finishes the streams it runs, and only then is deleted.
+        generation = fleets.live_pods(FLEET, "generation")
+        chains = Chains(url, 4)
+        wait_for(lambda: all(running(p) >= 1 for p in generation), timeout=60, what="streams on both servers")
+        chains.stop()
+        fleets.patch_spec(FLEET, {"generation": {"servers": 1}})
+        removed = drained_then_deleted(timeline, generation, chains)
+
+        # Deleted by hand: the server finishes its streams and comes back under its own name.
+        only = fleets.live_pods(FLEET, "generation")
+        assert [p.metadata.uid for p in only] != [removed.metadata.uid] and len(only) == 1
+        chains = Chains(url, 2, until=deletion_seen(timeline, only))
+        wait_for(lambda: running(only[0]) >= 1, timeout=60, what="streams on the server")
+        fleets.cluster.kubectl("delete", "pod", only[0].metadata.name, "-n", fleets.ns, "--wait=false")
+        deleted = deleted_while_streaming(timeline, only, chains)
+        wait_for(lambda: [(p.metadata.name, p.metadata.uid != deleted.metadata.uid and pod_ready(p))
+                          for p in fleets.live_pods(FLEET, "generation")] == [(deleted.metadata.name, True)],
+                 timeout=SERVER_START, what="the server back under its own name", interval=1)
+        fleets.wait_ready(FLEET, timeout=SERVER_START)
+
+        # Rolled: the new server starts beside the old one, which runs streams until the new one is
+        # Ready (the router sends only to Ready servers) and it is deleted, and finishes them after.
+        old = fleets.live_pods(FLEET, "generation")
+        chains = Chains(url, 2, until=deletion_seen(timeline, old))
+        wait_for(lambda: running(old[0]) >= 1, timeout=60, what="streams on the old server")
+        fleets.patch_spec(FLEET, {"generation": {"engine": {"kvBlocks": KV_BLOCKS + 10}}})
+        wait_for(lambda: any(uid not in {p.metadata.uid for p in old} and "generation" in name
+                             and uid in timeline.ready_at for name, uid in timeline.created),
+                 timeout=SERVER_START, what="the new server to be Ready")
+        rolled = deleted_while_streaming(timeline, old, chains)
+        fleets.wait_ready(FLEET, timeout=SERVER_START)
+
+        ended = [*two, removed, deleted, rolled]
         wait_for(lambda: all(timeline.phases.get(p.metadata.uid) in ("Succeeded", "Failed") for p in ended)
                  and not {p.metadata.uid for p in ended} & {p.metadata.uid for p in fleets.pods(FLEET)},
                  timeout=90, what="the deleted servers to be gone")
