@@ -62,10 +62,11 @@ class EngineConfig:
         # a rank process runs on its own GPU: "cuda:<index>" (the CLI takes the words in DEVICES)
         if self.device not in DEVICES and not re.fullmatch(r"cuda:\d+", self.device):
             raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
-        import torch
+        if self.device.startswith("cuda"):  # torch only then: a CPU server's own process never imports it
+            import torch
 
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError("--device cuda: no CUDA device is available on this machine")
+            if not torch.cuda.is_available():
+                raise ValueError("--device cuda: no CUDA device is available on this machine")
 
     @property
     def decode_query_len(self) -> int:

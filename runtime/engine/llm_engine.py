@@ -12,14 +12,13 @@ from __future__ import annotations
 import collections
 import itertools
 import time
-from dataclasses import dataclass
 
 import torch
 
 from adpfleet.runtime.config import EngineConfig
 from adpfleet.runtime.engine.kv_cache import KVCacheManager
 from adpfleet.runtime.engine.model_runner import ModelRunner
-from adpfleet.runtime.engine.request import Request, RequestState
+from adpfleet.runtime.engine.request import Request, RequestOutput, RequestState
 from adpfleet.runtime.engine.sampling import SamplingParams
 from adpfleet.runtime.engine.validation import make_request
 from adpfleet.runtime.metrics import RankStats
@@ -28,19 +27,6 @@ from adpfleet.runtime.engine.spec_decode import NgramDrafter
 from adpfleet.runtime.model.loader import load_model
 from adpfleet.runtime.model.parallel import SINGLE, ParallelContext
 from adpfleet.runtime.tokenizer import load_tokenizer
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool
-    finish_reason: str | None
-    prompt_tokens: int
-    completion_tokens: int
-    error: str | None = None  # with finish_reason "error"
-    rank: int = 0  # the rank that produced it (set by the rank group)
 
 
 class LLMEngine:

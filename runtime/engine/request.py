@@ -93,3 +93,18 @@ class Request:
 
             self._generator = torch.Generator().manual_seed(self.params.seed)
         return self._generator
+
+
+@dataclass
+class RequestOutput:
+    """What a rank says of one request after a pass (torch-free: the server process, which never
+    imports torch, receives it)."""
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    error: str | None = None  # with finish_reason "error"
+    rank: int = 0  # the rank that produced it (set by the rank group)

@@ -9,6 +9,9 @@ import re
 
 HANDLE_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
 HANDLE = re.compile(HANDLE_PATTERN)
+# How a failed pull is reported, so the server answers 502 and the router retries (here, torch-free: the
+# server process reads it and never imports the transfer itself).
+FAILED = "KV transfer failed"
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:

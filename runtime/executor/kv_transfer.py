@@ -56,13 +56,12 @@ from typing import Callable
 import torch
 
 from adpfleet.runtime.executor.kv_buffers import BufferPool
-from adpfleet.runtime.executor.kv_endpoint import HANDLE, format_endpoint, parse_endpoint
+from adpfleet.runtime.executor.kv_endpoint import FAILED, HANDLE, format_endpoint, parse_endpoint
 from adpfleet.runtime.executor.unproven import UnprovenConnections
 
 log = logging.getLogger(__name__)
 
 MAGIC = b"ADPKV2"
-FAILED = "KV transfer failed"  # how a failed pull is reported, so the server answers 502 and the router retries
 UNPROVEN_TIMEOUT_S = 2.0  # a real puller sends its first line with its proof at once
 MAX_UNPROVEN = 64  # per rank: connections waiting for their proof (a thread each); one more closes the oldest
 REQUEST_LINE_TIMEOUT_S = 5.0  # on an acknowledged connection: a line that has started must be whole by then

@@ -24,8 +24,7 @@ import time
 import types
 import typing
 
-from adpfleet.runtime.engine.llm_engine import RequestOutput
-from adpfleet.runtime.engine.request import Request
+from adpfleet.runtime.engine.request import Request, RequestOutput
 from adpfleet.runtime.metrics import RankStats
 
 TO_RANK = {"add": (Request,), "abort": (str,), "transfer_done": (str,), "stop": (), "fault": (str,)}

@@ -24,8 +24,7 @@ import time
 from collections.abc import Callable
 
 from adpfleet.runtime.config import EngineConfig
-from adpfleet.runtime.engine.llm_engine import RequestOutput
-from adpfleet.runtime.engine.request import Request
+from adpfleet.runtime.engine.request import Request, RequestOutput
 from adpfleet.runtime.executor.adp_dispatcher import ADPDispatcher
 from adpfleet.runtime.executor.node_link import LeaderLink, NodeTopology, RemoteRank, WorkerLink
 from adpfleet.runtime.executor.rank_process import RankSpec, run_rank

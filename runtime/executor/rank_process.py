@@ -26,12 +26,14 @@ import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 from adpfleet.runtime.config import EngineConfig
 from adpfleet.runtime.cpu_budget import sleep_between_regions, threads_per_rank
 from adpfleet.runtime.executor import faults
-from adpfleet.runtime.executor.kv_transfer import KVLayout, KVPuller
-from adpfleet.runtime.model.parallel import CALLS
+
+if TYPE_CHECKING:
+    from adpfleet.runtime.executor.kv_transfer import KVPuller
 
 sleep_between_regions()  # in the server, before it spawns its ranks: their OpenMP reads the policy when it loads
 IDLE_WAIT_S = 0.02  # how long an idle rank waits for new requests before the next lockstep pass
@@ -151,7 +153,7 @@ class _Arrivals:
 def _pull(request, puller: KVPuller, arrived: _Arrivals) -> None:
     """Generation role, on its own thread: fetch the prompt's KV (checked against this rank's
     model and the request's prompt), then hand the request to the loop."""
-    from adpfleet.runtime.executor.kv_transfer import FAILED
+    from adpfleet.runtime.executor.kv_endpoint import FAILED
 
     endpoint, handle = request.remote_kv
     try:
@@ -187,7 +189,11 @@ class _RankLoop:
     messages, the requests whose KV arrived, one lockstep step, then outputs and stats to the server."""
 
     def __init__(self, spec: RankSpec, conn):
+        from adpfleet.runtime.executor.kv_transfer import KVLayout, KVPuller
+        from adpfleet.runtime.model.parallel import CALLS
+
         self.spec, self.conn = spec, conn
+        self.model_collectives = CALLS  # the model's own collectives, counted by model/parallel.py
         self.engine, self.executor, _ = _build(spec)
         self.kv_server = _start_kv_server(spec, self.engine) if spec.role == "context" else None
         self.kv_puller = KVPuller(KVLayout.of(self.engine.runner.kv_cache[0]), spec.kv_transfer_timeout_s,
@@ -265,7 +271,7 @@ class _RankLoop:
             engine.stats.busy_passes += 1
             engine.stats.busy_pass_seconds += time.perf_counter() - started
         engine.stats.control_collective_calls = executor.comm.calls
-        engine.stats.collective_calls = executor.comm.calls + CALLS["collectives"]
+        engine.stats.collective_calls = executor.comm.calls + self.model_collectives["collectives"]
         self.busy = result.fleet_has_work
         return result
 

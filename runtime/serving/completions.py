@@ -24,8 +24,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from adpfleet.runtime.engine.sampling import InvalidRequestError
 from adpfleet.runtime.engine.validation import tokenize
-from adpfleet.runtime.executor import kv_transfer
-from adpfleet.runtime.executor.kv_endpoint import parse_endpoint
+from adpfleet.runtime.executor.kv_endpoint import FAILED as KV_TRANSFER_FAILED, parse_endpoint
 from adpfleet.runtime.serving import protocol
 from adpfleet.runtime.serving.auth import INTERNAL
 from adpfleet.runtime.serving.engine_client import EngineUnavailable
@@ -210,7 +209,7 @@ class CompletionRoutes:
             task.cancel()  # if still running: the generator's cleanup aborts the request and frees its KV
 
     def _failure(self, e: Exception) -> JSONResponse:
-        if str(e).startswith(kv_transfer.FAILED):
+        if str(e).startswith(KV_TRANSFER_FAILED):
             return error_response(str(e), 502, kind="kv_transfer_failed")
         return error_response(f"server failed: {e}", 503, kind="server_error")
 
@@ -254,7 +253,7 @@ class CompletionRoutes:
                         yield f"data: {json.dumps(p.fmt.chunk(out.new_text, out.finish_reason, first))}\n\n"
                         first = False
         except EngineUnavailable as e:  # the stream already started: end it with an explicit error
-            kind = "kv_transfer_failed" if str(e).startswith(kv_transfer.FAILED) else "server_error"
+            kind = "kv_transfer_failed" if str(e).startswith(KV_TRANSFER_FAILED) else "server_error"
             yield f"data: {json.dumps(protocol.error_body(f'server failed: {e}', kind=kind))}\n\n"
             return
         if p.req.include_usage and last is not None:

@@ -12,11 +12,15 @@ import pytest
 from router_harness import FakeServer, free_port, wait_until
 
 
+def disagg_router(start_router, fakes, *flags):
+    """A router over the context server and both generation servers."""
+    return start_router("--context", fakes["ctx"].url, "--generation", fakes["gen1"].url, "--generation",
+                        fakes["gen2"].url, *flags)
+
+
 @pytest.fixture
 def disagg(fresh_fakes, start_router):
-    """A router over the context server and both generation servers."""
-    f = fresh_fakes
-    return start_router("--context", f["ctx"].url, "--generation", f["gen1"].url, "--generation", f["gen2"].url)
+    return disagg_router(start_router, fresh_fakes)
 
 
 def client(router, timeout=30):
@@ -117,6 +121,17 @@ def test_a_request_finished_by_its_first_token_is_answered_by_the_context_server
 
 def test_models_are_proxied_from_a_server(disagg):
     assert [m.id for m in client(disagg).models.list().data] == ["fake"]
+
+
+def test_a_router_starts_without_httpxs_command_line_client(fresh_fakes, start_router):
+    """httpx imports its CLI (rich, pygments) unless told not to: ~0.15-0.3 of the ~1.3 CPU-seconds of
+    every router start (adpfleet/cli.py). The router's import log (Python's -X importtime) shows it did not."""
+    router = start_router("--aggregated", fresh_fakes["agg"].url, env={"PYTHONPROFILEIMPORTTIME": "1"})
+    assert client(router).completions.create(model="fake", prompt="x", max_tokens=2).usage.completion_tokens == 2
+    imported = {line.rsplit("|", 1)[-1].strip() for line in router.tail(10_000_000).splitlines()
+                if line.startswith("import time:")}
+    assert "httpx" in imported and "fastapi" in imported  # the log is whole
+    assert not imported & {"httpx._main", "rich", "pygments"}  # (click: uvicorn's own)
 
 
 def test_an_aggregated_only_router_sends_requests_straight_to_the_aggregated_server(fresh_fakes, start_router):
@@ -262,9 +277,12 @@ def test_a_generation_server_answering_503_is_retried_on_the_other(disagg, fresh
     assert disagg.metric("adpfleet_router_requests_total", status="200") == 4
 
 
-def test_every_answer_says_how_many_attempts_it_took_and_how_long_it_waited_for_a_server(disagg, fresh_fakes):
+def test_every_answer_says_how_many_attempts_it_took_and_how_long_it_waited_for_a_server(fresh_fakes, start_router):
     """What a client (and bench/remediation.py) reads to tell a request the router retried
-    invisibly, or held in its queue, from one that went through at once."""
+    invisibly, or held in its queue, from one that went through at once. The held request waits
+    for the next health probe after gen2 comes back: a queue timeout of 1 s left that probe 0.5 s,
+    which a busy machine missed (503 no_server)."""
+    disagg = disagg_router(start_router, fresh_fakes, "--queue-timeout", "30")
     fresh_fakes["gen1"].configure(fail_status=503)
     attempts = []
     for stream in (False, True, False, True):

@@ -143,3 +143,15 @@ def test_the_next_turn_of_a_chat_is_prefilled_from_the_prefix_cache(server, clie
     assert hit >= first.usage.prompt_tokens // 16 * 16 - 16  # turn 1's prompt, all but its last block at most
     assert metric(server, "adpfleet_prompt_tokens_total") - prompt_tokens == second.usage.prompt_tokens - hit
     assert metric(server, "adpfleet_prefix_cache_blocks") > 0
+
+
+def test_only_the_ranks_load_torch_not_the_server_process(server):
+    """The server process routes and answers HTTP; its ranks run the model. torch in the server
+    process cost every start an import (about 5 s of 25 on 2 busy cores) and ~0.5 GB."""
+    from servers import rank_processes
+
+    def loads_torch(pid: int) -> bool:
+        with open(f"/proc/{pid}/maps") as maps:
+            return "libtorch" in maps.read()
+    assert not loads_torch(server.proc.pid)
+    assert [loads_torch(rank.pid) for rank in rank_processes(server)] == [True]
