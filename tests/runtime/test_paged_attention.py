@@ -77,6 +77,36 @@ def test_decode_attention_matches_a_dense_reference(backend, device, dtype, quer
     torch.testing.assert_close(out.double(), expected, **TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("query_len", [1, 2])
+@pytest.mark.parametrize("group,head_dim", [(4, 64), (8, 40)])
+@pytest.mark.parametrize("tokens_per_block", [4, 16])
+def test_the_kernel_tiles_kv_groups_across_tiles_and_scattered_blocks(device, dtype, query_len, group, head_dim,
+                                                                      tokens_per_block):
+    # The kernel scores W keys at a time (16 with AVX-512, 8 below) for all query heads of a KV
+    # head: lengths just under, at and past tile and block boundaries, several query heads per KV
+    # head, a head_dim with (40) and without (64) a part-vector tail, blocks out of order with
+    # unused ones between them. Every cache slot no request may read is NaN: a tile reaching past
+    # a request's last token, or into a neighbour's block, turns its output into NaN.
+    if device != "cpu":
+        pytest.skip("the C++ kernel runs on the CPU")
+    kernels.available() or pytest.skip("kernels not built")
+    lengths = [6, 7, 8, 15, 16, 17, 31, 33, 47, 100]  # cached before the pass; + query_len each
+    chunks = scattered_batch(lengths, query_len, tokens_per_block, seed=7)
+    _, _, meta = attention_metadata.build(chunks, tokens_per_block, query_len, device=device)
+    g = torch.Generator().manual_seed(8)
+    shape = ((NUM_BLOCKS + 1) * tokens_per_block, KV_HEADS, head_dim)
+    k_cache, v_cache = (torch.full(shape, float("nan")).to(dtype) for _ in range(2))
+    for c in chunks:
+        slots = [c.block_table[p // tokens_per_block] * tokens_per_block + p % tokens_per_block
+                 for p in range(c.start_pos + query_len)]
+        k_cache[slots] = torch.randn(len(slots), KV_HEADS, head_dim, generator=g).to(dtype)
+        v_cache[slots] = torch.randn(len(slots), KV_HEADS, head_dim, generator=g).to(dtype)
+    q = torch.randn(meta.num_decode_tokens, KV_HEADS * group, head_dim, generator=g).to(dtype)
+    out = decode_attention(q, k_cache, v_cache, meta, scale=head_dim ** -0.5, backend="kernel")
+    expected = reference(q, k_cache, v_cache, chunks, query_len, tokens_per_block, head_dim ** -0.5)
+    torch.testing.assert_close(out.double(), expected, **TOLERANCE[dtype])
+
+
 @pytest.mark.parametrize("num_requests", [1, 2])
 def test_few_long_requests_split_their_kv_heads_and_match(backend, device, dtype, num_requests):
     # Fewer requests than threads x 4: the kernel splits each request's KV heads across tasks.
