@@ -119,6 +119,9 @@ def test_deletion_runs_pre_stop_then_sigterm_and_a_clean_exit_ends_the_pod_succe
                                   "volumeMounts": [{"name": "out", "mountPath": "/out"}]})
     k8s_cluster.apply(pod, ns)
     uid = k8s_cluster.wait_for_pod(ns, "server").metadata.uid
+    # Ready (no probe) is the process started, not the program: on loaded cores a deletion could come
+    # before python had its handler, or the file open, and no order could be recorded at all
+    wait_for(lambda: "serving" in logs(k8s_cluster, ns, "server", "main"), timeout=30, what="the server serving")
     phases = watch_phases(k8s_cluster, ns, "server")
     k8s_cluster.core.delete_namespaced_pod("server", ns)
     k8s_cluster.wait_for_pod_gone(ns, "server", timeout=15)
