@@ -8,6 +8,6 @@ the node agent from the environment `scripts/setup --with-vllm` builds; a bench 
 """
 
 from adpfleet.cluster.vllm_env import ENGINE_CORE  # noqa: F401 (the tests' names)
-from adpfleet.cluster.vllm_model import TINY_LLAMA, LlamaRecipe, build_model  # noqa: F401
+from adpfleet.cluster.vllm_model import build_model  # noqa: F401
 
 START_TIMEOUT_S = 300  # ~36 s to /health on an idle machine; minutes while other suites load the 2 cores

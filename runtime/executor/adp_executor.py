@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from adpfleet.runtime.engine.llm_engine import LLMEngine, RequestOutput
-from adpfleet.runtime.engine.request import Request
+from adpfleet.runtime.engine.llm_engine import LLMEngine
+from adpfleet.runtime.engine.request import Request, RequestOutput
 from adpfleet.runtime.engine.scheduler import ScheduledBatch
 from adpfleet.runtime.executor.padding import Padding
 

@@ -13,8 +13,7 @@ import threading
 from collections.abc import AsyncIterator
 
 from adpfleet.runtime.config import EngineConfig
-from adpfleet.runtime.engine.request import RequestOutput
-from adpfleet.runtime.engine.request import Request
+from adpfleet.runtime.engine.request import Request, RequestOutput
 from adpfleet.runtime.engine.sampling import InvalidRequestError, SamplingParams
 from adpfleet.runtime.engine.validation import make_request
 from adpfleet.runtime.executor.rank_group import RankGroup

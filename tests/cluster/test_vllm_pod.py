@@ -48,14 +48,14 @@ def vllm_pod(name: str, model_dir: str) -> dict:
 
 @dataclass
 class VllmPod:
+    """The module's vLLM pod: where it serves (`url`, which servers.metric reads) and what the node
+    knows it by (its uid and process group)."""
     cluster: object
     ns: str
     name: str
     url: str
     uid: str
     group: int  # the pod's process group on the node
-
-    # servers.metric reads `url`
 
     def client(self, api_key: str = KEY, **kwargs) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, **kwargs)

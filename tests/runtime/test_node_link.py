@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from adpfleet.runtime.engine.llm_engine import RequestOutput
+from adpfleet.runtime.engine.request import RequestOutput
 from adpfleet.runtime.engine.request import Request
 from adpfleet.runtime.engine.sampling import SamplingParams
 from adpfleet.runtime.executor import node_link

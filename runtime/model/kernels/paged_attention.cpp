@@ -105,7 +105,7 @@ ADPFLEET_INLINE void axpy(float* acc, float p, const float* v, int64_t D) {
 
 // Per-thread buffers, reused across tasks.
 struct Scratch {
-  std::vector<float> qbuf, scores, partial, acc, row, zeros;
+  std::vector<float> qbuf, scores, partial, acc, row, zeros, denom;
 };
 
 // A task's layout: rows are (query token j, KV head h, group member g), row r = (j NKV + h) G + g;
@@ -230,15 +230,14 @@ ADPFLEET_INLINE void attend_task(const T* q, const T* k_cache, const T* v_cache,
   m.row.resize(task.kv_heads * D);
   m.zeros.assign(task.kv_heads * D, 0.0f);
   score_keys<T, W>(k_cache, block_table, task, s, m);
-  std::vector<float> denom;
-  softmax_rows(task, s, m, denom);
+  softmax_rows(task, s, m, m.denom);
   weigh_values<T, W>(v_cache, block_table, task, s, m);
   const int64_t heads = s.kv_heads * s.group, per_token = rows / s.query_len;
   for (int64_t j = 0; j < s.query_len; ++j) {
     T* dst = out + (j * heads + h0 * s.group) * D;
     for (int64_t i = 0; i < per_token; ++i) {
       const int64_t r = j * per_token + i;
-      const float inv = 1.0f / denom[r];
+      const float inv = 1.0f / m.denom[r];
       for (int64_t d = 0; d < D; ++d) dst[i * D + d] = static_cast<T>(m.acc[r * D + d] * inv);
     }
   }
