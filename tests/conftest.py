@@ -13,8 +13,9 @@ sys.path.insert(0, os.path.dirname(__file__))  # doc_commands.py: the docs' comm
 import budgets  # noqa: E402 - tests/, on the path from the line above
 
 # Kubernetes fixtures (k8s_cluster, k8s_namespace) for tests against the local control plane; the
-# per-module durations table printed at the end (tests/module_durations.py); pytester, which tests it.
-pytest_plugins = ["adpfleet.cluster.testing", "module_durations", "pytester"]
+# per-module durations table printed at the end (tests/module_durations.py); which tests share a worker
+# when ./scripts/test runs two (tests/lanes.py); pytester, which tests them.
+pytest_plugins = ["adpfleet.cluster.testing", "module_durations", "lanes", "pytester"]
 
 
 # The modules that use `server_trio` run one after another (pytest_collection_modifyitems), so the

@@ -1,0 +1,104 @@
+"""The suite's two lanes: a pytest plugin (registered by tests/conftest.py) that decides which tests
+run in the same worker when `./scripts/test` runs them in two (pytest-xdist, `-n 2 --dist loadgroup`).
+
+Most of the suite's time is waiting (a pod to start, a window to pass, a stall to be seen) while the
+other core idles; two workers fill it. A worker is a whole pytest session, so what a session fixture
+holds is per worker, and the groups follow from that:
+
+- every module whose tests use the local cluster (`k8s_cluster`, or marked k8s or vllm) is in the
+  group `cluster`, run by the one worker that starts that cluster; the modules in SECOND_CLUSTER are
+  in `cluster-2` instead, on a cluster of their own (each worker's cluster has its own state
+  directory, ports and pod addresses: cluster/agent/addresses.py), which balances the two lanes;
+- the modules that share `server_trio` are in the group `trio`, so the trio starts once;
+- any other module is a group of its own, so its module-scoped servers start once;
+- a module may name its group itself with `pytest.mark.xdist_group(name)`.
+
+xdist's own `loadgroup` reads `xdist_group` markers by rewriting node ids, which pytest 9 no longer
+lets it do, so this plugin schedules the groups itself: each worker writes the group of every test
+it collected into a directory the controller made, and the controller's scheduler (xdist's
+`loadscope`, by group instead of by module) reads them. Without xdist nothing here runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+# About a quarter of the cluster tests' time, measured in the per-module durations (build/test-durations.json):
+# with them the second lane ends about when the first does.
+SECOND_CLUSTER = ("tests/operator/test_stall_e2e.py", "tests/operator/test_model_sources_e2e.py")
+CLUSTER_MARKS = ("k8s", "vllm")
+_LANES_DIR = pytest.StashKey[str]()
+
+
+def group_of(module: str, items: list[pytest.Item]) -> str:
+    """The group of a test module, from its tests (`module` is its path from the rootdir)."""
+    def uses(item: pytest.Item, fixture: str) -> bool:
+        return fixture in getattr(item, "fixturenames", ())
+
+    named = next((m for i in items if (m := i.get_closest_marker("xdist_group"))), None)
+    if named:
+        return str(named.args[0] if named.args else named.kwargs.get("name", "default"))
+    if any(uses(i, "k8s_cluster") or any(i.get_closest_marker(m) for m in CLUSTER_MARKS) for i in items):
+        return "cluster-2" if module in SECOND_CLUSTER else "cluster"
+    if any(uses(i, "server_trio") for i in items):
+        return "trio"
+    return module
+
+
+def groups(items: list[pytest.Item]) -> dict[str, str]:
+    """Every test's group, by node id."""
+    modules: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        modules.setdefault(item.nodeid.split("::")[0], []).append(item)
+    return {item.nodeid: group_of(module, module_items)
+            for module, module_items in modules.items() for item in module_items}
+
+
+@pytest.hookimpl(trylast=True)  # the node ids are final
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    lanes_dir = getattr(config, "workerinput", {}).get("adpfleet_lanes_dir")
+    if not lanes_dir:  # not an xdist worker of ours
+        return
+    path = Path(lanes_dir) / f"{config.workerinput['workerid']}.json"
+    path.with_suffix(".tmp").write_text(json.dumps(groups(items)))
+    path.with_suffix(".tmp").replace(path)  # whole, before the worker says its collection is done
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node) -> None:
+    """The controller, for each worker it starts: where to write the groups."""
+    config = node.config
+    if _LANES_DIR not in config.stash:
+        config.stash[_LANES_DIR] = tempfile.mkdtemp(prefix="adpfleet-lanes-")
+    node.workerinput["adpfleet_lanes_dir"] = config.stash[_LANES_DIR]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class LaneScheduling(LoadScopeScheduling):
+        """xdist's loadscope with this plugin's groups as the scopes; it schedules once every worker
+        has collected, so their files are there. The group with the most tests goes first."""
+        _groups: dict[str, str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self._groups is None:
+                written = sorted(Path(config.stash[_LANES_DIR]).glob("*.json"))  # the same in each
+                self._groups = json.loads(written[0].read_text())
+            return self._groups.get(nodeid) or nodeid.split("::")[0]
+
+    return LaneScheduling(config, log)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if lanes_dir := config.stash.get(_LANES_DIR, None):
+        for name in os.listdir(lanes_dir):
+            os.unlink(os.path.join(lanes_dir, name))
+        os.rmdir(lanes_dir)

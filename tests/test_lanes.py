@@ -1,0 +1,70 @@
+"""The suite's lanes (tests/lanes.py): under `-n 2 --dist loadgroup`, every module that uses the
+cluster runs in one worker (one cluster), the second-cluster modules in one worker, the modules that
+share the server trio in one worker, and each other module in one worker of its own choosing."""
+
+import collections
+from pathlib import Path
+
+import lanes
+
+# Stand-ins for the session fixtures the real plugins provide, so the grouping can be seen without
+# starting anything: each test records which worker ran it.
+CONFTEST = """
+    import os, sys, pytest
+
+    sys.path.insert(0, os.path.dirname(__file__))  # lanes.py, copied beside this file
+    pytest_plugins = ["lanes"]
+
+    @pytest.fixture(scope="session")
+    def k8s_cluster():
+        return "cluster"
+
+    @pytest.fixture(scope="session")
+    def server_trio():
+        return "trio"
+
+    @pytest.fixture(autouse=True)
+    def _record(request):
+        with open(os.path.join(str(request.config.rootpath), "ran.txt"), "a") as out:
+            out.write(request.node.nodeid.split("@")[0] + " " + os.environ["PYTEST_XDIST_WORKER"] + "\\n")
+"""
+
+
+def module(fixture: str | None, tests: int = 3, marker: str | None = None) -> str:
+    head = f"import pytest\npytestmark = pytest.mark.{marker}\n" if marker else ""
+    args = fixture or ""
+    return head + "".join(f"def test_{n}({args}):\n    pass\n" for n in range(tests))
+
+
+def test_modules_that_share_a_cluster_or_the_trio_run_in_one_worker(pytester):
+    pytester.makepyfile(lanes=Path(lanes.__file__).read_text())
+    pytester.makeconftest(CONFTEST)
+    pytester.makeini("[pytest]\nmarkers =\n    k8s: the cluster\n    vllm: vLLM\n")
+    (pytester.path / "tests" / "operator").mkdir(parents=True)
+    files = {"tests/test_pods.py": module("k8s_cluster"), "tests/test_fleet.py": module("k8s_cluster"),
+             "tests/test_vllm.py": module(None, marker="vllm"),  # marked: a cluster test without the fixture
+             lanes.SECOND_CLUSTER[0]: module("k8s_cluster"), lanes.SECOND_CLUSTER[1]: module("k8s_cluster"),
+             "tests/test_disagg.py": module("server_trio"), "tests/test_fuzz.py": module("server_trio"),
+             "tests/test_plain_a.py": module(None, tests=4), "tests/test_plain_b.py": module(None, tests=4)}
+    for path, text in files.items():
+        (pytester.path / path).write_text(text)
+    result = pytester.runpytest("-n", "2", "--dist", "loadgroup", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=3 * 7 + 2 * 4)
+    workers = collections.defaultdict(set)
+    for line in (pytester.path / "ran.txt").read_text().splitlines():
+        nodeid, worker = line.split()
+        workers[nodeid.split("::")[0]].add(worker)
+    assert all(len(w) == 1 for w in workers.values()), workers  # a module never splits
+    one = lambda paths: set().union(*(workers[p] for p in paths))  # noqa: E731
+    assert len(one(["tests/test_pods.py", "tests/test_fleet.py", "tests/test_vllm.py"])) == 1, workers
+    assert len(one(lanes.SECOND_CLUSTER)) == 1, workers
+    # The biggest group starts on one worker, the next biggest (here the second cluster's) on the other.
+    assert one(lanes.SECOND_CLUSTER) != one(["tests/test_pods.py"]), workers
+    assert len(one(["tests/test_disagg.py", "tests/test_fuzz.py"])) == 1, workers
+
+
+def test_the_second_clusters_modules_exist_and_are_cluster_tests():
+    """A renamed module would silently move back to the first lane and unbalance the two."""
+    root = Path(__file__).resolve().parents[1]
+    for path in lanes.SECOND_CLUSTER:
+        assert "pytest.mark.k8s" in (root / path).read_text(), path
