@@ -39,7 +39,7 @@ def owned_vllm_flag(arg: str) -> str | None:
 VllmArg = Annotated[str, Field(min_length=1, max_length=4096)]
 
 
-BACKSTEP = r"(^|/)[.][.](/|$)"  # a '..' segment: Kubernetes refuses it in a hostPath
+BACKSTEP = r"(^|/)[.]{2}(/|$)"  # a '..' segment: Kubernetes refuses it in a hostPath
 
 
 class HostPathDirectory(KubeModel):
