@@ -6,6 +6,8 @@ Fixtures:
                    brought back, or the module fails with that component's log
     k8s_namespace  a fresh namespace per test (its default service account exists), deleted after
                    (`fresh_namespace(cluster, label)`: the same for a wider scope, e.g. a module's)
+    vllm_cache_dir one vLLM cache root on the node for the session's vLLM servers (a fleet's
+                   `vllm.cache.hostPath`): the first start fills it, the later ones skip that work
 
 Helpers on `LocalCluster`: `apply` (kubectl apply of YAML text, dicts or files), `kubectl`,
 `core` (the official client's CoreV1Api), `wait_for_pod`, `pod_ready`, `pod_events`; and
@@ -208,6 +210,18 @@ def k8s_cluster(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.C
     # `down` removes the state directory; pytest keeps its last few base directories, logs included.
     shutil.copytree(cluster.plane.logs, tmp_path_factory.getbasetemp() / "k8s-logs", dirs_exist_ok=True)
     cluster.plane.down()
+
+
+@pytest.fixture(scope="session")
+def vllm_cache_dir(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config) -> Path:
+    """The directory every vLLM server of the session has as its cache root, as a fleet's
+    `vllm.cache` gives its restarted servers (docs/operator.md, "vLLM fleets"): vLLM writes it
+    atomically, so servers starting together share it safely. Under pytest-xdist, one for all the
+    workers (their base directories share a parent)."""
+    base = tmp_path_factory.getbasetemp()
+    path = (base.parent if hasattr(pytestconfig, "workerinput") else base) / "vllm-cache"
+    path.mkdir(exist_ok=True)
+    return path
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -171,6 +171,19 @@ def test_operator_md_cites_the_multinode_run_of_bench_results_multinode_json():
     assert missing == [], missing
 
 
+def test_operator_md_cites_the_vllm_cache_run_of_bench_results_vllm_cache_json():
+    import sys
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from vllm_cache import doc_rows
+
+    result = json.loads((ROOT / "bench/results/vllm_cache.json").read_text())
+    page = (ROOT / "docs/operator.md").read_text()
+    assert "bench/results/vllm_cache.json" in page
+    missing = [row for row in doc_rows(result) if row not in page]
+    assert missing == [], missing
+
+
 def test_benchmarks_md_prefix_routing_table_is_bench_results_prefix_routing_json():
     results = json.loads((ROOT / "bench/results/prefix_routing.json").read_text())["results"]
     page = (ROOT / "docs/benchmarks.md").read_text()

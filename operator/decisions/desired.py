@@ -192,7 +192,7 @@ def _server_container(fleet: FleetRef, spec: FleetSpec, role: str) -> dict:
         "resources": _resource_requirements(r.resources, r.gpus_per_server // r.pods_per_server,
                                             spec.gpu_resource_name),
         "securityContext": CONTAINER_SECURITY,
-        "volumeMounts": SCRATCH_MOUNTS + _model_mounts(spec.model, fetching=False),
+        "volumeMounts": SCRATCH_MOUNTS + _model_mounts(spec.model, fetching=False) + part["volumeMounts"],
         **TERMINATION_MESSAGE,
     }
 
@@ -206,7 +206,7 @@ def _server_pod_spec(fleet: FleetRef, spec: FleetSpec, role: str) -> dict:
         "automountServiceAccountToken": False,  # servers never talk to the API server
         "enableServiceLinks": False,
         "securityContext": POD_SECURITY,
-        "volumes": SCRATCH_VOLUMES + _model_volumes(spec.model),
+        "volumes": SCRATCH_VOLUMES + _model_volumes(spec.model) + engines.renderer(spec.engine).server_volumes(spec),
     }
     fetch = _fetch_container(spec, role)
     if fetch:

@@ -85,9 +85,11 @@ class OwnedPodParts:
 # The model's volumes (decisions/desired.py): the download cache (hf://, s3://) and a pvc:// claim.
 # The server never carries TOKEN_ENV: credentials reach the fetch-model init container only.
 MODEL_CACHE_VOLUME, MODEL_SOURCE_VOLUME = "model-cache", "model-source"
+# vllm.cache (engines/vllm.py): vLLM's cache root on a volume that outlives the pod
+VLLM_CACHE_VOLUME, VLLM_CACHE_DIR = "vllm-cache", "/var/cache/adpfleet/vllm"
 SERVER_OWNS = OwnedPodParts(SERVER_CONTAINER, (*DOWNWARD_ENV, *SCRATCH_ENV, THREADS_ENV, *RESERVED_ENV),
-                            (SCRATCH_VOLUME, SHM_VOLUME, MODEL_CACHE_VOLUME, MODEL_SOURCE_VOLUME),
-                            (SCRATCH_DIR, SHM_DIR, CACHE_MOUNT_PATH))
+                            (SCRATCH_VOLUME, SHM_VOLUME, MODEL_CACHE_VOLUME, MODEL_SOURCE_VOLUME, VLLM_CACHE_VOLUME),
+                            (SCRATCH_DIR, SHM_DIR, CACHE_MOUNT_PATH, VLLM_CACHE_DIR))
 # the router is adpfleet's whatever the servers run: vLLM's key name means nothing to it
 ROUTER_OWNS = OwnedPodParts(ROUTER_CONTAINER, (*DOWNWARD_ENV, *SCRATCH_ENV,
                                                *(e for e in RESERVED_ENV if e != VLLM_API_KEY_ENV)), (SCRATCH_VOLUME,),

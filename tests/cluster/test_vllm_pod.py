@@ -6,8 +6,9 @@ from the node's side by the process title, as the demo and the stall tests wedge
 deleting the pod ends every process of it.
 
 One vLLM start for the module (tens of seconds; the suite's other vLLM servers are fleets'); the
-model is the tests' random Llama, mounted from the host. The tests run in the order written: the
-last deletes the pod.
+model is the tests' random Llama, mounted from the host, and vLLM's cache root is the session's
+(`vllm_cache_dir`, as a fleet's `vllm.cache` renders it), so later vLLM starts skip what this one
+cached. The tests run in the order written: the last deletes the pod.
 """
 
 from __future__ import annotations
@@ -26,24 +27,29 @@ from vllm_servers import ENGINE_CORE, START_TIMEOUT_S, build_model
 
 from adpfleet.cluster import processes
 from adpfleet.cluster.testing import fresh_namespace, pod_manifest, wait_for
+from adpfleet.contract.env import VLLM_CACHE_ROOT_ENV
+from adpfleet.operator.resource.names import VLLM_CACHE_DIR
 
 pytestmark = [pytest.mark.k8s, pytest.mark.vllm, pytest.mark.slow]
 
 KEY = "pod-key"
+CACHE_DIR = VLLM_CACHE_DIR  # where the pod mounts the session's cache directory: where the operator would
 FLAT_FOR_S = 1.5  # the tiny model makes ~100 steps a second here: 1.5 s of none is no accident
 
 
-def vllm_pod(name: str, model_dir: str) -> dict:
+def vllm_pod(name: str, model_dir: str, cache_dir: str) -> dict:
     env = [{"name": k, "value": v} for k, v in (("VLLM_API_KEY", KEY), ("VLLM_CPU_KVCACHE_SPACE", "1"),
                                                  ("VLLM_CPU_OMP_THREADS_BIND", "1"), ("HF_HUB_OFFLINE", "1"),
-                                                 ("VLLM_NO_USAGE_STATS", "1"))]
+                                                 ("VLLM_NO_USAGE_STATS", "1"), (VLLM_CACHE_ROOT_ENV, CACHE_DIR))]
     container = {"image": "vllm/vllm-openai:v0.32.0", "ports": [{"name": "http", "containerPort": 8000}],
                  "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 1},
-                 "volumeMounts": [{"name": "model", "mountPath": "/models/tiny", "readOnly": True}]}
+                 "volumeMounts": [{"name": "model", "mountPath": "/models/tiny", "readOnly": True},
+                                  {"name": "vllm-cache", "mountPath": CACHE_DIR}]}
     command = ["vllm", "serve", "/models/tiny", "--served-model-name", "tiny", "--host", "$(POD_IP)", "--port", "8000",
                "--dtype", "float32", "--enforce-eager"]
     return pod_manifest(name, command, env=env, container=container,
-                        volumes=[{"name": "model", "hostPath": {"path": model_dir, "type": "Directory"}}])
+                        volumes=[{"name": "model", "hostPath": {"path": model_dir, "type": "Directory"}},
+                                 {"name": "vllm-cache", "hostPath": {"path": cache_dir, "type": "Directory"}}])
 
 
 @dataclass
@@ -71,9 +77,9 @@ class VllmPod:
 
 
 @pytest.fixture(scope="module")
-def vllm(k8s_cluster):
+def vllm(k8s_cluster, vllm_cache_dir):
     with fresh_namespace(k8s_cluster, "vllm-pod") as ns:
-        k8s_cluster.apply(vllm_pod("vllm", str(build_model())), ns)
+        k8s_cluster.apply(vllm_pod("vllm", str(build_model()), str(vllm_cache_dir)), ns)
         pod = k8s_cluster.wait_for_pod(ns, "vllm", timeout=START_TIMEOUT_S)
         group = int(pod.status.container_statuses[0].container_id.removeprefix("adpfleet://"))
         yield VllmPod(k8s_cluster, ns, "vllm", f"http://{pod.status.pod_ip}:8000", pod.metadata.uid, group)

@@ -52,13 +52,16 @@ def stall_fleet(name: str, *, mode: str = "Auto", window: int = 6, interval: int
 
 
 def vllm_stall_fleet(name: str, model_dir: str, *, window: int, interval: int, servers: int = 2, adp_ranks: int = 1,
-                     cooldown: int = 5, budget: int = 20, auth: dict | None = None) -> dict:
+                     cooldown: int = 5, budget: int = 20, auth: dict | None = None,
+                     cache_dir: Path | None = None) -> dict:
     """`servers` aggregated `vllm serve` servers of the model at `model_dir` (`adp_ranks` data-parallel engines
     each), the router;
     short windows so a test sees a stall in seconds. Each server runs one OpenMP thread that vLLM does not
     bind (`VLLM_CPU_OMP_THREADS_BIND=nobind`): bound to one core, every server of the fleet and a
     replacement's start shared that core while the other one idled, and a replacement starved past its
-    start-up timeout. `auth`: the fleet's spec.auth (none: the router and vLLM take any request)."""
+    start-up timeout. `auth`: the fleet's spec.auth (none: the router and vLLM take any request).
+    `cache_dir`: the node's directory the servers keep vLLM's cache in (vllm.cache.hostPath; none: each
+    pod's scratch, and every start is cold)."""
     spec = {"image": "adpfleet:dev", "engine": "vllm", "model": {"uri": model_dir, "servedName": "tiny-llama"},
             "vllm": {"image": "vllm/vllm-openai:v0.32.0", "args": ["--dtype", "float32", "--enforce-eager"]},
             "aggregated": {"servers": servers, "adpRanks": adp_ranks, "probes": {"readinessPeriodSeconds": 1},
@@ -70,6 +73,8 @@ def vllm_stall_fleet(name: str, model_dir: str, *, window: int, interval: int, s
                             "budgetPerHour": budget, "drainTimeoutSeconds": 5, "maxConcurrentPerRole": 1}}
     if auth:
         spec["auth"] = auth
+    if cache_dir is not None:
+        spec["vllm"]["cache"] = {"hostPath": {"path": str(cache_dir)}}
     return {"apiVersion": names.API_VERSION, "kind": names.KIND, "metadata": {"name": name}, "spec": spec}
 
 

@@ -13,6 +13,7 @@ from adpfleet.operator.decisions.observed import FleetObservation, ServerPod
 from adpfleet.operator.decisions.security import OperatorIdentity, SecurityConfig
 from adpfleet.operator.resource.engine import ENGINES
 from adpfleet.operator.resource.models import FleetSpec
+from adpfleet.operator.resource import names
 from adpfleet.operator.resource.names import FleetRef
 from adpfleet.operator.stall_look import SpecCache
 
@@ -108,6 +109,31 @@ def test_the_role_env_comes_after_the_engines_and_cannot_override_the_key():
     spec = vllm_spec(env=[{"name": "VLLM_CPU_KVCACHE_SPACE", "value": "1"}])
     names = [e["name"] for e in server(spec)["spec"]["containers"][0]["env"]]
     assert names.index("VLLM_NO_USAGE_STATS") < names.index("VLLM_CPU_KVCACHE_SPACE") < names.index("VLLM_API_KEY")
+
+
+@pytest.mark.parametrize("cache, volume", [
+    ({"hostPath": {"path": "/var/lib/vllm-cache"}}, {"hostPath": {"path": "/var/lib/vllm-cache", "type": "Directory"}}),
+    ({"persistentVolumeClaim": {"claimName": "vllm-cache"}}, {"persistentVolumeClaim": {"claimName": "vllm-cache"}})])
+def test_a_vllm_cache_is_every_server_pods_vllm_cache_root(cache, volume):
+    spec = vllm_spec()
+    spec["vllm"]["cache"] = cache
+    template = render(spec).servers["aggregated"]
+    for pod in (template.pod(0), template.pod(1)):  # every server (a vLLM server is one pod)
+        container = pod["spec"]["containers"][0]
+        assert env_of(container)["VLLM_CACHE_ROOT"] == names.VLLM_CACHE_DIR
+        assert {"name": "vllm-cache", "mountPath": names.VLLM_CACHE_DIR} in container["volumeMounts"]
+        assert {"name": "vllm-cache", **volume} in pod["spec"]["volumes"]
+        assert not any(m["name"] == "vllm-cache" for m in pod["spec"]["initContainers"][0]["volumeMounts"])
+    # a cache changes the pods: setting (or moving) it rolls the servers onto it
+    assert template.template_hash != render(vllm_spec()).servers["aggregated"].template_hash
+
+
+def test_without_a_vllm_cache_the_cache_root_stays_in_the_pods_scratch():
+    pod = server(vllm_spec())
+    container = pod["spec"]["containers"][0]
+    assert "VLLM_CACHE_ROOT" not in env_of(container) and env_of(container)["HOME"] == names.SCRATCH_DIR
+    assert names.VLLM_CACHE_DIR not in {m["mountPath"] for m in container["volumeMounts"]}
+    assert "vllm-cache" not in {v["name"] for v in pod["spec"]["volumes"]}
 
 
 def test_vllm_probes_ask_vllms_health_with_a_startup_budget_from_the_role():

@@ -136,8 +136,14 @@ def test_the_operators_names_are_exactly_what_it_puts_in_the_pods():
     assert {e["name"] for e in server["env"]} | credentials == set(names.SERVER_OWNS.env)
     # the model's volumes: the download cache (hf://) and a pvc:// claim (mounted at a path per claim)
     claim_pod = server_template(FLEET, spec(model={"uri": "pvc://store/tiny"}), "context").pod(0)["spec"]
-    assert {v["name"] for v in pod["volumes"] + claim_pod["volumes"]} == set(names.SERVER_OWNS.volumes)
-    assert {m["mountPath"] for m in server["volumeMounts"]} == set(names.SERVER_OWNS.mount_paths)
+    # and vllm.cache's volume, mounted as vLLM's cache root
+    cached = vllm_spec()
+    cached["vllm"]["cache"] = {"hostPath": {"path": "/var/cache/vllm"}}
+    cached_pod = vllm_server(cached)["spec"]
+    assert {v["name"] for v in pod["volumes"] + claim_pod["volumes"] + cached_pod["volumes"]} == \
+        set(names.SERVER_OWNS.volumes)
+    assert {m["mountPath"] for m in server["volumeMounts"] + cached_pod["containers"][0]["volumeMounts"]} == \
+        set(names.SERVER_OWNS.mount_paths)
     router_pod = next(o for o in router_objects(FLEET, full) if o["kind"] == "Deployment")["spec"]["template"]["spec"]
     router = router_pod["containers"][0]
     assert router["name"] == names.ROUTER_OWNS.container

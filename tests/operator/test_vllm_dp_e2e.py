@@ -34,7 +34,7 @@ ENGINE_0 = f"{ENGINE_CORE}_DP0"
 
 
 @pytest.fixture
-def served(k8s_cluster, api_proxy, fleet_crd, tmp_path_factory, request):
+def served(k8s_cluster, api_proxy, fleet_crd, tmp_path_factory, vllm_cache_dir, request):
     """(fleets, operator): the fleet Ready, its operator watching; both gone after the test."""
     with fresh_namespace(k8s_cluster, "vllm-dp-e2e") as ns:
         fleets = Fleets(k8s_cluster, ns)
@@ -43,8 +43,9 @@ def served(k8s_cluster, api_proxy, fleet_crd, tmp_path_factory, request):
             fleets.core.create_namespaced_secret(ns, {"metadata": {"name": "vdp-key"},
                                                       "data": {"key": base64.b64encode(KEY.encode()).decode()}})
             op = start()
+            # the session's vLLM cache: an earlier vLLM start of the session inspected the model for this one
             fleet = vllm_stall_fleet(FLEET, str(build_model()), window=WINDOW, interval=INTERVAL, servers=1, adp_ranks=2,
-                                     auth={"apiKeySecret": {"name": "vdp-key", "key": "key"}})
+                                     auth={"apiKeySecret": {"name": "vdp-key", "key": "key"}}, cache_dir=vllm_cache_dir)
             # one API server (vLLM starts one per engine by default): a process, its torch import and its memory less
             fleet["spec"]["vllm"]["args"] += ["--api-server-count", "1"]
             fleets.apply(fleet)

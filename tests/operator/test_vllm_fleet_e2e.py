@@ -3,7 +3,9 @@ aggregated `vllm serve` servers, shared by the module's tests (a vLLM start is m
 cores), in the order they run:
 
 1. the official client is served through the fleet's router with the fleet's API key, streaming and
-   not; without the key the router refuses, and so does vLLM itself (VLLM_API_KEY reached it);
+   not; without the key the router refuses, and so does vLLM itself (VLLM_API_KEY reached it); the
+   servers keep vLLM's cache on the session's node directory (`vllm.cache.hostPath`), which their
+   start filled, so the replacements below (and any later vLLM start of the session) skip that work;
 2. (it replaces a server) under streaming and non-streaming load whose long requests keep
    both engines busy, one server's `VLLM::EngineCore` is frozen from the node's side (SIGSTOP, the
    way a wedged engine looks to the kernel: /health stays 200, the `vllm:` counters go flat). The
@@ -39,6 +41,7 @@ from vllm_servers import ENGINE_CORE, START_TIMEOUT_S, build_model
 from adpfleet.cluster import processes
 from adpfleet.cluster.testing import fresh_namespace, wait_for
 from adpfleet.operator.decisions.history import parse_rfc3339
+from adpfleet.operator.resource import names
 
 from alert_windows import short_window_rules
 from operator_harness import Fleets, OperatorProcess, PodTimeline, operators, pod_ready
@@ -61,9 +64,9 @@ ALERT_WINDOW, ALERT_FOR = WINDOW, 2
 ALERTS_TOKEN = secrets.token_hex(16)
 
 
-def vllm_fleet(model_dir: str) -> dict:
+def vllm_fleet(model_dir: str, cache_dir: Path) -> dict:
     return vllm_stall_fleet(FLEET, model_dir, window=WINDOW, interval=INTERVAL, servers=2, budget=20,
-                            auth={"apiKeySecret": {"name": "vf-key", "key": "key"}})
+                            auth={"apiKeySecret": {"name": "vf-key", "key": "key"}}, cache_dir=cache_dir)
 
 
 @dataclass
@@ -72,12 +75,13 @@ class ServedFleet:
     op: OperatorProcess                       # the acting operator
     start: Callable[..., OperatorProcess]     # another operator of the module (operator_harness.operators)
     workdir: Path
+    cache_dir: Path   # the servers' vllm.cache.hostPath
     started_s: float  # applied -> Ready
     ready_at: float   # time.time() when it was Ready
 
 
 @pytest.fixture(scope="module")
-def served(k8s_cluster, api_proxy, fleet_crd, tmp_path_factory, request):
+def served(k8s_cluster, api_proxy, fleet_crd, tmp_path_factory, vllm_cache_dir, request):
     """The module's fleet, Ready, with the operator that watches it (both gone after the module)."""
     def failed() -> bool:
         return any(getattr(item, "rep_call", None) is None or item.rep_call.failed
@@ -92,9 +96,9 @@ def served(k8s_cluster, api_proxy, fleet_crd, tmp_path_factory, request):
                     "key": base64.b64encode(value.encode()).decode()}})
             op = start()
             t0 = time.monotonic()
-            fleets.apply(vllm_fleet(str(build_model())))
+            fleets.apply(vllm_fleet(str(build_model()), vllm_cache_dir))
             fleets.wait_ready(FLEET, timeout=START_TIMEOUT_S + 120)  # + the model check of the init container
-            yield ServedFleet(fleets, op, start, workdir, time.monotonic() - t0, time.time())
+            yield ServedFleet(fleets, op, start, workdir, vllm_cache_dir, time.monotonic() - t0, time.time())
 
 
 def test_a_vllm_fleet_is_served_through_the_router_with_the_fleets_api_key(served):
@@ -102,6 +106,13 @@ def test_a_vllm_fleet_is_served_through_the_router_with_the_fleets_api_key(serve
     pods = fleets.pods(FLEET, "aggregated")
     assert len(pods) == 2 and all(pod_ready(p) and p.metadata.labels["adpfleet.io/engine"] == "vllm" for p in pods)
     assert all(p.spec.containers[0].command == ["vllm"] for p in pods)
+    # vLLM's cache root is the fleet's vllm.cache, and their start wrote it: its model inspection, which a
+    # restarted server reads instead of redoing it (~15 CPU-seconds here: docs/operator.md, "vLLM fleets")
+    assert list((served.cache_dir / "modelinfos").glob("*.json")), "vLLM wrote no model info into the cache"
+    for p in pods:
+        assert {e.name: e.value for e in p.spec.containers[0].env}["VLLM_CACHE_ROOT"] == names.VLLM_CACHE_DIR
+        assert next(v for v in p.spec.volumes if v.name == names.VLLM_CACHE_VOLUME).host_path.path == \
+            str(served.cache_dir)
     base = wait_for(lambda: fleets.router_url(FLEET), timeout=120, what="a Ready router", interval=1) + "/v1"
 
     client = openai.OpenAI(base_url=base, api_key=KEY, max_retries=0, timeout=120)

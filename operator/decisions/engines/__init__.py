@@ -2,8 +2,9 @@
 
 A renderer is a module with
 - `server_container(spec, role) -> dict`: the engine's part of the `server` container (image,
-  command, args, its own env, ports, probes); `desired.py` adds what every server shares (the
-  downward API, scratch, the role's env, resources, security context, model mounts);
+  command, args, its own env and volume mounts, ports, probes); `desired.py` adds what every server
+  shares (the downward API, scratch, the role's env, resources, security context, model mounts);
+- `server_volumes(spec) -> list[dict]`: the volumes its own mounts name, added to the pod's;
 - `credential_env(fleet, spec) -> list[dict]`: the env that carries the fleet's credentials into
   that container, added by `desired.py` after the renderer (security.py builds the values);
 - `ROUTER_SENDS_INTERNAL_TOKEN`: whether the router authenticates to these servers with the

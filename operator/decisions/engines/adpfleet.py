@@ -53,6 +53,10 @@ def server_args(spec: FleetSpec, role: str) -> list[str]:
     return args
 
 
+def server_volumes(spec: FleetSpec) -> list[dict]:
+    return []
+
+
 def server_container(spec: FleetSpec, role: str) -> dict:
     r = spec.role(role)
     ports = [{"name": "http", "containerPort": names.SERVER_HTTP_PORT, "protocol": "TCP"}]
@@ -64,6 +68,7 @@ def server_container(spec: FleetSpec, role: str) -> dict:
         "command": ["adpfleet"],
         "args": server_args(spec, role),
         "env": [{"name": names.THREADS_ENV, "value": str(r.engine.threads_per_rank)}],
+        "volumeMounts": [],  # the shared ones only: scratch, shared memory, the model
         "ports": ports,
         # /health is 200 only when every rank is up: it gates startup and readiness.
         "startupProbe": {**health, "periodSeconds": 2, "timeoutSeconds": 2,

@@ -3,8 +3,10 @@
 ADP ranks are vLLM's data-parallel engines (`--data-parallel-size`), each driving
 gpusPerServer / adpRanks GPUs (`--tensor-parallel-size`); the model is the directory the fetch-model
 init container checked or filled (a download in the cache, a claim's path, a directory in the image);
-the fleet's API key is vLLM's own (`VLLM_API_KEY`, not `--api-key`: a flag shows in `ps`). The
-role's `engine` knobs are adpfleet's and do not apply: vLLM's own flags go in `vllm.args`.
+the fleet's API key is vLLM's own (`VLLM_API_KEY`, not `--api-key`: a flag shows in `ps`); `vllm.cache`,
+when set, is mounted as vLLM's cache root (`VLLM_CACHE_ROOT`) so that a restarted server skips the
+start-up work an earlier one cached. The role's `engine` knobs are adpfleet's and do not apply:
+vLLM's own flags go in `vllm.args`.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import math
 from adpfleet.model_uri import CACHE_MOUNT_PATH, PVC_MOUNT_ROOT
 from adpfleet.operator.decisions import security
 from adpfleet.operator.resource import names
+from adpfleet.contract.env import VLLM_CACHE_ROOT_ENV
 from adpfleet.operator.resource.engine import VLLM_API_KEY_ENV
 from adpfleet.operator.resource.model_source import ModelSource
 from adpfleet.operator.resource.models import FleetSpec
@@ -51,6 +54,26 @@ def server_args(spec: FleetSpec, role: str) -> list[str]:
             "--enable-mfu-metrics", *spec.vllm.args]
 
 
+def server_volumes(spec: FleetSpec) -> list[dict]:
+    """vllm.cache's volume (none when unset: vLLM's cache root is then under HOME, the pod's scratch)."""
+    cache = spec.vllm.cache
+    if cache is None:
+        return []
+    if cache.host_path is not None:
+        # Directory, not DirectoryOrCreate: a directory the kubelet made is root's, and uid 10001 could not write it
+        return [{"name": names.VLLM_CACHE_VOLUME, "hostPath": {"path": cache.host_path.path, "type": "Directory"}}]
+    return [{"name": names.VLLM_CACHE_VOLUME,
+             "persistentVolumeClaim": {"claimName": cache.persistent_volume_claim.claim_name}}]
+
+
+def cache_env(spec: FleetSpec) -> dict[str, str]:
+    return {VLLM_CACHE_ROOT_ENV: names.VLLM_CACHE_DIR} if spec.vllm.cache else {}
+
+
+def cache_mounts(spec: FleetSpec) -> list[dict]:
+    return [{"name": names.VLLM_CACHE_VOLUME, "mountPath": names.VLLM_CACHE_DIR}] if spec.vllm.cache else []
+
+
 def server_container(spec: FleetSpec, role: str) -> dict:
     r = spec.role(role)
     health = {"httpGet": {"path": "/health", "port": "http"}}  # open: vLLM asks no key for it
@@ -58,7 +81,8 @@ def server_container(spec: FleetSpec, role: str) -> dict:
         "image": spec.vllm.image,
         "command": ["vllm"],
         "args": server_args(spec, role),
-        "env": [{"name": k, "value": v} for k, v in QUIET_ENV.items()],
+        "env": [{"name": k, "value": v} for k, v in {**QUIET_ENV, **cache_env(spec)}.items()],
+        "volumeMounts": cache_mounts(spec),
         "ports": [{"name": "http", "containerPort": names.SERVER_HTTP_PORT, "protocol": "TCP"}],
         # /health answers once the engines are up (it stays 200 while an engine hangs: that is the
         # stall detection's to see, not a probe's)
