@@ -1,6 +1,7 @@
 """The suite's lanes (tests/lanes.py): under `-n 2 --dist loadgroup`, every module that uses the
-cluster runs in one worker (one cluster), the second-cluster modules in one worker, the modules that
-share the server trio in one worker, and each other module in one worker of its own choosing."""
+cluster runs in one worker (one cluster), the second-cluster modules in the other, the modules that
+share the server trio in one worker, each other module in one worker of its own choosing, and the
+modules that must run alone after everything else has ended."""
 
 import collections
 from pathlib import Path
@@ -10,7 +11,7 @@ import lanes
 # Stand-ins for the session fixtures the real plugins provide, so the grouping can be seen without
 # starting anything: each test records which worker ran it.
 CONFTEST = """
-    import os, sys, pytest
+    import os, sys, time, pytest
 
     sys.path.insert(0, os.path.dirname(__file__))  # lanes.py, copied beside this file
     pytest_plugins = ["lanes"]
@@ -25,15 +26,17 @@ CONFTEST = """
 
     @pytest.fixture(autouse=True)
     def _record(request):
+        start = time.time()
+        yield
         with open(os.path.join(str(request.config.rootpath), "ran.txt"), "a") as out:
-            out.write(request.node.nodeid.split("@")[0] + " " + os.environ["PYTEST_XDIST_WORKER"] + "\\n")
+            out.write(f"{request.node.nodeid} {os.environ['PYTEST_XDIST_WORKER']} {start} {time.time()}\\n")
 """
 
 
-def module(fixture: str | None, tests: int = 3, marker: str | None = None) -> str:
-    head = f"import pytest\npytestmark = pytest.mark.{marker}\n" if marker else ""
+def module(fixture: str | None, tests: int = 3, marker: str | None = None, seconds: float = 0.0) -> str:
+    head = f"import time, pytest\npytestmark = pytest.mark.{marker}\n" if marker else "import time\n"
     args = fixture or ""
-    return head + "".join(f"def test_{n}({args}):\n    pass\n" for n in range(tests))
+    return head + "".join(f"def test_{n}({args}):\n    time.sleep({seconds})\n" for n in range(tests))
 
 
 def test_modules_that_share_a_cluster_or_the_trio_run_in_one_worker(pytester):
@@ -43,28 +46,36 @@ def test_modules_that_share_a_cluster_or_the_trio_run_in_one_worker(pytester):
     (pytester.path / "tests" / "operator").mkdir(parents=True)
     files = {"tests/test_pods.py": module("k8s_cluster"), "tests/test_fleet.py": module("k8s_cluster"),
              "tests/test_vllm.py": module(None, marker="vllm"),  # marked: a cluster test without the fixture
-             lanes.SECOND_CLUSTER[0]: module("k8s_cluster"), lanes.SECOND_CLUSTER[1]: module("k8s_cluster"),
+             lanes.SECOND_CLUSTER[0]: module("k8s_cluster", tests=6),
+             lanes.ALONE[0]: module("k8s_cluster"), lanes.ALONE[-1]: module(None),
              "tests/test_disagg.py": module("server_trio"), "tests/test_fuzz.py": module("server_trio"),
-             "tests/test_plain_a.py": module(None, tests=4), "tests/test_plain_b.py": module(None, tests=4)}
+             "tests/test_plain_a.py": module(None, tests=4, seconds=0.3), "tests/test_plain_b.py": module(None, tests=4)}
     for path, text in files.items():
+        (pytester.path / path).parent.mkdir(parents=True, exist_ok=True)
         (pytester.path / path).write_text(text)
     result = pytester.runpytest("-n", "2", "--dist", "loadgroup", "-p", "no:cacheprovider")
-    result.assert_outcomes(passed=3 * 7 + 2 * 4)
-    workers = collections.defaultdict(set)
+    result.assert_outcomes(passed=3 * 7 + 6 + 2 * 4)
+    workers, spans = collections.defaultdict(set), collections.defaultdict(list)
     for line in (pytester.path / "ran.txt").read_text().splitlines():
-        nodeid, worker = line.split()
+        nodeid, worker, start, end = line.split()
         workers[nodeid.split("::")[0]].add(worker)
+        spans[nodeid.split("::")[0]].append((float(start), float(end)))
     assert all(len(w) == 1 for w in workers.values()), workers  # a module never splits
     one = lambda paths: set().union(*(workers[p] for p in paths))  # noqa: E731
     assert len(one(["tests/test_pods.py", "tests/test_fleet.py", "tests/test_vllm.py"])) == 1, workers
-    assert len(one(lanes.SECOND_CLUSTER)) == 1, workers
     # The biggest group starts on one worker, the next biggest (here the second cluster's) on the other.
     assert one(lanes.SECOND_CLUSTER) != one(["tests/test_pods.py"]), workers
+    alone = [lanes.ALONE[0], lanes.ALONE[-1]]
+    assert len(one(alone)) == 1, workers
+    last_other_end = max(end for path, s in spans.items() if path not in alone for _, end in s)
+    assert min(start for path in alone for start, _ in spans[path]) >= last_other_end, spans
     assert len(one(["tests/test_disagg.py", "tests/test_fuzz.py"])) == 1, workers
 
 
-def test_the_second_clusters_modules_exist_and_are_cluster_tests():
-    """A renamed module would silently move back to the first lane and unbalance the two."""
+def test_the_modules_the_lanes_name_exist():
+    """A renamed module would silently move back to the first lane: unbalanced, or not alone."""
     root = Path(__file__).resolve().parents[1]
     for path in lanes.SECOND_CLUSTER:
         assert "pytest.mark.k8s" in (root / path).read_text(), path
+    for path in lanes.ALONE:
+        assert (root / path).is_file(), path
