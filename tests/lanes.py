@@ -26,18 +26,19 @@ it collected into a directory the controller made, and the controller's schedule
 from __future__ import annotations
 
 import json
-import os
+import shutil
 import tempfile
 from pathlib import Path
 
 import pytest
 
-# About a quarter of the cluster tests' time, measured in the per-module durations (build/test-durations.json):
-# with them the second lane ends about when the first does.
+# Enough of the cluster tests' time (build/test-durations.json) that the second lane, with every test that needs
+# no cluster, ends about when the first does.
 SECOND_CLUSTER = ("tests/operator/test_model_sources_e2e.py",)
 ALONE = ("tests/operator/test_stall_e2e.py", "tests/operator/test_vllm_fleet_e2e.py",
          "tests/operator/test_vllm_dp_e2e.py", "tests/operator/test_scaling_k8s.py",
          "tests/operator/test_termination.py", "tests/runtime/test_hostile.py", "tests/router/test_router_queue.py")
+ALONE_GROUP = "alone"
 CLUSTER_MARKS = ("k8s", "vllm")
 _LANES_DIR = pytest.StashKey[str]()
 
@@ -51,7 +52,7 @@ def group_of(module: str, items: list[pytest.Item]) -> str:
     if named:
         return str(named.args[0] if named.args else named.kwargs.get("name", "default"))
     if module in ALONE:
-        return "alone"
+        return ALONE_GROUP
     if any(uses(i, "k8s_cluster") or any(i.get_closest_marker(m) for m in CLUSTER_MARKS) for i in items):
         return "cluster-2" if module in SECOND_CLUSTER else "cluster"
     if any(uses(i, "server_trio") for i in items):
@@ -102,9 +103,9 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
         _groups: dict[str, str] | None = None
 
         def _assign_work_unit(self, node) -> None:
-            if "alone" in self.workqueue:
-                self.workqueue.move_to_end("alone")
-            if next(iter(self.workqueue)) != "alone":
+            if ALONE_GROUP in self.workqueue:
+                self.workqueue.move_to_end(ALONE_GROUP)
+            if next(iter(self.workqueue)) != ALONE_GROUP:
                 return super()._assign_work_unit(node)
             others = [n for n in self.assigned_work if n is not node]
             if any(not n.shutting_down for n in others):
@@ -130,6 +131,4 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     if lanes_dir := config.stash.get(_LANES_DIR, None):
-        for name in os.listdir(lanes_dir):
-            os.unlink(os.path.join(lanes_dir, name))
-        os.rmdir(lanes_dir)
+        shutil.rmtree(lanes_dir, ignore_errors=True)

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import math
 
+from adpfleet.contract.env import VLLM_CACHE_ROOT_ENV
 from adpfleet.model_uri import CACHE_MOUNT_PATH, PVC_MOUNT_ROOT
 from adpfleet.operator.decisions import security
 from adpfleet.operator.resource import names
-from adpfleet.contract.env import VLLM_CACHE_ROOT_ENV
 from adpfleet.operator.resource.engine import VLLM_API_KEY_ENV
 from adpfleet.operator.resource.model_source import ModelSource
 from adpfleet.operator.resource.models import FleetSpec
