@@ -67,7 +67,15 @@ def fleet_logger(namespace: str, name: str, uid: str) -> logging.LoggerAdapter:
     """Our own logger with the fleet as the log line's object (kopf's per-object loggers are kept
     at WARNING: they report every event handler call)."""
     ref = {"apiVersion": names.API_VERSION, "kind": names.KIND, "name": name, "uid": uid, "namespace": namespace}
-    return logging.LoggerAdapter(logging.getLogger("adpfleet.operator.fleet"), {"k8s_ref": ref})
+    return _MergingAdapter(logging.getLogger("adpfleet.operator.fleet"), {"k8s_ref": ref})
+
+
+class _MergingAdapter(logging.LoggerAdapter):
+    """A call's own `extra` fields beside the fleet's (Python 3.11's adapter replaces them)."""
+
+    def process(self, msg, kwargs):
+        kwargs["extra"] = {**self.extra, **(kwargs.get("extra") or {})}
+        return msg, kwargs
 
 
 def _plain(value):

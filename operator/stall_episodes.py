@@ -33,7 +33,9 @@ class StallEpisodes:
             self.ended = "; ".join(ended)
         for verdict in began:
             metrics.stalls.labels(*key, verdict.signature.value).inc()
-            logger.warning("stall detected: %s", verdict.summary())
+            # the scrapes the verdict spans (time.time() of the first and last, and how many), unrounded
+            logger.warning("stall detected: %s", verdict.summary(), extra={
+                "stalled_since": verdict.since, "decided_at": verdict.at, "scrapes": verdict.evidence.get("scrapes")})
             await say("Warning", "StallDetected", f"{verdict.summary()}; evidence: {evidence_text(verdict.evidence)}",
                       verdict.server, force=True)
 

@@ -371,12 +371,38 @@ def remediations(fleet: dict) -> list[dict]:
     return (fleet.get("status") or {}).get("recentRemediations") or []
 
 
-def verdict_time(operator_log: str, server: str) -> float:
-    """When the operator judged `server` stalled: its (JSON) log line of the verdict. The remediation
-    record's time is later, when the action starts, after the Events went out: seconds under load."""
+def verdict_line(operator_log: str, server: str) -> dict:
+    """The operator's (JSON) log line of its verdict on `server`."""
     entries = (json.loads(line) for line in operator_log.splitlines() if line.startswith("{"))
-    verdict = next(e for e in entries if e["message"].startswith(f"stall detected: {server} "))
-    return datetime.fromisoformat(verdict["timestamp"]).timestamp()
+    return next(e for e in entries if e["message"].startswith(f"stall detected: {server} "))
+
+
+def verdict_time(operator_log: str, server: str) -> float:
+    """When the operator judged `server` stalled: its log line of the verdict. The remediation
+    record's time is later, when the action starts, after the Events went out: seconds under load."""
+    return datetime.fromisoformat(verdict_line(operator_log, server)["timestamp"]).timestamp()
+
+
+def assert_decided_in_time(operator_log: str, server: str, t_fault: float, window: float, interval: float) -> float:
+    """The operator's verdict on `server`, frozen at time.time() `t_fault`, came no sooner than its rule
+    allows and within the window plus two scrape intervals; its delay (seconds).
+
+    The bound is counted in the operator's scrape intervals as they ran: on cores shared with the servers
+    (and with other runs) a scrape of a busy server is answered late, and ticks slip. Scaled by the stretch's
+    mean spacing (the verdict's scrapes over the seconds they span), a doubled window still fails it, and a
+    detection that needs more scrapes than the rule's does too. Never sooner: the verdict spans at least
+    the window less the confirming scrape and a quarter interval of jitter (docs/remediation.md, Detection)."""
+    verdict = verdict_line(operator_log, server)
+    detected = datetime.fromisoformat(verdict["timestamp"]).timestamp() - t_fault
+    spanned = verdict["decided_at"] - verdict["stalled_since"]
+    spacing = spanned / (verdict["scrapes"] - 1)
+    bound = (window + 2 * interval) * max(1.0, spacing / interval)
+    print(f"{server}: hung decided {detected:.1f} s after the freeze (bound {bound:.1f} s; the verdict spans "
+          f"{spanned:.1f} s over {verdict['scrapes']} scrapes)", flush=True)
+    assert spanned >= window - 1.25 * interval, f"decided over {spanned:.1f} s, less than the window allows"
+    assert detected <= bound, (f"hung decided {detected:.1f} s after the freeze: more than the window plus two "
+                               f"scrape intervals ({bound:.1f} s at the scrapes' mean spacing {spacing:.2f} s)")
+    return detected
 
 
 def dump(path: Path, obj) -> None:

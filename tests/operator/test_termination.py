@@ -8,13 +8,15 @@ Succeeded. The same fleet's server, router and operator expose /metrics that the
 One fleet of real servers (tiny model, one rank each) for the whole module: servers take a while
 to start on two cores. A stream of the tiny model lasts a few seconds, less than a new server takes
 to become Ready; so streams run in chains (a new one starts when one ends) until the server a case
-ends is seen deleted, and each case checks that the server still ran streams after its deletion,
-and that every stream of the client completed. Streams are kept short: a server's drain must
-finish them within its grace period even on loaded cores (at 3,800 tokens one did not)."""
+ends is seen deleted, and each case checks that the server ran streams when its SIGTERM came (the
+first line of its drain, in its log), and that every stream of the client completed. Streams are
+kept short: a server's drain must finish them within its grace period even on loaded cores (at
+3,800 tokens one did not)."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import threading
 import time
@@ -37,6 +39,7 @@ FLEET = "grace"
 SERVER_START = 300
 STREAM_TOKENS = 1000  # ~3 s on an idle core; the drain (55 s) finishes it on loaded ones
 KV_BLOCKS = 1000  # four such streams on one server (16 tokens a block), with room to spare
+DRAINING = re.compile(r"SIGTERM: draining \((\d+) requests in flight")
 
 
 def role(servers: int) -> dict:
@@ -105,10 +108,37 @@ class Chains:
         return list(self.streams)
 
 
+def server_url(pod) -> str:
+    return f"http://{pod.status.pod_ip}:{names.SERVER_HTTP_PORT}"
+
+
+class DrainLog:
+    """`kubectl logs -f` of a server, read on a thread from before its deletion to its exit: how many
+    requests it ran when its SIGTERM came (its drain's first line, runtime/serving/drain.py). Read
+    there, not from its gauges once the deletion is seen: by then its last stream may have ended."""
+
+    def __init__(self, fleets, pod):
+        self.name = pod.metadata.name
+        self.lines: list[str] = []
+        self._proc = subprocess.Popen([str(fleets.cluster.kubectl_path), f"--kubeconfig={fleets.cluster.kubeconfig}",
+                                       "logs", "-f", self.name, "-n", fleets.ns],
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        threading.Thread(target=lambda: self.lines.extend(self._proc.stdout), daemon=True).start()
+
+    def in_flight_at_sigterm(self, timeout: float = 90) -> int:
+        line = wait_for(lambda: next((m for line in list(self.lines) if (m := DRAINING.search(line))), None),
+                        timeout=timeout, what=f"{self.name}'s drain to begin")
+        return int(line.group(1))
+
+    def close(self) -> None:
+        self._proc.kill()
+        self._proc.wait()
+
+
 def running(pod) -> float:
     """Requests the server runs (also while it drains: /metrics stays up)."""
     try:
-        text = httpx.get(f"http://{pod.status.pod_ip}:{names.SERVER_HTTP_PORT}/metrics", timeout=5).text
+        text = httpx.get(server_url(pod) + "/metrics", timeout=5).text
     except httpx.HTTPError:
         return 0
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
@@ -125,15 +155,17 @@ def deletion_seen(timeline: PodTimeline, pods: list) -> Callable[[], bool]:
     return lambda: bool(uids & timeline.deleting.keys())
 
 
-def deleted_while_streaming(timeline: PodTimeline, pods: list, chains: Chains, *, timeout: float = 30):
-    """The one of `pods` being deleted, once its deletion is seen (`chains` run until then): it
-    still runs at least one of the client's streams (it drains), and every stream completes."""
-    uids = {p.metadata.uid: p for p in pods}
-    pod = wait_for(lambda: next((uids[u] for u in timeline.deleting if u in uids), None), timeout=timeout,
-                   what="a server's deletion")
-    draining = running(pod)
+def deleted_while_streaming(timeline: PodTimeline, pod, chains: Chains, drain: DrainLog, *, timeout: float = 30):
+    """`pod` once its deletion is seen (`chains` run until then): it ran at least one of the client's
+    streams when its SIGTERM came (`drain`, its log), and every stream completes."""
+    wait_for(lambda: pod.metadata.uid in timeline.deleting, timeout=timeout, what=f"{pod.metadata.name}'s deletion")
     streams = chains.finish()
-    assert draining >= 1, f"{pod.metadata.name} ran no stream when it was deleted"
+    try:
+        draining = drain.in_flight_at_sigterm()
+    finally:
+        drain.close()
+    print(f"{pod.metadata.name}: {draining} streams in flight at its SIGTERM", flush=True)
+    assert draining >= 1, f"{pod.metadata.name} ran no stream when its SIGTERM came"
     assert all(s.completed for s in streams), [s for s in streams if not s.completed]
     assert max(s.ended_at for s in streams) > timeline.deleting[pod.metadata.uid]
     return pod
@@ -174,7 +206,7 @@ def test_streams_survive_their_servers_scale_down_deletion_roll_and_eviction_and
 
     # Prometheus' conventions (a gauge does not end in _total, a counter does, ...) on all three.
     server = fleets.live_pods(FLEET, "generation")[0]
-    promtool_check(httpx.get(f"http://{server.status.pod_ip}:{names.SERVER_HTTP_PORT}/metrics").text, "server")
+    promtool_check(httpx.get(server_url(server) + "/metrics").text, "server")
     promtool_check(httpx.get(url + "/metrics").text, "router")
     promtool_check(op._get("/metrics")[1], "operator")
 
@@ -214,9 +246,10 @@ def test_streams_survive_their_servers_scale_down_deletion_roll_and_eviction_and
         only = fleets.live_pods(FLEET, "generation")
         assert [p.metadata.uid for p in only] != [removed.metadata.uid] and len(only) == 1
         chains = Chains(url, 2, until=deletion_seen(timeline, only))
-        wait_for(lambda: running(only[0]) >= 1, timeout=60, what="streams on the server")
+        drain = DrainLog(fleets, only[0])
+        wait_for(lambda: running(only[0]) >= 2, timeout=60, what="streams on the server")
         fleets.cluster.kubectl("delete", "pod", only[0].metadata.name, "-n", fleets.ns, "--wait=false")
-        deleted = deleted_while_streaming(timeline, only, chains)
+        deleted = deleted_while_streaming(timeline, only[0], chains, drain)
         wait_for(lambda: [(p.metadata.name, p.metadata.uid != deleted.metadata.uid and pod_ready(p))
                           for p in fleets.live_pods(FLEET, "generation")] == [(deleted.metadata.name, True)],
                  timeout=SERVER_START, what="the server back under its own name", interval=1)
@@ -225,13 +258,14 @@ def test_streams_survive_their_servers_scale_down_deletion_roll_and_eviction_and
         # Rolled: the new server starts beside the old one, which runs streams until the new one is
         # Ready (the router sends only to Ready servers) and it is deleted, and finishes them after.
         old = fleets.live_pods(FLEET, "generation")
-        chains = Chains(url, 2, until=deletion_seen(timeline, old))
-        wait_for(lambda: running(old[0]) >= 1, timeout=60, what="streams on the old server")
+        chains = Chains(url, 4, until=deletion_seen(timeline, old))  # about two on the old one once the new is Ready
+        drain = DrainLog(fleets, old[0])
+        wait_for(lambda: running(old[0]) >= 2, timeout=60, what="streams on the old server")
         fleets.patch_spec(FLEET, {"generation": {"engine": {"kvBlocks": KV_BLOCKS + 10}}})
         wait_for(lambda: any(uid not in {p.metadata.uid for p in old} and "generation" in name
                              and uid in timeline.ready_at for name, uid in timeline.created),
                  timeout=SERVER_START, what="the new server to be Ready")
-        rolled = deleted_while_streaming(timeline, old, chains)
+        rolled = deleted_while_streaming(timeline, old[0], chains, drain)
         fleets.wait_ready(FLEET, timeout=SERVER_START)
 
         ended = [*two, removed, deleted, rolled]
