@@ -41,6 +41,7 @@ SECOND_CLUSTER = ("tests/operator/test_model_sources_e2e.py", "tests/operator/te
                   "tests/operator/test_termination.py")
 ALONE = ("tests/operator/test_scaling_k8s.py", "tests/runtime/test_hostile.py", "tests/router/test_router_queue.py")
 ALONE_GROUP = "alone"
+CLUSTER_GROUPS = ("cluster", "cluster-2")
 CLUSTER_MARKS = ("k8s", "vllm")
 _LANES_DIR = pytest.StashKey[str]()
 
@@ -56,7 +57,7 @@ def group_of(module: str, items: list[pytest.Item]) -> str:
     if module in ALONE:
         return ALONE_GROUP
     if any(uses(i, "k8s_cluster") or any(i.get_closest_marker(m) for m in CLUSTER_MARKS) for i in items):
-        return "cluster-2" if module in SECOND_CLUSTER else "cluster"
+        return CLUSTER_GROUPS[1] if module in SECOND_CLUSTER else CLUSTER_GROUPS[0]
     if any(uses(i, "server_trio") for i in items):
         return "trio"
     return module
@@ -98,8 +99,10 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 
     class LaneScheduling(LoadScopeScheduling):
         """xdist's loadscope with this plugin's groups as the scopes; it schedules once every worker
-        has collected, so their files are there. The group with the most tests goes first, `alone`
-        last: a worker that finds only it left leaves (its session ends), and the last worker takes
+        has collected, so their files are there. The two clusters' groups go first, one to each
+        worker (each is most of a lane in few tests: ordered by their count of tests, as xdist
+        orders scopes, the second cluster's 16 came after most of the suite), then the group with
+        the most tests, `alone` last: a worker that finds only it left leaves (its session ends), and the last worker takes
         it once the others are gone. (A worker runs a test only when it knows the next one, so a
         worker that waits for work still holds its last test: it must leave, not wait beside.)"""
         _groups: dict[str, str] | None = None
@@ -107,6 +110,9 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
         def _assign_work_unit(self, node) -> None:
             if ALONE_GROUP in self.workqueue:
                 self.workqueue.move_to_end(ALONE_GROUP)
+            for group in reversed(CLUSTER_GROUPS):  # the longest lanes, whatever their count of tests
+                if group in self.workqueue:
+                    self.workqueue.move_to_end(group, last=False)
             if next(iter(self.workqueue)) != ALONE_GROUP:
                 return super()._assign_work_unit(node)
             others = [n for n in self.assigned_work if n is not node]

@@ -365,16 +365,16 @@ def test_two_sided_transfer_faults_restart_only_the_server_at_fault(env):
     ctx = server(fleets, "context")
     uids = lambda: {p.metadata.name: p.metadata.uid for p in fleets.live_pods(FLEET)}  # noqa: E731
 
-    def fault(pod, kind: str, signature: str) -> float:
-        """Injects `kind` into `pod`'s rank 0 under flowing load, waits for the one remediation it
-        calls for and every server Ready again; asserts no other server was replaced. Returns the
-        time of the injection."""
+    def fault(pod, kind: str, signature: str, within: float = 120) -> float:
+        """Injects `kind` into `pod`'s rank 0 under flowing load, waits (up to `within` s) for the one
+        remediation it calls for and every server Ready again; asserts no other server was replaced.
+        Returns the time of the injection."""
         wait_flowing(load)
         wait_restarts_settled(fleets)
         others = lambda: {n: u for n, u in uids().items() if n != pod.metadata.name}  # noqa: E731
         before, since = others(), time.time()
         inject(fleets.core, pod, kind, 0)
-        record = wait_for(lambda: record_for(fleets, pod.metadata.name, since, "Succeeded"), timeout=120,
+        record = wait_for(lambda: record_for(fleets, pod.metadata.name, since, "Succeeded"), timeout=within,
                           what=f"a Succeeded remediation of {pod.metadata.name}")
         assert (record["action"], record["signature"], record["targets"]) == (
             "RestartServer", signature, [pod.metadata.name]), record
@@ -386,7 +386,10 @@ def test_two_sided_transfer_faults_restart_only_the_server_at_fault(env):
 
     with Load(fleets.router_url(FLEET), clients=4) as load:
         t_freeze = fault(frozen, "freeze", "hung")  # the context server keeps the KV held for it
-        t_wedge = fault(ctx, "stop-serving-kv", "transfer")
+        # The wedged context server goes on prefilling what the router sends it (real tokens) until every
+        # client waits on a pull it never answers: how soon that is depends on how fast the clients' requests
+        # cycle (retries after a pull's timeout), so on the cores: 105 s after the injection on loaded lanes.
+        t_wedge = fault(ctx, "stop-serving-kv", "transfer", within=240)
         wait_flowing(load)
     assert_none_lost(load)
     at_fault = lambda r: r["server"] == frozen.metadata.name or (  # noqa: E731
