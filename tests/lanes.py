@@ -14,11 +14,10 @@ holds is per worker, and the groups follow from that:
 - a module may name its group itself with `pytest.mark.xdist_group(name)`;
 - the modules in ALONE, whose assertions hold a server or a process to wall-clock bounds that are
   the product's for one that has its cores (a waiter woken within 0.1 s, /health answered within
-  its bound under a hostile client, an autoscaler reading the load its servers report), are the
-  group `alone`: it runs last, in one worker, once the other has finished and left, so nothing of
-  the suite competes with it for the cores. On two loaded lanes (load average 6) those bounds
-  failed. (A stall's detection bound is counted in the operator's scrapes as they ran, and a drain
-  is seen in the server's own log: those modules share the lanes.)
+  its bound under a hostile client, an autoscaler reading the load its servers report, every
+  request answered by its deadline while servers restart), are the group `alone`: it runs last,
+  in one worker, once the other has finished and left, so nothing of the suite competes with it
+  for the cores. On two loaded lanes (load average 6-7) those bounds failed.
 
 xdist's own `loadgroup` reads `xdist_group` markers by rewriting node ids, which pytest 9 no longer
 lets it do, so this plugin schedules the groups itself: each worker writes the group of every test
@@ -34,12 +33,12 @@ from pathlib import Path
 
 import pytest
 
-# Half of the cluster tests' time (build/test-durations.json: 884 s of 1,718): the other half is one worker's
-# whole lane, while the second cluster's worker shares every test that needs no cluster with it.
-SECOND_CLUSTER = ("tests/operator/test_model_sources_e2e.py", "tests/operator/test_stall_e2e.py",
-                  "tests/operator/test_vllm_fleet_e2e.py", "tests/operator/test_vllm_dp_e2e.py",
-                  "tests/operator/test_termination.py")
-ALONE = ("tests/operator/test_scaling_k8s.py", "tests/runtime/test_hostile.py", "tests/router/test_router_queue.py")
+# Enough of the cluster tests' time (build/test-durations.json) that the second lane, with every test that needs
+# no cluster, ends about when the first does.
+SECOND_CLUSTER = ("tests/operator/test_model_sources_e2e.py", "tests/operator/test_termination.py")
+ALONE = ("tests/operator/test_stall_e2e.py", "tests/operator/test_vllm_fleet_e2e.py",
+         "tests/operator/test_vllm_dp_e2e.py", "tests/operator/test_scaling_k8s.py", "tests/runtime/test_hostile.py",
+         "tests/router/test_router_queue.py")
 ALONE_GROUP = "alone"
 CLUSTER_GROUPS = ("cluster", "cluster-2")
 CLUSTER_MARKS = ("k8s", "vllm")

@@ -92,6 +92,39 @@ def vllm_requests_running(pod, engine: int | None = None) -> float:
     return sum(r.requests_running or 0 for e, r in ranks.items() if engine is None or e == engine)
 
 
+class ProgressWatch:
+    """Engine `engine` of the vLLM server `pod`, read as the operator reads it every `every` s from now (a
+    freeze) on: when its reported progress last moved. vLLM's API server counts an engine's tokens as it
+    handles the outputs the engine sent; on loaded cores it handles them seconds after the engine stopped,
+    and until then the engine's counters still move. The operator's window starts there, not at the freeze."""
+
+    def __init__(self, pod, engine: int, every: float = 0.5):
+        from adpfleet.operator.adapters.dialects import dialect_for
+        self.samples: list[tuple[float, object]] = []  # (time.time() after the read, the engine's RankSample)
+        self._stop = threading.Event()
+        url, dialect = f"http://{pod.status.pod_ip}:{names.SERVER_HTTP_PORT}/metrics", dialect_for("vllm")
+
+        def sample():
+            while not self._stop.wait(every):
+                try:
+                    rank = dialect.parse(httpx.get(url, timeout=5).text).get(engine)
+                except httpx.HTTPError:
+                    continue
+                if rank is not None:
+                    self.samples.append((time.time(), rank))
+        self._thread = threading.Thread(target=sample, daemon=True, name="progress-watch")
+        self._thread.start()
+
+    def last_moved(self) -> float | None:
+        """The time of the last read after which the engine's counters still moved (None when none did: they had
+        stopped by the first read); stops the watch."""
+        self._stop.set()
+        self._thread.join(10)
+        assert self.samples, "the frozen engine's /metrics never answered"
+        moving = [t for (t, s), (_, later) in zip(self.samples, self.samples[1:]) if later.progressed_since(s)]
+        return max(moving, default=None)
+
+
 # ---- client load ----------------------------------------------------------------------------------
 
 @dataclass
@@ -383,9 +416,11 @@ def verdict_time(operator_log: str, server: str) -> float:
     return datetime.fromisoformat(verdict_line(operator_log, server)["timestamp"]).timestamp()
 
 
-def assert_decided_in_time(operator_log: str, server: str, t_fault: float, window: float, interval: float) -> float:
+def assert_decided_in_time(operator_log: str, server: str, t_fault: float, window: float, interval: float,
+                           moved_until: float | None = None) -> float:
     """The operator's verdict on `server`, frozen at time.time() `t_fault`, came no sooner than its rule
-    allows and within the window plus two scrape intervals; its delay (seconds).
+    allows and within the window plus two scrape intervals of the last progress the server reported
+    (`moved_until`, a ProgressWatch's, when that is later than the freeze); its delay after the freeze (s).
 
     The bound is counted in the operator's scrape intervals as they ran: on cores shared with the servers
     (and with other runs) a scrape of a busy server is answered late, and ticks slip. Scaled by the stretch's
@@ -393,16 +428,20 @@ def assert_decided_in_time(operator_log: str, server: str, t_fault: float, windo
     detection that needs more scrapes than the rule's does too. Never sooner: the verdict spans at least
     the window less the confirming scrape and a quarter interval of jitter (docs/remediation.md, Detection)."""
     verdict = verdict_line(operator_log, server)
-    detected = datetime.fromisoformat(verdict["timestamp"]).timestamp() - t_fault
+    decided = datetime.fromisoformat(verdict["timestamp"]).timestamp()
+    stopped = max(t_fault, moved_until or t_fault)
     spanned = verdict["decided_at"] - verdict["stalled_since"]
     spacing = spanned / (verdict["scrapes"] - 1)
     bound = (window + 2 * interval) * max(1.0, spacing / interval)
-    print(f"{server}: hung decided {detected:.1f} s after the freeze (bound {bound:.1f} s; the verdict spans "
-          f"{spanned:.1f} s over {verdict['scrapes']} scrapes)", flush=True)
+    print(f"{server}: hung decided {decided - t_fault:.1f} s after the freeze, {decided - stopped:.1f} s after its "
+          f"last reported progress (bound {bound:.1f} s; the verdict spans {spanned:.1f} s over {verdict['scrapes']} "
+          f"scrapes)", flush=True)
     assert spanned >= window - 1.25 * interval, f"decided over {spanned:.1f} s, less than the window allows"
-    assert detected <= bound, (f"hung decided {detected:.1f} s after the freeze: more than the window plus two "
-                               f"scrape intervals ({bound:.1f} s at the scrapes' mean spacing {spacing:.2f} s)")
-    return detected
+    assert decided - stopped <= bound, (
+        f"hung decided {decided - stopped:.1f} s after the last progress the server reported ({decided - t_fault:.1f} s "
+        f"after the freeze): more than the window plus two scrape intervals ({bound:.1f} s at the scrapes' mean "
+        f"spacing {spacing:.2f} s)")
+    return decided - t_fault
 
 
 def dump(path: Path, obj) -> None:

@@ -23,7 +23,8 @@ from adpfleet.cluster import processes
 from adpfleet.cluster.testing import fresh_namespace, wait_for
 
 from operator_harness import Fleets, PodTimeline, operators, pod_ready
-from stall_harness import Load, assert_decided_in_time, remediations, vllm_requests_running, vllm_stall_fleet
+from stall_harness import (Load, ProgressWatch, assert_decided_in_time, remediations, vllm_requests_running,
+                           vllm_stall_fleet)
 
 pytestmark = [pytest.mark.k8s, pytest.mark.vllm, pytest.mark.slow]
 
@@ -66,10 +67,11 @@ def test_only_engine_0_of_a_dp2_vllm_server_frozen_is_hung_on_rank_0_and_the_ser
             assert op.metric("adpfleet_operator_stalls_detected_total") == 0  # busy, both engines stepping
             victim, t_fault = processes.freeze_busy_pod({pod.metadata.name: pod.metadata.uid}, ENGINE_0,
                                                         lambda name: vllm_requests_running(pod, engine=0))
+            watch = ProgressWatch(pod, engine=0)
             record = wait_for(lambda: next((r for r in remediations(fleets.get(FLEET)) if r["server"] == victim),
                                            None), timeout=120, what=f"a remediation of {victim}", interval=0.2)
         assert (record["action"], record["signature"], record["targets"]) == ("RestartServer", "hung", [victim])
-        assert_decided_in_time(op.log(), victim, t_fault, WINDOW, INTERVAL)
+        assert_decided_in_time(op.log(), victim, t_fault, WINDOW, INTERVAL, watch.last_moved())
         (event,) = fleets.events("StallDetected")
         # rank 0 alone: engine 1 kept stepping, and a sum over the engines would have hidden engine 0's hang
         assert victim in event.message and "hung, ranks 0" in event.message and "ranks 0," not in event.message, \

@@ -45,8 +45,8 @@ from adpfleet.operator.resource import names
 
 from alert_windows import short_window_rules
 from operator_harness import Fleets, OperatorProcess, PodTimeline, operators, pod_ready
-from stall_harness import (Load, Monitoring, assert_decided_in_time, remediations, verdict_time, vllm_requests_running,
-                           vllm_stall_fleet)
+from stall_harness import (Load, Monitoring, ProgressWatch, assert_decided_in_time, remediations, verdict_time,
+                           vllm_requests_running, vllm_stall_fleet)
 
 pytestmark = [pytest.mark.k8s, pytest.mark.vllm, pytest.mark.slow]
 
@@ -174,8 +174,10 @@ def freeze_and_see_it_healed(served: ServedFleet, before: dict, load: Load, orig
     # a server whose engine runs 2 requests or more, its gauges still showing work once frozen
     victim, t_fault = processes.freeze_busy_pod({name: p.metadata.uid for name, p in before.items()}, ENGINE_CORE,
                                                 lambda name: vllm_requests_running(before[name]))
+    watch = ProgressWatch(before[victim], engine=0)
     record, stalled, t_seen = wait_for(lambda: decided(fleets, victim, t_fault), timeout=120,
                                        what=f"a remediation of {victim}", interval=0.2)
+    moved_until = watch.last_moved()
     detected = verdict_time(served.op.log(), victim) - t_fault
     print(f"vLLM freeze -> hung verdict ({origin}): {detected:.1f} s, -> remediation record "
           f"{parse_rfc3339(record['time']) - t_fault:.1f} s; {stalled['message']}", flush=True)
@@ -185,7 +187,8 @@ def freeze_and_see_it_healed(served: ServedFleet, before: dict, load: Load, orig
         "from alert" not in record["message"], record["message"]
     assert stalled["status"] == "True" and victim in stalled["message"] and "hung, ranks 0" in stalled["message"]
     wait_for(lambda: load.completed_since(t_seen) >= 4, timeout=180, what="the fleet serving on its peer")
-    return {"victim": victim, "fault": t_fault, "detected": detected, "seen": t_seen - t_fault,
+    return {"victim": victim, "fault": t_fault, "moved_until": moved_until, "detected": detected,
+            "seen": t_seen - t_fault,
             "recorded": parse_rfc3339(record["time"]) - t_fault, "message": record["message"],
             "serving": time.time() - t_fault}
 
@@ -209,7 +212,7 @@ def test_a_frozen_vllm_engine_is_hung_and_only_its_server_is_replaced_with_no_re
         with Load(url, clients=4, max_tokens=LONG_REQUEST_TOKENS, deadline=240, streaming=True, api_key=KEY) as load:
             busy_for_a_window(served, load)
             times = freeze_and_see_it_healed(served, before, load)
-        assert_decided_in_time(op.log(), times["victim"], times["fault"], WINDOW, INTERVAL)
+        assert_decided_in_time(op.log(), times["victim"], times["fault"], WINDOW, INTERVAL, times["moved_until"])
         victim = times["victim"]
         (peer,) = set(before) - {victim}
         # the load stopped (every request it sent has ended): the replacement starts on quiet cores
