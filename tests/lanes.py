@@ -99,11 +99,12 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     class LaneScheduling(LoadScopeScheduling):
         """xdist's loadscope with this plugin's groups as the scopes; it schedules once every worker
         has collected, so their files are there. The two clusters' groups go first, one to each
-        worker (each is most of a lane in few tests: ordered by their count of tests, as xdist
-        orders scopes, the second cluster's 16 came after most of the suite), then the group with
-        the most tests, `alone` last: a worker that finds only it left leaves (its session ends), and the last worker takes
-        it once the others are gone. (A worker runs a test only when it knows the next one, so a
-        worker that waits for work still holds its last test: it must leave, not wait beside.)"""
+        worker: each is much of a lane in few tests, and ordered by their count of tests, as xdist
+        orders scopes, the second cluster's came after most of the suite. Then the group with the
+        most tests; `alone` last: a worker that finds only it left leaves (its session ends), and
+        the last worker takes it once the others are gone. (A worker runs a test only when it knows
+        the next one, so a worker that waits for work still holds its last test: it must leave, not
+        wait beside.)"""
         _groups: dict[str, str] | None = None
 
         def _assign_work_unit(self, node) -> None:
