@@ -365,6 +365,8 @@ def test_two_sided_transfer_faults_restart_only_the_server_at_fault(env):
     ctx = server(fleets, "context")
     uids = lambda: {p.metadata.name: p.metadata.uid for p in fleets.live_pods(FLEET)}  # noqa: E731
 
+    decided: dict[str, float] = {}  # fault -> seconds from its injection to the remediation's record
+
     def fault(pod, kind: str, signature: str, within: float = 120) -> float:
         """Injects `kind` into `pod`'s rank 0 under flowing load, waits (up to `within` s) for the one
         remediation it calls for and every server Ready again; asserts no other server was replaced.
@@ -374,6 +376,7 @@ def test_two_sided_transfer_faults_restart_only_the_server_at_fault(env):
         others = lambda: {n: u for n, u in uids().items() if n != pod.metadata.name}  # noqa: E731
         before, since = others(), time.time()
         inject(fleets.core, pod, kind, 0)
+        print(f"{kind} injected into {pod.metadata.name} at {since:.1f}; load {load.counts()}")
         record = wait_for(lambda: record_for(fleets, pod.metadata.name, since, "Succeeded"), timeout=within,
                           what=f"a Succeeded remediation of {pod.metadata.name}")
         assert (record["action"], record["signature"], record["targets"]) == (
@@ -382,9 +385,14 @@ def test_two_sided_transfer_faults_restart_only_the_server_at_fault(env):
                  what="all three servers Ready")
         fleets.wait_ready(FLEET, timeout=120)
         assert others() == before, f"{kind} on {pod.metadata.name}: another server was restarted"
+        decided[kind] = parse_rfc3339(record["time"]) - since
         return since
 
-    with Load(fleets.router_url(FLEET), clients=4) as load:
+    # The client waits as long as these faults can make the fleet take to answer: a request may wait on the
+    # context server for KV that the frozen server's pulls hold until their lease ends (60 s), and one
+    # caught by the wedge waits out a pull's timeout (30 s) in each of the router's three attempts, all
+    # on the one context server there is. With the default 90 s, a CI run lost 3 of 1,889 requests.
+    with Load(fleets.router_url(FLEET), clients=4, deadline=240) as load:
         t_freeze = fault(frozen, "freeze", "hung")  # the context server keeps the KV held for it
         # The wedged context server goes on prefilling what the router sends it (real tokens) until every
         # client waits on a pull it never answers: how soon that is depends on how fast the clients' requests
@@ -397,4 +405,5 @@ def test_two_sided_transfer_faults_restart_only_the_server_at_fault(env):
     collateral = [r for r in remediations(fleets.get(FLEET)) if parse_rfc3339(r["time"]) >= t_freeze
                   and not at_fault(r)]
     assert collateral == [], collateral
-    print(f"two-sided transfer faults: {load.counts()}, 0 collateral restarts")
+    print(f"two-sided transfer faults: {load.counts()}, 0 collateral restarts; decided after (s): "
+          + ", ".join(f"{kind} {took:.1f}" for kind, took in decided.items()))
