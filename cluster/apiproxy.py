@@ -145,7 +145,8 @@ class CountingProxy:
         pending = asyncio.all_tasks(self._loop)  # handlers the 1 s shutdown left (watches): end them here
         for task in pending:
             task.cancel()
-        self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        if pending:  # gather() of nothing asks for this thread's current loop, which it has not got
+            self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
         self._loop.close()
 
     async def _main(self) -> None:

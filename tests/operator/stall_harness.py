@@ -93,10 +93,13 @@ def vllm_requests_running(pod, engine: int | None = None) -> float:
 
 
 class ProgressWatch:
-    """Engine `engine` of the vLLM server `pod`, read as the operator reads it every `every` s from now (a
-    freeze) on: when its reported progress last moved. vLLM's API server counts an engine's tokens as it
-    handles the outputs the engine sent; on loaded cores it handles them seconds after the engine stopped,
-    and until then the engine's counters still move. The operator's window starts there, not at the freeze."""
+    """Engine `engine` of the vLLM server `pod`, read as the operator reads it every `every` s from now on
+    (start it before the freeze): when its reported progress last moved. vLLM's API server counts an
+    engine's tokens as it handles the outputs the engine sent; on loaded cores it handles them seconds after
+    the engine stopped, and until then the engine's counters still move. The operator's window starts there,
+    not at the freeze. A read that the loaded API server answers late shows the moves made since the one
+    before it: they are dated by the read that saw them (a CI run: the first read after a freeze answered
+    ~4 s late, with the counters moved, and the operator's first still scrape came 4.4 s after the freeze)."""
 
     def __init__(self, pod, engine: int, every: float = 0.5):
         from adpfleet.operator.adapters.dialects import dialect_for
@@ -115,13 +118,16 @@ class ProgressWatch:
         self._thread = threading.Thread(target=sample, daemon=True, name="progress-watch")
         self._thread.start()
 
-    def last_moved(self) -> float | None:
-        """The time of the last read after which the engine's counters still moved (None when none did: they had
-        stopped by the first read); stops the watch."""
+    def stop(self) -> None:
         self._stop.set()
         self._thread.join(10)
+
+    def last_moved(self) -> float | None:
+        """The time of the last read that found the engine's counters moved since the read before it (None
+        when none did); stops the watch."""
+        self.stop()
         assert self.samples, "the frozen engine's /metrics never answered"
-        moving = [t for (t, s), (_, later) in zip(self.samples, self.samples[1:]) if later.progressed_since(s)]
+        moving = [t for (_, s), (t, later) in zip(self.samples, self.samples[1:]) if later.progressed_since(s)]
         return max(moving, default=None)
 
 

@@ -46,6 +46,12 @@ class Deletions:
         self._stop.set()
         self._thread.join(5)
 
+    def of(self, *pods: str, timeout: float = 15) -> dict[str, dict]:
+        """The last annotations of each of `pods`, once the watch has seen it deleted (a watch trails a
+        list: a CI run listed a pod gone before its DELETED event came)."""
+        wait_for(lambda: set(pods) <= self.gone.keys(), timeout=timeout, what=f"the watch to see {pods} deleted")
+        return {name: self.gone[name] for name in pods}
+
     def _run(self) -> None:
         while not self._stop.is_set():
             for event in watch.Watch().stream(self.core.list_namespaced_pod, self.ns, label_selector=names.LABEL_ROLE,
@@ -100,9 +106,9 @@ def test_kubectl_scale_and_an_hpa_drive_a_role_through_its_scale_target(start_op
         k8s_cluster.kubectl("scale", names.ROLE_SHORT_NAMES[0], "demo-context", "--replicas=1", ns)
         wait_for(lambda: [p.metadata.name for p in fleets.pods("demo", "context")] == ["demo-context-0"],
                  timeout=60, what="the scaled-down context servers to be gone")
-        for name in ("demo-context-1", "demo-context-2"):
-            assert deletions.gone[name].get(names.ANNOTATION_DRAIN) == "true", deletions.gone[name]
-            assert deletions.gone[name].get(names.ANNOTATION_SCALE_DOWN), deletions.gone[name]
+        for name, last in deletions.of("demo-context-1", "demo-context-2").items():
+            assert last.get(names.ANNOTATION_DRAIN) == "true", (name, last)
+            assert last.get(names.ANNOTATION_SCALE_DOWN), (name, last)
         assert fleets.events("DrainingServer") and fleets.events("ScaledDown")
 
     # a change of the fleet's own count wins over the last scale
@@ -193,8 +199,8 @@ def test_the_built_in_policy_scales_a_role_up_on_its_queue_and_down_again_draini
         synthetic_metrics("/load", {"fleet": "auto", "role": "generation", "waiting": 0, "running": 1, "kv": 0.1})
         wait_for(lambda: [p.metadata.name for p in fleets.pods("auto", "generation")] == ["auto-generation-0"],
                  timeout=90, what="the policy to scale generation back to one server", interval=0.5)
-        for name in ("auto-generation-1", "auto-generation-2"):
-            assert deletions.gone[name].get(names.ANNOTATION_SCALE_DOWN), (name, deletions.gone[name])
+        for name, last in deletions.of("auto-generation-1", "auto-generation-2").items():
+            assert last.get(names.ANNOTATION_SCALE_DOWN), (name, last)
         last = role_object(fleets, "auto-generation")["status"]["lastScale"]
         assert (last["reason"], last["desired"]) == ("BelowTargets", 1)
     assert op.metric("adpfleet_operator_scale_changes_total", role="generation", reason="BelowTargets") == 2

@@ -65,9 +65,9 @@ def test_only_engine_0_of_a_dp2_vllm_server_frozen_is_hung_on_rank_0_and_the_ser
         with Load(url, clients=6, max_tokens=LONG_REQUEST_TOKENS, deadline=240, streaming=True, api_key=KEY) as load:
             wait_for(lambda: load.completed_since(time.time() - 120) >= 2, timeout=240, what="traffic")
             assert op.metric("adpfleet_operator_stalls_detected_total") == 0  # busy, both engines stepping
+            watch = ProgressWatch(pod, engine=0)
             victim, t_fault = processes.freeze_busy_pod({pod.metadata.name: pod.metadata.uid}, ENGINE_0,
                                                         lambda name: vllm_requests_running(pod, engine=0))
-            watch = ProgressWatch(pod, engine=0)
             record = wait_for(lambda: next((r for r in remediations(fleets.get(FLEET)) if r["server"] == victim),
                                            None), timeout=120, what=f"a remediation of {victim}", interval=0.2)
         assert (record["action"], record["signature"], record["targets"]) == ("RestartServer", "hung", [victim])

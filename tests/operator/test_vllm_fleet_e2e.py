@@ -172,12 +172,14 @@ def freeze_and_see_it_healed(served: ServedFleet, before: dict, load: Load, orig
     alert the record names), and the fleet serving on the peer. Returns the times."""
     fleets = served.fleets
     # a server whose engine runs 2 requests or more, its gauges still showing work once frozen
+    watches = {name: ProgressWatch(p, engine=0) for name, p in before.items()}  # the victim's is kept
     victim, t_fault = processes.freeze_busy_pod({name: p.metadata.uid for name, p in before.items()}, ENGINE_CORE,
                                                 lambda name: vllm_requests_running(before[name]))
-    watch = ProgressWatch(before[victim], engine=0)
+    for name in before.keys() - {victim}:
+        watches[name].stop()
     record, stalled, t_seen = wait_for(lambda: decided(fleets, victim, t_fault), timeout=120,
                                        what=f"a remediation of {victim}", interval=0.2)
-    moved_until = watch.last_moved()
+    moved_until = watches[victim].last_moved()
     detected = verdict_time(served.op.log(), victim) - t_fault
     print(f"vLLM freeze -> hung verdict ({origin}): {detected:.1f} s, -> remediation record "
           f"{parse_rfc3339(record['time']) - t_fault:.1f} s; {stalled['message']}", flush=True)
