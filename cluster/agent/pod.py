@@ -267,9 +267,6 @@ class PodWorker:
         await asyncio.gather(*(terminate_group(p.pid, grace) for p in self.adopted.values()))
 
     async def _remove(self) -> None:
-        # The pod's directory first (its scratch, tmp, volumes' contents), as the kubelet reclaims a pod's
-        # resources before it deletes the object: whoever sees the pod gone sees its files gone.
-        self.dir.remove()
         if not self._gone:
             path = f"/api/v1/namespaces/{self.namespace}/pods/{self.name}"
             body = {"apiVersion": "v1", "kind": "DeleteOptions", "gracePeriodSeconds": 0,
@@ -282,6 +279,7 @@ class PodWorker:
                     log.warning("%s/%s: deleting the pod object failed: %s", self.namespace, self.name, exc)
             except Exception as exc:  # noqa: BLE001 - the next agent start finalises it
                 log.warning("%s/%s: deleting the pod object failed: %s", self.namespace, self.name, exc)
+        self.dir.remove()
         self.node.addresses.release(self.uid)
         self.node.done(self)
 

@@ -58,9 +58,6 @@ def _start_forkserver_deaf_to_sigterm() -> None:
         signal.signal(signal.SIGTERM, handler)
 
 
-def _free_port(host: str) -> int:
-    with socket.create_server((host, 0)) as s:
-        return s.getsockname()[1]
 
 
 def _dialable(host: str) -> str:
@@ -98,8 +95,12 @@ class RankGroup:
         # ranks dial it and nowhere else (loopback for a one-pod server, the leader's host for several)
         store_host = link_host if self.topology.nodes > 1 else "127.0.0.1"
         master = _dialable(store_host)
+        listener = None
         if self.topology.leader:
-            port = _free_port(store_host)
+            # bound here and handed to rank 0 (multiprocessing passes the socket): no other process can
+            # take the port between its choice and rank 0's bind (a CI run: EADDRINUSE, the server exited)
+            listener = socket.create_server((store_host, 0), backlog=max(64, dp))
+            port = listener.getsockname()[1]
             if self.topology.nodes > 1:
                 self.leader_link = LeaderLink(self.topology, link_host, dp, port, self.procs,
                                               on_lost=self._lost)
@@ -117,9 +118,12 @@ class RankGroup:
         for rank in self.local_ranks:
             parent, child = ctx.Pipe()
             spec = RankSpec(config, rank, dp, role, pad_empty_batch, port, collective_timeout_s,
-                            master_addr=master, store_host=store_host, **spec_overrides)
+                            master_addr=master, store_host=store_host,
+                            store_listener=listener if rank == 0 else None, **spec_overrides)
             proc = ctx.Process(target=run_rank, args=(spec, child), name=f"adpfleet-rank{rank}", daemon=True)
             proc.start()
+            if rank == 0 and listener is not None:
+                listener.close()  # rank 0 has its own copy now
             child.close()
             self.procs[rank] = proc
             self.conns[rank] = parent

@@ -59,6 +59,9 @@ class RankSpec:
     threads: int | None = None  # None: the pod's CPU budget (cgroup quota, affinity) shared by its dp ranks
     master_addr: str = "127.0.0.1"  # where the ranks dial rank 0's rendezvous store (the leader pod's address)
     store_host: str = "127.0.0.1"  # rank 0: the one address its store listens on
+    # rank 0: the store's listening socket, bound by the server before it starts the ranks (a port it only
+    # picked could be taken by another process by the time rank 0 binds it); None: rank 0 binds master_port
+    store_listener: socket.socket | None = None
 
 
 def _build(spec: RankSpec):
@@ -103,7 +106,7 @@ def _rendezvous_store(spec: RankSpec):
     timeout = timedelta(seconds=spec.collective_timeout_s)
     if spec.rank != 0:
         return TCPStore(spec.master_addr, spec.master_port, spec.dp, False, timeout)
-    listener = socket.create_server((spec.store_host, spec.master_port), backlog=max(64, spec.dp))
+    listener = spec.store_listener or socket.create_server((spec.store_host, spec.master_port), backlog=max(64, spec.dp))
     return TCPStore(spec.master_addr, spec.master_port, spec.dp, True, timeout, master_listen_fd=listener.detach())
 
 
