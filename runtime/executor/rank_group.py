@@ -58,8 +58,6 @@ def _start_forkserver_deaf_to_sigterm() -> None:
         signal.signal(signal.SIGTERM, handler)
 
 
-
-
 def _dialable(host: str) -> str:
     """Where a process on this host reaches what listens on `host`."""
     return "127.0.0.1" if host in ("", "0.0.0.0") else host
