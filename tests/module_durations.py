@@ -4,7 +4,9 @@ Every phase of every test (setup, call, teardown) is added to its module; at the
 modules are printed, one line each, before pytest's short test summary, and the whole table is
 written as JSON (`--module-durations-json`, by default build/test-durations.json) for a script to
 compare two runs. A module-scoped fixture counts in its module (its setup in the first test's, its
-teardown in the last's); a session-scoped one in the module that first used it."""
+teardown in the last's); a session-scoped one in the module that first used it. Each row also says
+when the module's first test began and its last ended (seconds from the session's start) and, under
+xdist, which worker ran it: the lanes' timeline (tests/lanes.py)."""
 
 from __future__ import annotations
 
@@ -23,6 +25,9 @@ DEFAULT_JSON = "build/test-durations.json"
 class ModuleTime:
     seconds: float = 0.0
     tests: set[str] = field(default_factory=set)
+    began: float = float("inf")  # time.time() of its first phase's start
+    ended: float = 0.0
+    workers: set[str] = field(default_factory=set)
 
 
 class ModuleDurations:
@@ -31,15 +36,21 @@ class ModuleDurations:
         self.json_path = rootpath / json_path  # an absolute json_path stays as it is
         self.modules: dict[str, ModuleTime] = {}
         self.started = time.monotonic()
+        self.started_at = time.time()
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         module = self.modules.setdefault(report.nodeid.split("::")[0], ModuleTime())
         module.seconds += report.duration
         module.tests.add(report.nodeid)
+        module.began, module.ended = min(module.began, report.start), max(module.ended, report.stop)
+        if node := getattr(report, "node", None):  # the xdist worker that ran it
+            module.workers.add(node.gateway.id)
 
     def table(self) -> list[dict]:
         """Every module, the slowest first."""
-        rows = [{"module": name, "seconds": round(m.seconds, 2), "tests": len(m.tests)}
+        rows = [{"module": name, "seconds": round(m.seconds, 2), "tests": len(m.tests),
+                 "began": round(m.began - self.started_at, 1), "ended": round(m.ended - self.started_at, 1),
+                 "workers": sorted(m.workers)}
                 for name, m in self.modules.items()]
         return sorted(rows, key=lambda row: (-row["seconds"], row["module"]))
 

@@ -35,6 +35,12 @@ def test_the_table_sums_each_modules_phases_slowest_first_and_prints_before_the_
     assert slow["tests"] == 2
     assert 0.5 <= slow["seconds"] < 5  # the call's 0.2 s and the teardown's 0.3 s
     assert table["wall_seconds"] >= slow["seconds"]
+    fast = table["modules"][1]  # the timeline: one module after the other, each inside the session
+    for module in (slow, fast):
+        assert 0 <= module["began"] <= module["ended"] <= table["wall_seconds"] + 0.1, module
+        assert module["workers"] == []  # no xdist here
+    assert slow["ended"] - slow["began"] >= 0.45, slow  # 0.5 s of its tests' phases, rounded to 0.1 s
+    assert fast["ended"] <= slow["began"] + 0.1 or slow["ended"] <= fast["began"] + 0.1, table
     lines = result.outlines
     header = next(n for n, line in enumerate(lines) if "slowest 2 of 2 modules" in line)
     assert "test_slow.py" in lines[header + 1] and "2 tests" in lines[header + 1]

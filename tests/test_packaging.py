@@ -54,3 +54,27 @@ def test_every_package_folder_is_listed_in_pyproject():
             parts = init.parent.relative_to(ROOT / folder).parts
             found.add(".".join((package, *parts)))
     assert found - listed == set(), "add these to [tool.setuptools] packages in pyproject.toml"
+
+
+def test_the_environments_pods_run_from_are_compiled_to_bytecode():
+    """Pods run with PYTHONDONTWRITEBYTECODE=1, as the runtime image does (cluster/agent/podenv.py): what they
+    import must be compiled by setup, as pip compiles an image's packages, or every server's rank forkserver,
+    every operator and every vLLM start compiles torch and the rest from source (import torch: ~5 CPU-seconds
+    on this machine, against ~2 from bytecode)."""
+    import importlib.util
+
+    from adpfleet.cluster import vllm_env
+    from adpfleet.cluster.agent import podenv
+
+    assert podenv.image_env()["PYTHONDONTWRITEBYTECODE"] == "1"  # why this test exists
+    pythons = {"the project's": Path(sys.executable), "vLLM's": vllm_env.locate().python}
+    probe = "import importlib.util as u, sys; print(u.find_spec(sys.argv[1]).submodule_search_locations[0])"
+    for which, python in pythons.items():
+        files = [("torch", "__init__.py"), ("torch", "nn/modules/linear.py"), ("transformers", "modeling_utils.py")] + (
+            [("kubernetes", "client/models/v1_pod.py")] if which == "the project's" else [("vllm", "engine/arg_utils.py")])
+        where = {package: subprocess.run([str(python), "-I", "-c", probe, package], capture_output=True, text=True,
+                                         check=True, cwd="/").stdout.strip() for package, _ in files}
+        sources = [Path(where[package], path) for package, path in files]
+        assert all(s.is_file() for s in sources), sources
+        missing = [str(s) for s in sources if not Path(importlib.util.cache_from_source(str(s))).is_file()]
+        assert not missing, f"{which} environment ({python}) has no bytecode for {missing}: run scripts/setup"
