@@ -39,6 +39,12 @@ SECOND_CLUSTER = ("tests/operator/test_model_sources_e2e.py", "tests/operator/te
 ALONE = ("tests/operator/test_stall_e2e.py", "tests/operator/test_vllm_fleet_e2e.py",
          "tests/operator/test_vllm_dp_e2e.py", "tests/operator/test_scaling_k8s.py", "tests/runtime/test_hostile.py",
          "tests/router/test_router_queue.py")
+# Long modules of few tests, each a group of its own: xdist orders groups by their count of tests, which put
+# these last, and the worker that took the last of them (test_gpu_check, 47 s) ended 43 s after the other,
+# which waited for it to begin the `alone` phase. Started right after the clusters, they leave the many
+# short modules to even the lanes' ends.
+EARLY = ("tests/test_gpu_check.py", "tests/runtime/test_progress_search.py", "tests/runtime/test_rank_failure.py",
+         "tests/runtime/test_faults.py", "tests/runtime/test_drain.py")
 ALONE_GROUP = "alone"
 CLUSTER_GROUPS = ("cluster", "cluster-2")
 CLUSTER_MARKS = ("k8s", "vllm")
@@ -100,8 +106,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
         """xdist's loadscope with this plugin's groups as the scopes; it schedules once every worker
         has collected, so their files are there. The two clusters' groups go first, one to each
         worker: each is much of a lane in few tests, and ordered by their count of tests, as xdist
-        orders scopes, the second cluster's came after most of the suite. Then the group with the
-        most tests; `alone` last: a worker that finds only it left leaves (its session ends), and
+        orders scopes, the second cluster's came after most of the suite. Then EARLY's modules, then the
+        group with the most tests; `alone` last: a worker that finds only it left leaves (its session ends), and
         the last worker takes it once the others are gone. (A worker runs a test only when it knows
         the next one, so a worker that waits for work still holds its last test: it must leave, not
         wait beside.)"""
@@ -110,7 +116,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
         def _assign_work_unit(self, node) -> None:
             if ALONE_GROUP in self.workqueue:
                 self.workqueue.move_to_end(ALONE_GROUP)
-            for group in reversed(CLUSTER_GROUPS):  # the longest lanes, whatever their count of tests
+            for group in reversed(CLUSTER_GROUPS + EARLY):  # the longest, whatever their count of tests
                 if group in self.workqueue:
                     self.workqueue.move_to_end(group, last=False)
             if next(iter(self.workqueue)) != ALONE_GROUP:

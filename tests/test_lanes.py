@@ -49,12 +49,13 @@ def test_modules_that_share_a_cluster_or_the_trio_run_in_one_worker(pytester):
              lanes.SECOND_CLUSTER[0]: module("k8s_cluster", tests=1),  # fewer tests than any other group
              lanes.ALONE[0]: module("k8s_cluster"), lanes.ALONE[-1]: module(None),
              "tests/test_disagg.py": module("server_trio"), "tests/test_fuzz.py": module("server_trio"),
-             "tests/test_plain_a.py": module(None, tests=4, seconds=0.3), "tests/test_plain_b.py": module(None, tests=4)}
+             "tests/test_plain_a.py": module(None, tests=4, seconds=0.3), "tests/test_plain_b.py": module(None, tests=4),
+             lanes.EARLY[0]: module(None, tests=1)}  # fewer tests than any plain group
     for path, text in files.items():
         (pytester.path / path).parent.mkdir(parents=True, exist_ok=True)
         (pytester.path / path).write_text(text)
     result = pytester.runpytest("-n", "2", "--dist", "loadgroup", "-p", "no:cacheprovider")
-    result.assert_outcomes(passed=3 * 7 + 1 + 2 * 4)
+    result.assert_outcomes(passed=3 * 7 + 1 + 2 * 4 + 1)
     workers, spans = collections.defaultdict(set), collections.defaultdict(list)
     for line in (pytester.path / "ran.txt").read_text().splitlines():
         nodeid, worker, start, end = line.split()
@@ -75,6 +76,10 @@ def test_modules_that_share_a_cluster_or_the_trio_run_in_one_worker(pytester):
     last_other_end = max(end for path, s in spans.items() if path not in alone for _, end in s)
     assert min(start for path in alone for start, _ in spans[path]) >= last_other_end, spans
     assert len(one(["tests/test_disagg.py", "tests/test_fuzz.py"])) == 1, workers
+    # a long module of one test starts before the groups of more tests (after the clusters)
+    first = lambda path: min(start for start, _ in spans[path])  # noqa: E731
+    assert all(first(lanes.EARLY[0]) <= first(p) for p in ("tests/test_plain_a.py", "tests/test_plain_b.py",
+                                                            "tests/test_disagg.py")), spans
 
 
 def test_the_modules_the_lanes_name_exist():
@@ -82,5 +87,5 @@ def test_the_modules_the_lanes_name_exist():
     root = Path(__file__).resolve().parents[1]
     for path in lanes.SECOND_CLUSTER:
         assert "pytest.mark.k8s" in (root / path).read_text(), path
-    for path in lanes.ALONE:
+    for path in lanes.ALONE + lanes.EARLY:
         assert (root / path).is_file(), path

@@ -161,6 +161,7 @@ class Load:
     _stop: threading.Event = field(default_factory=threading.Event)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _threads: list[threading.Thread] = field(default_factory=list)
+    _abandoned: bool = False
 
     def __enter__(self) -> "Load":
         for i in range(self.clients):
@@ -173,9 +174,17 @@ class Load:
         self.stop()
 
     def stop(self) -> None:
+        """No new requests; waits for those in flight to end (`deadline` at most)."""
         self._stop.set()
-        for t in self._threads:
+        for t in self._threads if not self._abandoned else ():
             t.join(self.deadline + 10)
+
+    def abandon(self) -> None:
+        """No new requests, and none waited for: for a test that asserts nothing of the outcomes and whose
+        requests in flight would wait for what it does not (a replacement's start, when the fleet has no
+        other server). Each ends with the fleet (an error), or by its deadline."""
+        self._abandoned = True
+        self._stop.set()
 
     def _client(self, i: int) -> None:
         n, streamed = 0, self.streaming and i % 2 == 1
