@@ -116,8 +116,8 @@ class RankGroup:
         for rank in self.local_ranks:
             parent, child = ctx.Pipe()
             spec = RankSpec(config, rank, dp, role, pad_empty_batch, port, collective_timeout_s,
-                            master_addr=master, store_host=store_host,
-                            store_listener=listener if rank == 0 else None, **spec_overrides)
+                            master_addr=master, store_listener=listener if rank == 0 else None,
+                            **spec_overrides)
             proc = ctx.Process(target=run_rank, args=(spec, child), name=f"adpfleet-rank{rank}", daemon=True)
             proc.start()
             if rank == 0 and listener is not None:

@@ -58,9 +58,8 @@ class RankSpec:
     kv_token: str | None = None  # the fleet's internal token: pullers prove they hold it (see kv_transfer)
     threads: int | None = None  # None: the pod's CPU budget (cgroup quota, affinity) shared by its dp ranks
     master_addr: str = "127.0.0.1"  # where the ranks dial rank 0's rendezvous store (the leader pod's address)
-    store_host: str = "127.0.0.1"  # rank 0: the one address its store listens on
-    # rank 0: the store's listening socket, bound by the server before it starts the ranks (a port it only
-    # picked could be taken by another process by the time rank 0 binds it); None: rank 0 binds master_port
+    # rank 0: its store's listening socket, on the one address the store serves, bound by the server before
+    # it starts the ranks (a port it only picked could be taken by another process by the time rank 0 bound it)
     store_listener: socket.socket | None = None
 
 
@@ -99,15 +98,15 @@ def _build(spec: RankSpec):
 
 
 def _rendezvous_store(spec: RankSpec):
-    """The group's rendezvous store: rank 0 serves it on `store_host` alone (torch's own, from a
+    """The group's rendezvous store: rank 0 serves it on `store_listener`'s address alone (torch's own, from a
     tcp:// init method, listens on every interface), the other ranks dial it at `master_addr`."""
     from torch.distributed import TCPStore
 
     timeout = timedelta(seconds=spec.collective_timeout_s)
     if spec.rank != 0:
         return TCPStore(spec.master_addr, spec.master_port, spec.dp, False, timeout)
-    listener = spec.store_listener or socket.create_server((spec.store_host, spec.master_port), backlog=max(64, spec.dp))
-    return TCPStore(spec.master_addr, spec.master_port, spec.dp, True, timeout, master_listen_fd=listener.detach())
+    return TCPStore(spec.master_addr, spec.master_port, spec.dp, True, timeout,
+                    master_listen_fd=spec.store_listener.detach())
 
 
 def _start_kv_server(spec: RankSpec, engine):
