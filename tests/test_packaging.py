@@ -70,8 +70,9 @@ def test_the_environments_pods_run_from_are_compiled_to_bytecode():
     pythons = {"the project's": Path(sys.executable), "vLLM's": vllm_env.locate().python}
     probe = "import importlib.util as u, sys; print(u.find_spec(sys.argv[1]).submodule_search_locations[0])"
     for which, python in pythons.items():
-        files = [("torch", "__init__.py"), ("torch", "nn/modules/linear.py"), ("transformers", "modeling_utils.py")] + (
-            [("kubernetes", "client/models/v1_pod.py")] if which == "the project's" else [("vllm", "engine/arg_utils.py")])
+        files = [("torch", "__init__.py"), ("torch", "nn/modules/linear.py"), ("transformers", "modeling_utils.py"),
+                 ("kubernetes", "client/models/v1_pod.py") if which == "the project's" else
+                 ("vllm", "engine/arg_utils.py")]
         where = {package: subprocess.run([str(python), "-I", "-c", probe, package], capture_output=True, text=True,
                                          check=True, cwd="/").stdout.strip()
                  for package in {package for package, _ in files}}  # one interpreter start per package
