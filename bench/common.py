@@ -9,7 +9,6 @@ import contextlib
 import os
 import platform
 import resource
-import socket
 import subprocess
 import sys
 import tempfile
@@ -225,6 +224,7 @@ def operator_cluster(prefix: str, namespace: str, agent_args: list[str] | None =
     from kubernetes import client, config
 
     from adpfleet.cluster.controlplane import ControlPlane
+    from adpfleet.cluster.processes import free_port
     from adpfleet.operator.resource import crd
 
     state = Path(tempfile.mkdtemp(prefix=prefix))
@@ -240,9 +240,7 @@ def operator_cluster(prefix: str, namespace: str, agent_args: list[str] | None =
         api = config.new_client_from_config(str(plane.kubeconfig))
         core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
         wait(lambda: core.read_namespaced_service_account("default", namespace), 60, "the default service account")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         operator = subprocess.Popen(
             [str(Path(sys.executable).with_name("adpfleet")), "operator", "--namespace", namespace, "--http-host",
              "127.0.0.1", "--http-port", str(port), "--log-format", "plain"],

@@ -32,16 +32,12 @@ from pathlib import Path
 
 import httpx
 
+from adpfleet.cluster.processes import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
 # ---- processes -----------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Proc:
     def __init__(self, args: list[str], log: Path):
         self.port = free_port()

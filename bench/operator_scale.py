@@ -39,7 +39,6 @@ import json
 import os
 import platform
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -49,6 +48,8 @@ from collections import Counter
 from pathlib import Path
 
 import yaml
+
+from adpfleet.cluster.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -76,12 +77,6 @@ def fleet(name: str, context: int, generation: int, scrape: bool = False) -> dic
         spec["remediation"] = {"mode": "DryRun", "stallWindowSeconds": STALL_WINDOW}
     return {"apiVersion": "adpfleet.io/v1alpha1", "kind": "InferenceFleet",
             "metadata": {"name": name, "namespace": NAMESPACE}, "spec": spec}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class PodChangeCounter(Background):

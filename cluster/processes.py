@@ -9,9 +9,11 @@ environment variables, so they can be found and stopped even when no record of t
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -206,28 +208,89 @@ def process_titles(roots: list[psutil.Process]) -> list[tuple[psutil.Process, st
     return list(found.values())
 
 
+# Ports are picked outside the kernel's ephemeral range. A port picked by binding port 0 comes from
+# that range, and once the picker closes it the kernel may hand it to any outgoing connection as its
+# source port, or to any other bind of port 0, before the process it was picked for binds it: in two
+# of four clean-clone runs of the suite, one server start of several hundred failed so. Outside the
+# range only another picker can take it, and each pick is reserved from the others (per user).
+PORT_RESERVATIONS = Path(tempfile.gettempdir()) / f"adpfleet-ports-{os.getuid()}"
+PORT_RESERVATION_S = 600.0  # how long a picked port is kept from other pickers; binding takes seconds
+PICKED_PORTS_FROM = 15000  # below, the ports that well-known services are configured to use
+
+
+def ephemeral_ports() -> range:
+    """The ports the kernel hands to outgoing connections and to binds of port 0."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999  # Linux's default
+    return range(low, high + 1)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing on `host` listens on or is connected from, outside the ephemeral range, kept
+    from every other caller on this machine for PORT_RESERVATION_S."""
+    ephemeral = ephemeral_ports()
+    candidates = [r for r in (range(PICKED_PORTS_FROM, ephemeral.start), range(ephemeral.stop, 65536)) if r]
+    if not candidates:  # the whole range is ephemeral: the picks race the kernel's, as binding 0 does
+        candidates = [ephemeral]
+    PORT_RESERVATIONS.mkdir(parents=True, exist_ok=True)
+    for _ in range(1000):
+        port = random.choice(random.choice(candidates))
+        if _reserve(port) and _bindable(host, port, reuse=False):
+            return port
+    raise RuntimeError(f"no free port on {host} after 1000 tries (reservations in {PORT_RESERVATIONS})")
+
+
+def _reserve(port: int) -> bool:
+    marker = PORT_RESERVATIONS / str(port)
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        return True
+    except FileExistsError:
+        pass
+    try:
+        if time.time() - marker.stat().st_mtime < PORT_RESERVATION_S:
+            return False
+        # Expired. The rename is atomic: of two pickers clearing it, one finds nothing to rename.
+        stale = marker.with_name(f"{port}.stale.{os.getpid()}.{threading.get_ident()}")
+        os.rename(marker, stale)
+        os.unlink(stale)
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        return True
+    except OSError:
+        return False
+
+
+def _bindable(host: str, port: int, reuse: bool) -> bool:
     with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+        if reuse:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+            return True
+        except OSError:
+            return False
 
 
 def port_owner(host: str, port: int) -> str | None:
-    """None when `host:port` can be bound; else who holds it, as precisely as we can tell."""
-    with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    """None when a server can bind `host:port`; else who holds it, as precisely as we can tell: a
+    listener on that address (or on every address), else a connection from it. A port held only by
+    connections waiting out their close (TIME_WAIT) is free to a server that sets SO_REUSEADDR, as
+    uvicorn, Go's net package and every component here do."""
+    if _bindable(host, port, reuse=True):
+        return None
+    same = [c for c in psutil.net_connections(kind="tcp")
+            if c.laddr and c.laddr.port == port and c.laddr.ip in (host, "0.0.0.0", "::")]
+    for conn in sorted(same, key=lambda c: c.status != psutil.CONN_LISTEN):
+        if not conn.pid:
+            continue
+        role = ("listening" if conn.status == psutil.CONN_LISTEN
+                else f"connected to {conn.raddr.ip}:{conn.raddr.port}" if conn.raddr else conn.status.lower())
         try:
-            sock.bind((host, port))
-            return None
-        except OSError:
-            pass
-    for conn in psutil.net_connections(kind="tcp"):
-        if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port and conn.pid:
-            try:
-                proc = psutil.Process(conn.pid)
-                return f"pid {conn.pid} ({' '.join(proc.cmdline())[:120]})"
-            except psutil.Error:
-                return f"pid {conn.pid}"
+            return f"pid {conn.pid} ({role}: {' '.join(psutil.Process(conn.pid).cmdline())[:120]})"
+        except psutil.Error:
+            return f"pid {conn.pid} ({role})"
     return "another process"
 
 

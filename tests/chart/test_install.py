@@ -23,6 +23,7 @@ import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from adpfleet.cluster.processes import free_port
 from adpfleet.cluster.testing import wait_for
 
 import doc_commands
@@ -278,7 +279,7 @@ def test_operator_md_commands_start_an_operator_and_a_standby_of_the_release(
     doc_commands.run_console(listed, here, k8s_cluster)
     started = []  # both at once: most of their start is importing
     for command in commands:
-        port = _free_port()
+        port = free_port()
         line = doc_commands.as_run_here(command.replace("[", "").replace("]", ""), here)
         started.append((line, port, subprocess.Popen(
             ["bash", "-c", f"exec {line} --http-host 127.0.0.1 --http-port {port}"],
@@ -302,13 +303,6 @@ def test_operator_md_commands_start_an_operator_and_a_standby_of_the_release(
             proc.terminate()
         for _, _, proc in started:
             proc.wait(timeout=30)
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_the_webhook_receiver_reads_its_token_from_the_chart_secret(k8s_cluster, namespace, release):

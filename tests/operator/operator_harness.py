@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import json
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,16 +20,11 @@ from kubernetes import client, watch
 from prometheus_client.parser import text_string_to_metric_families
 
 from adpfleet.cluster.apiproxy import CountingProxy
+from adpfleet.cluster.processes import free_port
 from adpfleet.cluster.testing import LocalCluster, wait_for
 from adpfleet.operator.resource import names
 
 ADPFLEET = Path(sys.executable).with_name("adpfleet")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class OperatorProcess:

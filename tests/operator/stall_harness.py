@@ -8,7 +8,6 @@ import base64
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,17 +19,12 @@ from pathlib import Path
 import httpx
 import yaml
 
+from adpfleet.cluster.processes import free_port
 from adpfleet.operator.resource import names
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "charts" / "adpfleet" / "files" / "alert-rules.yaml"
 VENV_BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def stall_fleet(name: str, *, mode: str = "Auto", window: int = 6, interval: int = 1,

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from adpfleet.cluster.processes import free_port
 from adpfleet.cluster.testing import wait_for
 from adpfleet.operator.resource import names
 
@@ -89,9 +90,7 @@ def s3(checkpoints):
     endpoint and a valid key pair."""
     import boto3
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                             env={**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "3"}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)

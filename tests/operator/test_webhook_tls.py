@@ -21,6 +21,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from adpfleet.cluster.processes import free_port
 from adpfleet.cluster.testing import wait_for
 from adpfleet.operator.alerts import ALERTS_PATH, AlertReceiver, StaticToken
 from adpfleet.operator.httpserver import TlsFiles, start_webhook_server
@@ -70,12 +71,6 @@ def issue(tmp: Path, ca_key, ca_cert, cn: str) -> tuple[Path, Path, int]:
         path.with_suffix(".new").write_bytes(data)
         os.replace(path.with_suffix(".new"), path)
     return crt, pem, cert.serial_number
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def served_serial(port: int, ca: Path) -> int:

@@ -11,7 +11,6 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,16 +19,11 @@ from pathlib import Path
 import httpx
 import psutil
 
+from adpfleet.cluster.processes import free_port
 from adpfleet.cluster.testing import WaitTimeout, wait_for
 
 ROLES = ("aggregated", "context", "generation")
 TEST_DRAIN_TIMEOUT_S = 2  # `adpfleet serve --drain-timeout` of a test's server, unless the test names one
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class Process:

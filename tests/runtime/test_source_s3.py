@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from adpfleet.cluster.processes import free_port
 from adpfleet.cluster.testing import wait_for
 from adpfleet.model_uri import COMPLETE_MARKER, ModelSourceError, parse_termination_message
 from adpfleet.runtime.model.loader import load_model
@@ -37,9 +38,7 @@ def s3(tmp_path_factory):
     a valid key pair."""
     import boto3
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": str(SETUP_ACTIONS)}
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
