@@ -268,7 +268,7 @@ class Router:
                 if is_client_error(resp.status_code, raw):
                     return Answer(resp.status_code, raw)
                 raise AttemptFailed(failure_from_status(server, resp.status_code, raw))
-            events = sse.events(resp.aiter_lines())
+            events = sse.events(sse.aiter_lines(resp.aiter_text()))
             held: list[bytes] = []
             async for event in events:  # hold events until one carries output: until then a retry is invisible
                 if event.error:  # e.g. a failed KV pull reported in the stream instead of as a 502

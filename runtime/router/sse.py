@@ -3,10 +3,51 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+import re
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass
 
 DONE = b"data: [DONE]\n\n"
+_LINE_END = re.compile(r"\r\n|\n|\r")
+
+
+class LineSplitter:
+    """Lines of an event stream fed in pieces, ended as the SSE spec ends them: CRLF, LF or CR, and
+    nothing else. (`str.splitlines`, and with it httpx's `iter_lines`, also breaks at \\x0b, \\x0c,
+    \\x1c-\\x1e, \\x85, U+2028 and U+2029; a model's text may hold the last three, which JSON
+    leaves unescaped (vLLM sends them as they are), and an event split there reached the client as
+    half its JSON.)"""
+
+    def __init__(self) -> None:
+        self._rest = ""
+
+    def feed(self, text: str) -> list[str]:
+        text = self._rest + text
+        cr = text.endswith("\r")  # perhaps the first half of a CRLF: decided by what comes next
+        lines = _LINE_END.split(text[:-1] if cr else text)
+        self._rest = lines.pop() + ("\r" if cr else "")
+        return lines
+
+    def close(self) -> list[str]:
+        """The last line, when the stream ended without a line end after it."""
+        rest, self._rest = self._rest, ""
+        return [rest.removesuffix("\r")] if rest else []
+
+
+def iter_lines(chunks: Iterable[str]) -> Iterator[str]:
+    splitter = LineSplitter()
+    for chunk in chunks:
+        yield from splitter.feed(chunk)
+    yield from splitter.close()
+
+
+async def aiter_lines(chunks: AsyncIterable[str]) -> AsyncIterator[str]:
+    splitter = LineSplitter()
+    async for chunk in chunks:
+        for line in splitter.feed(chunk):
+            yield line
+    for line in splitter.close():
+        yield line
 
 
 @dataclass

@@ -21,6 +21,7 @@ import yaml
 
 from adpfleet.cluster.processes import free_port
 from adpfleet.operator.resource import names
+from adpfleet.runtime.router import sse
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "charts" / "adpfleet" / "files" / "alert-rules.yaml"
@@ -225,7 +226,7 @@ class Load:
 
     def _read_stream(self, r: httpx.Response, start: float, out: Outcome) -> None:
         done = False
-        for line in r.iter_lines():
+        for line in sse.iter_lines(r.iter_text()):  # as an SSE client splits them: httpx's iter_lines breaks more
             if time.time() - start > self.deadline:
                 raise httpx.ReadTimeout("the client's deadline passed mid-stream")
             if not line.startswith("data: "):

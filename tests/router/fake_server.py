@@ -58,7 +58,7 @@ def build(role: str, host: str, port: int) -> FastAPI:
     app = FastAPI()
     cfg = {"token_delay": 0.0, "fail_status": None, "hang": False, "kv_hang": False, "kv_timeout": 5.0,
            "kv_fail": False, "kv_fail_in_stream": False, "healthy": True, "kv_host": None, "refuse_params": False,
-           "snapshot": None}
+           "snapshot": None, "line_breaks_in_text": False}
     received: list[dict] = []
     active = [0]  # streams being sent
     held: dict[str, float] = {}
@@ -153,6 +153,8 @@ def build(role: str, host: str, port: int) -> FastAPI:
         prompt = prompt_of(body, chat)
         n_prompt = max(1, len(prompt.split()))
         pieces, finish = tokens_for(prompt, max_tokens, stop)
+        if cfg["line_breaks_in_text"]:  # what str.splitlines breaks at and JSON leaves as is, sent as is (as vLLM does)
+            pieces = [p + "\u2028\x85\u2029" for p in pieces]
         rid, created = f"cmpl-{uuid.uuid4().hex[:12]}", int(time.time())
         extra = {}
         if role == "context":  # the first token only; finished if that already ends the request
@@ -191,21 +193,24 @@ def build(role: str, host: str, port: int) -> FastAPI:
             finally:
                 active[0] -= 1
 
+        def dumps(event: dict) -> str:
+            return json.dumps(event, ensure_ascii=not cfg["line_breaks_in_text"])
+
         async def chunks():
             if chat:
-                yield "data: " + json.dumps({"id": rid, "object": chunk_kind, "created": created, "model": MODEL,
+                yield "data: " + dumps({"id": rid, "object": chunk_kind, "created": created, "model": MODEL,
                                              "choices": [{"index": 0, "delta": {"role": "assistant"},
                                                           "finish_reason": None}]}) + "\n\n"
             for i, piece in enumerate(pieces):
                 await asyncio.sleep(cfg["token_delay"])
                 fin = finish if i == len(pieces) - 1 else None
-                yield "data: " + json.dumps({"id": rid, "object": chunk_kind, "created": created, "model": MODEL,
+                yield "data: " + dumps({"id": rid, "object": chunk_kind, "created": created, "model": MODEL,
                                              "choices": [choice(piece, fin, True)]}) + "\n\n"
             if not pieces:
-                yield "data: " + json.dumps({"id": rid, "object": chunk_kind, "created": created, "model": MODEL,
+                yield "data: " + dumps({"id": rid, "object": chunk_kind, "created": created, "model": MODEL,
                                              "choices": [choice("", finish, True)]}) + "\n\n"
             if include_usage:
-                yield "data: " + json.dumps({"id": rid, "object": chunk_kind, "created": created, "model": MODEL,
+                yield "data: " + dumps({"id": rid, "object": chunk_kind, "created": created, "model": MODEL,
                                              "choices": [], "usage": usage}) + "\n\n"
             yield "data: [DONE]\n\n"
         return StreamingResponse(events(), media_type="text/event-stream")

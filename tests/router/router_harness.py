@@ -20,7 +20,7 @@ def wait_until(check, *, timeout: float, what: str, interval: float = 0.05):
 
 FAKE_DEFAULTS = {"token_delay": 0.0, "fail_status": None, "hang": False, "kv_hang": False, "kv_timeout": 5.0,
                  "kv_fail": False, "kv_fail_in_stream": False, "healthy": True, "kv_host": None,
-                 "refuse_params": False, "snapshot": None}
+                 "refuse_params": False, "snapshot": None, "line_breaks_in_text": False}
 
 
 class FakeServer(Process):
@@ -33,7 +33,8 @@ class FakeServer(Process):
     def configure(self, **settings) -> None:
         """Set fault knobs (token_delay, fail_status, hang, kv_hang, kv_timeout, kv_fail,
         kv_fail_in_stream, healthy, kv_host: the host its KV endpoint names, refuse_params: a generation
-        server's 403 for the KV peer in disaggregated_params, snapshot: its GET /internal/prefix_cache); clears the
+        server's 403 for the KV peer in disaggregated_params, snapshot: its GET /internal/prefix_cache,
+        line_breaks_in_text: U+2028, U+0085 and U+2029 after each piece, unescaped); clears the
         received-request log."""
         httpx.post(self.url + "/fake/config", json=settings, timeout=5, trust_env=False).raise_for_status()
 

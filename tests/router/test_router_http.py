@@ -74,6 +74,17 @@ def test_streaming_chunks_concatenate_to_the_full_text_and_end_with_usage(disagg
     assert chunks[-1].usage.completion_tokens == 9 and not chunks[-1].choices
 
 
+def test_text_holding_what_splitlines_breaks_at_is_relayed_whole(disagg, fresh_fakes):
+    """vLLM sends U+2028, U+0085 and U+2029 unescaped in its events' JSON; an SSE line ends only at
+    CR or LF, so an event that holds them is still one line (it reached the client cut in two)."""
+    for name in ("ctx", "gen1", "gen2"):
+        fresh_fakes[name].configure(line_breaks_in_text=True)
+    chunks = list(client(disagg).completions.create(model="fake", prompt="stream me", max_tokens=5, stream=True))
+    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    assert len(text.split()) == 5 and [text.count(c) for c in "\u2028\x85\u2029"] == [5, 5, 5], repr(text)
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
 def test_chat_completions_streamed_and_not(disagg, fresh_fakes):
     c = client(disagg)
     messages = [{"role": "user", "content": "hello there"}]

@@ -311,6 +311,14 @@ def test_sse_events_are_grouped_and_relayed_byte_for_byte():
     assert events[0].has_output and events[1].is_done
 
 
+def test_sse_lines_end_at_cr_or_lf_only_wherever_the_chunks_are_cut():
+    stream = 'data: {"text": "a\u2028b\x85c\u2029d\x0be\x0cf\x1cg"}\r\n\r\ndata: x\rdata: y\n\ndata: [DONE]\n\n'
+    want = ['data: {"text": "a\u2028b\x85c\u2029d\x0be\x0cf\x1cg"}', "", "data: x", "data: y", "", "data: [DONE]", ""]
+    for cut in range(1, len(stream)):  # a CRLF split between two chunks is one line end, not two
+        assert list(sse.iter_lines([stream[:cut], stream[cut:]])) == want, cut
+    assert list(sse.iter_lines(["data: a\r", "data: b"])) == ["data: a", "data: b"]  # the last line, unended
+
+
 def test_an_event_the_stream_ended_in_is_dropped_not_relayed_half():
     events = _collect('data: {"choices": [{"text": "a"}]}', "", 'data: {"choices": [{"te')
     assert [e.raw for e in events] == [b'data: {"choices": [{"text": "a"}]}\n\n']
