@@ -237,6 +237,8 @@ def operators(api_proxy: CountingProxy, namespace: str, fleets: Fleets, workdir:
         yield start  # a failure in the caller's block (a fleet never Ready) is raised here: clean up all the same
     finally:
         try:
+            if failed():
+                print_pod_logs(fleets)  # the servers' and routers' side of the failure, while their pods are there
             delete_fleets(fleets, any(op.running() for op in started))
         finally:
             for op in started:
@@ -255,6 +257,18 @@ def delete_fleets(fleets: Fleets, operator_running: bool) -> None:
         wait_for(lambda: not fleets.custom.list_namespaced_custom_object(
             names.GROUP, names.VERSION, fleets.ns, names.PLURAL)["items"], timeout=60,
             what="the test's fleets to be deleted")
+
+
+def print_pod_logs(fleets: Fleets, lines: int = 40) -> None:
+    """The end of each container's log, for each pod of the namespace (as `kubectl logs --tail`)."""
+    for pod in fleets.core.list_namespaced_pod(fleets.ns).items:
+        for container in pod.spec.containers:
+            try:
+                text = fleets.core.read_namespaced_pod_log(pod.metadata.name, fleets.ns, container=container.name,
+                                                           tail_lines=lines)
+            except client.ApiException as e:
+                text = f"(unreadable: {e.status} {e.reason})"
+            print(f"---- {pod.metadata.name}/{container.name} (last {lines} lines) ----\n{text}")
 
 
 def print_log(op: OperatorProcess) -> None:

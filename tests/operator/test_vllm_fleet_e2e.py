@@ -199,7 +199,9 @@ def assert_none_lost(outcomes: list) -> None:
     lost = [o for o in outcomes if o.kind == "lost"]
     assert not lost, f"requests without an answer by their deadline: {lost[:5]}"
     cut = [o for o in outcomes if o.kind == "error" and o.after_tokens and o.streamed]
-    assert all(o.detail.startswith("stream_error_event") for o in cut), cut  # an explicit error, never a silent cut
+    silent = [(round(o.start, 1), round(o.end, 1), o.detail) for o in cut
+              if not o.detail.startswith("stream_error_event")]
+    assert not silent, silent  # an explicit error, never a silent cut
 
 
 def test_a_frozen_vllm_engine_is_hung_and_only_its_server_is_replaced_with_no_request_lost(served):
