@@ -19,18 +19,23 @@ class LineSplitter:
     half its JSON.)"""
 
     def __init__(self) -> None:
-        self._rest = ""
+        self._parts: list[str] = []  # the line begun: joined once its end arrives, so a long line costs O(n)
 
     def feed(self, text: str) -> list[str]:
-        text = self._rest + text
+        if "\n" not in text and "\r" not in text and not (self._parts and self._parts[-1].endswith("\r")):
+            if text:
+                self._parts.append(text)
+            return []
+        text = "".join(self._parts) + text
         cr = text.endswith("\r")  # perhaps the first half of a CRLF: decided by what comes next
         lines = _LINE_END.split(text[:-1] if cr else text)
-        self._rest = lines.pop() + ("\r" if cr else "")
+        rest = lines.pop() + ("\r" if cr else "")
+        self._parts = [rest] if rest else []
         return lines
 
     def close(self) -> list[str]:
         """The last line, when the stream ended without a line end after it."""
-        rest, self._rest = self._rest, ""
+        rest, self._parts = "".join(self._parts), []
         return [rest.removesuffix("\r")] if rest else []
 
 

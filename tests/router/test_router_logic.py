@@ -317,6 +317,7 @@ def test_sse_lines_end_at_cr_or_lf_only_wherever_the_chunks_are_cut():
     for cut in range(1, len(stream)):  # a CRLF split between two chunks is one line end, not two
         assert list(sse.iter_lines([stream[:cut], stream[cut:]])) == want, cut
     assert list(sse.iter_lines(["data: a\r", "data: b"])) == ["data: a", "data: b"]  # the last line, unended
+    assert list(sse.iter_lines(["data: ", "a", "\u2028", "b\r", "", "\n", "\r"])) == ["data: a\u2028b", ""]
 
 
 def test_an_event_the_stream_ended_in_is_dropped_not_relayed_half():
