@@ -14,10 +14,13 @@ from adpfleet.cluster import processes
 
 @pytest.fixture
 def fifty_ports(tmp_path, monkeypatch):
-    """A machine whose only pickable ports are 15000-15049, with its own reservations."""
+    """A machine whose only pickable ports are 14000-14049 (below what the suite's other servers are
+    given, so none of them holds one), with its own reservations."""
+    assert processes.PICKED_PORTS_FROM >= 14050  # the other pickers of the suite stay out of them
     monkeypatch.setattr(processes, "PORT_RESERVATIONS", tmp_path / "reservations")
-    monkeypatch.setattr(processes, "ephemeral_ports", lambda: range(15050, 65536))
-    return range(15000, 15050)
+    monkeypatch.setattr(processes, "PICKED_PORTS_FROM", 14000)
+    monkeypatch.setattr(processes, "ephemeral_ports", lambda: range(14050, 65536))
+    return range(14000, 14050)
 
 
 def test_picks_come_from_outside_the_ephemeral_range():
