@@ -236,15 +236,16 @@ def operators(api_proxy: CountingProxy, namespace: str, fleets: Fleets, workdir:
     try:
         yield start  # a failure in the caller's block (a fleet never Ready) is raised here: clean up all the same
     finally:
+        show = failed()
         try:
-            if failed():
+            if show:
                 print_pod_logs(fleets)  # the servers' and routers' side of the failure, while their pods are there
             delete_fleets(fleets, any(op.running() for op in started))
         finally:
             for op in started:
                 op.stop()
             fleets.drop_finalizers()
-            if started and failed():
+            if started and show:
                 print_log(started[-1])
 
 

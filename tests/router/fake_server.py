@@ -199,19 +199,19 @@ def build(role: str, host: str, port: int) -> FastAPI:
         async def chunks():
             if chat:
                 yield "data: " + dumps({"id": rid, "object": chunk_kind, "created": created, "model": MODEL,
-                                             "choices": [{"index": 0, "delta": {"role": "assistant"},
-                                                          "finish_reason": None}]}) + "\n\n"
+                                        "choices": [{"index": 0, "delta": {"role": "assistant"},
+                                                     "finish_reason": None}]}) + "\n\n"
             for i, piece in enumerate(pieces):
                 await asyncio.sleep(cfg["token_delay"])
                 fin = finish if i == len(pieces) - 1 else None
                 yield "data: " + dumps({"id": rid, "object": chunk_kind, "created": created, "model": MODEL,
-                                             "choices": [choice(piece, fin, True)]}) + "\n\n"
+                                        "choices": [choice(piece, fin, True)]}) + "\n\n"
             if not pieces:
                 yield "data: " + dumps({"id": rid, "object": chunk_kind, "created": created, "model": MODEL,
-                                             "choices": [choice("", finish, True)]}) + "\n\n"
+                                        "choices": [choice("", finish, True)]}) + "\n\n"
             if include_usage:
                 yield "data: " + dumps({"id": rid, "object": chunk_kind, "created": created, "model": MODEL,
-                                             "choices": [], "usage": usage}) + "\n\n"
+                                        "choices": [], "usage": usage}) + "\n\n"
             yield "data: [DONE]\n\n"
         return StreamingResponse(events(), media_type="text/event-stream")
 
