@@ -20,6 +20,7 @@ import httpx
 import yaml
 
 from adpfleet.cluster.processes import free_port
+from adpfleet.cluster.testing import wait_for
 from adpfleet.operator.resource import names
 from adpfleet.runtime.router import sse
 
@@ -94,22 +95,31 @@ class ProgressWatch:
     the engine stopped, and until then the engine's counters still move. The operator's window starts there,
     not at the freeze. A read that the loaded API server answers late shows the moves made since the one
     before it: they are dated by the read that saw them (a CI run: the first read after a freeze answered
-    ~4 s late, with the counters moved, and the operator's first still scrape came 4.4 s after the freeze)."""
+    ~4 s late, with the counters moved, and the operator's first still scrape came 4.4 s after the freeze).
 
-    def __init__(self, pod, engine: int, every: float = 0.5):
+    The first read is made before the constructor returns: a move is seen only against a read before it, and a
+    first read the loaded API server answered after the freeze hid every move until then (a run alone: no move
+    seen, the operator's window began 4.8 s after the freeze)."""
+
+    def __init__(self, pod, engine: int, every: float = 0.5, first_within: float = 30):
         from adpfleet.operator.adapters.dialects import dialect_for
         self.samples: list[tuple[float, object]] = []  # (time.time() after the read, the engine's RankSample)
         self._stop = threading.Event()
         url, dialect = f"http://{pod.status.pod_ip}:{names.SERVER_HTTP_PORT}/metrics", dialect_for("vllm")
 
+        def read() -> bool:
+            try:
+                rank = dialect.parse(httpx.get(url, timeout=5).text).get(engine)
+            except httpx.HTTPError:
+                return False
+            if rank is not None:
+                self.samples.append((time.time(), rank))
+            return rank is not None
+
         def sample():
             while not self._stop.wait(every):
-                try:
-                    rank = dialect.parse(httpx.get(url, timeout=5).text).get(engine)
-                except httpx.HTTPError:
-                    continue
-                if rank is not None:
-                    self.samples.append((time.time(), rank))
+                read()
+        wait_for(read, timeout=first_within, interval=every, what=f"engine {engine}'s /metrics on {pod.metadata.name}")
         self._thread = threading.Thread(target=sample, daemon=True, name="progress-watch")
         self._thread.start()
 
