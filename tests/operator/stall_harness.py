@@ -36,7 +36,7 @@ def stall_fleet(name: str, *, mode: str = "Auto", window: int = 6, interval: int
     probes = {"readinessPeriodSeconds": 1, "startupTimeoutSeconds": 120}
 
     def role(ranks: int, **engine) -> dict:
-        return {"servers": 1, "adpRanks": ranks, "probes": probes, "terminationGracePeriodSeconds": 5,
+        return {"servers": 1, "adpRanks": ranks, "probes": probes, "terminationGracePeriodSeconds": 2,
                 "engine": {"kvBlocks": 96, "maxNumTokens": 256, "collectiveTimeoutSeconds": 300, **engine}}
     return {"apiVersion": names.API_VERSION, "kind": names.KIND, "metadata": {"name": name},
             "spec": {"image": "adpfleet:dev", "model": {"name": "tiny"}, "faultInjection": True,
@@ -61,7 +61,7 @@ def vllm_stall_fleet(name: str, model_dir: str, *, window: int, interval: int, s
     spec = {"image": "adpfleet:dev", "engine": "vllm", "model": {"uri": model_dir, "servedName": "tiny-llama"},
             "vllm": {"image": "vllm/vllm-openai:v0.32.0", "args": ["--dtype", "float32", "--enforce-eager"]},
             "aggregated": {"servers": servers, "adpRanks": adp_ranks, "probes": {"readinessPeriodSeconds": 1},
-                           "terminationGracePeriodSeconds": 5,
+                           "terminationGracePeriodSeconds": 2,
                            "env": [{"name": "VLLM_CPU_KVCACHE_SPACE", "value": "1"},
                                    {"name": "VLLM_CPU_OMP_THREADS_BIND", "value": "nobind"}]},
             "monitoring": {"scrapeIntervalSeconds": interval},

@@ -30,7 +30,7 @@ from stall_harness import Load, Monitoring, inject, inject_as_documented, remedi
 pytestmark = [pytest.mark.k8s, pytest.mark.slow, pytest.mark.multiproc]
 
 FLEET = "stalls"
-WINDOW, INTERVAL = 6, 1
+WINDOW, INTERVAL = 4, 1
 ALERT_WINDOW, ALERT_FOR = 10, 2  # the stall rules' 1m and 15s, shortened; Prometheus scrapes every second
 TOKEN = secrets.token_hex(16)
 ELECTION = Timing(lease_duration=6, renew_deadline=4, retry_period=1)  # the operators run elected, as the chart's do
