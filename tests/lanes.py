@@ -17,10 +17,7 @@ holds is per worker, and the groups follow from that:
   its bound under a hostile client, an autoscaler reading the load its servers report, every
   request answered by its deadline while servers restart), are the group `alone`: it runs last,
   in one worker, once the other has finished and left, so nothing of the suite competes with it
-  for the cores. On two loaded lanes (load average 6-7) those bounds failed;
-- the end-to-end stall modules (LATE) run after the lanes and before `alone`, each group of them in
-  a worker of its own, the groups side by side: a group is handed out once every group of the lanes
-  has been, so it starts beside at most the other worker's last group.
+  for the cores. On two loaded lanes (load average 6-7) those bounds failed.
 
 xdist's own `loadgroup` reads `xdist_group` markers by rewriting node ids, which pytest 9 no longer
 lets it do, so this plugin schedules the groups itself: each worker writes the group of every test
@@ -39,14 +36,9 @@ import pytest
 # Enough of the cluster tests' time (build/test-durations.json) that the second lane, with every test that needs
 # no cluster, ends about when the first does.
 SECOND_CLUSTER = ("tests/operator/test_model_sources_e2e.py", "tests/operator/test_termination.py")
-ALONE = ("tests/operator/test_scaling_k8s.py", "tests/runtime/test_hostile.py", "tests/router/test_router_queue.py")
-# The end-to-end stall modules, after the lanes and before `alone`: each group of LATE to a worker of its own, side by
-# side. Their bounds are counted in the operator's scrapes as they ran and from the last progress a server reported
-# (stall_harness.assert_decided_in_time), which holds beside one other such module but not beside two loaded lanes
-# (load 6-7). Run one after the other (`alone`), they were half of the suite's wall time (~12 of 27 min).
-LATE = (("tests/operator/test_stall_e2e.py",),
-        ("tests/operator/test_vllm_dp_e2e.py", "tests/operator/test_vllm_fleet_e2e.py"))
-LATE_GROUPS = tuple(f"late-{i}" for i in range(len(LATE)))
+ALONE = ("tests/operator/test_stall_e2e.py", "tests/operator/test_vllm_fleet_e2e.py",
+         "tests/operator/test_vllm_dp_e2e.py", "tests/operator/test_scaling_k8s.py", "tests/runtime/test_hostile.py",
+         "tests/router/test_router_queue.py")
 # Long modules of few tests, each a group of its own: xdist orders groups by their count of tests, which put
 # these last, and the worker that took the last of them (test_gpu_check, 47 s) ended 43 s after the other,
 # which waited for it to begin the `alone` phase. Started right after the clusters, they leave the many
@@ -69,8 +61,6 @@ def group_of(module: str, items: list[pytest.Item]) -> str:
         return str(named.args[0] if named.args else named.kwargs.get("name", "default"))
     if module in ALONE:
         return ALONE_GROUP
-    if late := next((g for g, modules in zip(LATE_GROUPS, LATE) if module in modules), None):
-        return late
     if any(uses(i, "k8s_cluster") or any(i.get_closest_marker(m) for m in CLUSTER_MARKS) for i in items):
         return CLUSTER_GROUPS[1] if module in SECOND_CLUSTER else CLUSTER_GROUPS[0]
     if any(uses(i, "server_trio") for i in items):
@@ -117,17 +107,15 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
         has collected, so their files are there. The two clusters' groups go first, one to each
         worker: each is much of a lane in few tests, and ordered by their count of tests, as xdist
         orders scopes, the second cluster's came after most of the suite. Then EARLY's modules, then the
-        group with the most tests; then LATE's groups, to whichever worker asks; `alone` last: a worker that
-        finds only it left leaves (its session ends), and
+        group with the most tests; `alone` last: a worker that finds only it left leaves (its session ends), and
         the last worker takes it once the others are gone. (A worker runs a test only when it knows
         the next one, so a worker that waits for work still holds its last test: it must leave, not
         wait beside.)"""
         _groups: dict[str, str] | None = None
 
         def _assign_work_unit(self, node) -> None:
-            for group in (*LATE_GROUPS, ALONE_GROUP):
-                if group in self.workqueue:
-                    self.workqueue.move_to_end(group)
+            if ALONE_GROUP in self.workqueue:
+                self.workqueue.move_to_end(ALONE_GROUP)
             for group in reversed(CLUSTER_GROUPS + EARLY):  # the longest, whatever their count of tests
                 if group in self.workqueue:
                     self.workqueue.move_to_end(group, last=False)

@@ -48,9 +48,6 @@ def test_modules_that_share_a_cluster_or_the_trio_run_in_one_worker(pytester):
              "tests/test_vllm.py": module(None, marker="vllm"),  # marked: a cluster test without the fixture
              lanes.SECOND_CLUSTER[0]: module("k8s_cluster", tests=1),  # fewer tests than any other group
              lanes.ALONE[0]: module("k8s_cluster"), lanes.ALONE[-1]: module(None),
-             # a worker asks for more once 2 of its tests are left: the first late group outlasts the other lane
-             lanes.LATE[0][0]: module("k8s_cluster", tests=8, seconds=0.25),
-             lanes.LATE[1][0]: module("k8s_cluster", tests=3, seconds=0.25), lanes.LATE[1][1]: module("k8s_cluster", tests=1),
              "tests/test_disagg.py": module("server_trio"), "tests/test_fuzz.py": module("server_trio"),
              "tests/test_plain_a.py": module(None, tests=4, seconds=0.3), "tests/test_plain_b.py": module(None, tests=4),
              lanes.EARLY[0]: module(None, tests=1)}  # fewer tests than any plain group
@@ -58,7 +55,7 @@ def test_modules_that_share_a_cluster_or_the_trio_run_in_one_worker(pytester):
         (pytester.path / path).parent.mkdir(parents=True, exist_ok=True)
         (pytester.path / path).write_text(text)
     result = pytester.runpytest("-n", "2", "--dist", "loadgroup", "-p", "no:cacheprovider")
-    result.assert_outcomes(passed=3 * 8 + 1 + 2 * 4 + 1 + 8 + 1)
+    result.assert_outcomes(passed=3 * 7 + 1 + 2 * 4 + 1)
     workers, spans = collections.defaultdict(set), collections.defaultdict(list)
     for line in (pytester.path / "ran.txt").read_text().splitlines():
         nodeid, worker, start, end = line.split()
@@ -74,16 +71,10 @@ def test_modules_that_share_a_cluster_or_the_trio_run_in_one_worker(pytester):
         beside = [p for p in spans if workers[p] == workers[group[0]] and p not in group]
         assert min(start for p in group for start, _ in spans[p]) <= min(
             start for p in beside for start, _ in spans[p]), (group, spans)
-    alone, late = [lanes.ALONE[0], lanes.ALONE[-1]], [m for group in lanes.LATE for m in group]
+    alone = [lanes.ALONE[0], lanes.ALONE[-1]]
     assert len(one(alone)) == 1, workers
     last_other_end = max(end for path, s in spans.items() if path not in alone for _, end in s)
     assert min(start for path in alone for start, _ in spans[path]) >= last_other_end, spans
-    # the late groups: each in one worker, the two side by side, after every other group began
-    assert len(one(lanes.LATE[1])) == 1 and one(lanes.LATE[0]) != one(lanes.LATE[1]), workers
-    first_late = min(start for path in late for start, _ in spans[path])
-    assert first_late >= max(min(start for start, _ in s) for path, s in spans.items() if path not in late + alone)
-    assert max(start for path in lanes.LATE[0] for start, _ in spans[path]) < max(
-        end for path in lanes.LATE[1] for _, end in spans[path]), spans  # overlapping, not one after the other
     assert len(one(["tests/test_disagg.py", "tests/test_fuzz.py"])) == 1, workers
     # a long module of one test starts before the groups of more tests (after the clusters)
     first = lambda path: min(start for start, _ in spans[path])  # noqa: E731
@@ -96,5 +87,5 @@ def test_the_modules_the_lanes_name_exist():
     root = Path(__file__).resolve().parents[1]
     for path in lanes.SECOND_CLUSTER:
         assert "pytest.mark.k8s" in (root / path).read_text(), path
-    for path in lanes.ALONE + lanes.EARLY + tuple(m for group in lanes.LATE for m in group):
+    for path in lanes.ALONE + lanes.EARLY:
         assert (root / path).is_file(), path
