@@ -81,10 +81,14 @@ class FleetLoops:
 
 
 async def sleep_until(wake: asyncio.Event, stopped: Any, timeout: float) -> None:
-    """Until `wake` is set, kopf stops the daemon, or `timeout` passes."""
-    waiters = [asyncio.ensure_future(wake.wait()), asyncio.ensure_future(stopped.wait(timeout))]
+    """Until `wake` is set, kopf stops the daemon, or `timeout` passes.
+
+    The time limit is this wait's, not kopf's `stopped.wait(timeout)`: that one runs a task of its own that
+    ends in TimeoutError when the limit passes, and a task that ends so while kopf stops the operator is
+    re-raised by kopf as the operator's failure (a clean-clone run: SIGTERM mid-roll, exit status 1)."""
+    waiters = [asyncio.ensure_future(wake.wait()), asyncio.ensure_future(stopped.wait())]
     try:
-        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
     finally:
         for waiter in waiters:
             waiter.cancel()
