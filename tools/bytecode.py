@@ -44,36 +44,37 @@ def key(site: Path) -> str:
     return hashlib.sha256("\n".join(sorted(parts)).encode()).hexdigest()[:16]
 
 
+def link(src: Path, dst: Path) -> None:
+    """`dst` as a hard link to `src` (a copy across file systems); a file already at `dst` is kept."""
+    try:
+        os.link(src, dst)
+    except FileExistsError:
+        pass
+    except OSError:  # another file system
+        shutil.copy2(src, dst)
+
+
 def place(src: Path, dst: Path) -> None:
     """Every file under `src` at the same place under `dst`, linked where it can be; files there are kept."""
     for root, _, files in os.walk(src):
         target = dst / Path(root).relative_to(src)
         target.mkdir(parents=True, exist_ok=True)
         for name in files:
-            try:
-                os.link(Path(root, name), target / name)
-            except FileExistsError:
-                pass
-            except OSError:  # another file system
-                if not (target / name).exists():
-                    shutil.copy2(Path(root, name), target / name)
+            link(Path(root, name), target / name)
 
 
 def store(site: Path, out: Path) -> None:
     """The .pyc files under `site` (their __pycache__ directories only) as `out`, whole or not at all."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-    for root, dirs, files in os.walk(site):
+    for root, _, files in os.walk(site):
         if Path(root).name != "__pycache__":
             continue
         target = tmp / Path(root).relative_to(site)
         target.mkdir(parents=True, exist_ok=True)
         for name in files:
             if name.endswith(".pyc"):
-                try:
-                    os.link(Path(root, name), target / name)
-                except OSError:
-                    shutil.copy2(Path(root, name), target / name)
+                link(Path(root, name), target / name)
     try:
         tmp.rename(out)
     except OSError:  # another setup stored the same key meanwhile
