@@ -491,7 +491,8 @@ def plan(args) -> dict[str, tuple]:
     """Part name -> (builder, its workloads), in the order they run."""
     chat = Workload(args.sessions, args.turns, args.group, args.system, args.max_tokens)
     hot = Workload(args.sessions, args.turns, args.sessions, args.system, args.max_tokens)
-    routed = {"chat": (chat, args.rounds), "hot": (hot, args.hot_rounds)}
+    routed = {name: (w, rounds) for name, w, rounds in (("chat", chat, args.rounds), ("hot", hot, args.hot_rounds))
+              if rounds > 0}  # --hot-rounds 0: chat only
     parts = {}
     if "aggregated" in args.parts:
         parts["aggregated"] = (routed_part, routed)

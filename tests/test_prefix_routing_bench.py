@@ -61,3 +61,10 @@ def test_parts_pick_the_arms_and_an_unknown_part_is_refused(monkeypatch, capsys)
     with pytest.raises(SystemExit):
         bench.parse_args()
     assert "--parts: unknown ['vlm']" in capsys.readouterr().err
+
+
+def test_a_workload_of_zero_rounds_is_left_out(monkeypatch):
+    """--hot-rounds 0 runs the chat workload alone (an empty workload once failed the part at its end)."""
+    monkeypatch.setattr(sys, "argv", ["prefix_routing.py", "--parts", "aggregated", "--hot-rounds", "0"])
+    (_, workloads), = bench.plan(bench.parse_args()).values()
+    assert list(workloads) == ["chat"]
