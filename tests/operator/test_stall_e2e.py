@@ -367,15 +367,16 @@ def test_two_sided_transfer_faults_restart_only_the_server_at_fault(env):
 
     decided: dict[str, float] = {}  # fault -> seconds from its injection to the remediation's record
 
-    def fault(pod, kind: str, signature: str, within: float = 120) -> float:
-        """Injects `kind` into `pod`'s rank 0 under flowing load, waits (up to `within` s) for the one
+    def fault(pod, kind: str, signature: str, ranks: tuple[int, ...] = (0,), within: float = 120) -> float:
+        """Injects `kind` into `pod`'s `ranks` under flowing load, waits (up to `within` s) for the one
         remediation it calls for and every server Ready again; asserts no other server was replaced.
         Returns the time of the injection."""
         wait_flowing(load)
         wait_restarts_settled(fleets)
         others = lambda: {n: u for n, u in uids().items() if n != pod.metadata.name}  # noqa: E731
         before, since = others(), time.time()
-        inject(fleets.core, pod, kind, 0)
+        for rank in ranks:
+            inject(fleets.core, pod, kind, rank)
         print(f"{kind} injected into {pod.metadata.name} at {since:.1f}; load {load.counts()}")
         record = wait_for(lambda: record_for(fleets, pod.metadata.name, since, "Succeeded"), timeout=within,
                           what=f"a Succeeded remediation of {pod.metadata.name}")
@@ -394,10 +395,11 @@ def test_two_sided_transfer_faults_restart_only_the_server_at_fault(env):
     # on the one context server there is. With the default 90 s, a CI run lost 3 of 1,889 requests.
     with Load(fleets.router_url(FLEET), clients=4, deadline=240) as load:
         t_freeze = fault(frozen, "freeze", "hung")  # the context server keeps the KV held for it
-        # The wedged context server goes on prefilling what the router sends it (real tokens) until every
-        # client waits on a pull it never answers: how soon that is depends on how fast the clients' requests
-        # cycle (retries after a pull's timeout), so on the cores: 105 s after the injection on loaded lanes.
-        t_wedge = fault(ctx, "stop-serving-kv", "transfer", within=240)
+        # Both ranks' transfer servers wedge, so every request the context server prefills then waits on a
+        # pull it never answers: within one request's time it has transfers in flight and none complete,
+        # while the generation servers wait on it. (Rank 0 alone left rank 1 serving, and the server made
+        # progress until every client happened to wait on rank 0: 40-200 s after the injection.)
+        t_wedge = fault(ctx, "stop-serving-kv", "transfer", ranks=(0, 1))
         wait_flowing(load)
     assert_none_lost(load)
     at_fault = lambda r: r["server"] == frozen.metadata.name or (  # noqa: E731
