@@ -34,8 +34,8 @@ streamed) before this one was sent — the per-pass rank imbalance (the servers'
 `adpfleet_pass_imbalance`, max/mean of the ranks' scheduled tokens of every pass that ran: mean,
 percentiles as bucket bounds, share over 1.25; the JSON also has the older proxy, max/mean of the
 ranks' pending tokens sampled from the servers' snapshots every 0.1 s), and vetoed passes
-(`adpfleet_forward_vetoed_total`). The machine is shared (2 cores, other jobs): the numbers are
-contended, the arms interleaved so that the ratios hold.
+(`adpfleet_forward_vetoed_total`). The JSON keeps the load average at the start and the end: on a
+shared machine the arms are interleaved so that the ratios hold.
 
     .venv/bin/python bench/prefix_routing.py                            # ~40 min on 2 busy cores
     .venv/bin/python bench/prefix_routing.py --parts aggregated --quick # one part, a smoke run
@@ -533,7 +533,8 @@ def main() -> None:
     print(table(results))
     out = {"bench": "prefix_routing", "machine": machine_info(), "args": {k: str(v) for k, v in vars(args).items()},
            "model": "small (random Llama, ~34 M parameters)",
-           "contended": "2 shared CPU cores; other jobs ran at the same time", "results": results}
+           "load_1m_after": round(os.getloadavg()[0], 2),  # machine_info has it at the start
+           "results": results}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(out, indent=1))
     print(f"wrote {args.json}")
