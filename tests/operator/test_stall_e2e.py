@@ -367,8 +367,8 @@ def test_two_sided_transfer_faults_restart_only_the_server_at_fault(env):
 
     decided: dict[str, float] = {}  # fault -> seconds from its injection to the remediation's record
 
-    def fault(pod, kind: str, signature: str, ranks: tuple[int, ...] = (0,), within: float = 120) -> float:
-        """Injects `kind` into `pod`'s `ranks` under flowing load, waits (up to `within` s) for the one
+    def fault(pod, kind: str, signature: str, ranks: tuple[int, ...] = (0,)) -> float:
+        """Injects `kind` into `pod`'s `ranks` under flowing load, waits (up to 120 s) for the one
         remediation it calls for and every server Ready again; asserts no other server was replaced.
         Returns the time of the injection."""
         wait_flowing(load)
@@ -378,7 +378,7 @@ def test_two_sided_transfer_faults_restart_only_the_server_at_fault(env):
         for rank in ranks:
             inject(fleets.core, pod, kind, rank)
         print(f"{kind} injected into {pod.metadata.name} at {since:.1f}; load {load.counts()}")
-        record = wait_for(lambda: record_for(fleets, pod.metadata.name, since, "Succeeded"), timeout=within,
+        record = wait_for(lambda: record_for(fleets, pod.metadata.name, since, "Succeeded"), timeout=120,
                           what=f"a Succeeded remediation of {pod.metadata.name}")
         assert (record["action"], record["signature"], record["targets"]) == (
             "RestartServer", signature, [pod.metadata.name]), record
