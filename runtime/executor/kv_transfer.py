@@ -227,8 +227,8 @@ class KVTransferServer:
             return True
         with self._changed:
             self._changed.wait_for(lambda: self._waiting or not self._acking, timeout=ACK_GRACE_S)
-            if not self._waiting:
-                return False
+            if not self._waiting:  # a slot given back since the first try was given back under this lock
+                return self._slots.acquire(blocking=False)
             conn = self._waiting.pop()
         try:
             conn.shutdown(socket.SHUT_RDWR)
@@ -274,9 +274,9 @@ class KVTransferServer:
                     while self._next_transfer(conn, lines):
                         pass
             finally:
-                with self._lock:
+                with self._lock:  # together: a new connection never sees a slot neither waiting nor free
                     self._waiting.discard(conn)
-                self._slots.release()
+                    self._slots.release()
 
     def _next_transfer(self, conn: socket.socket, lines: _Lines) -> bool:
         """Wait for the next pull on an acknowledged connection (in `_waiting`): it ends quietly when
@@ -291,9 +291,9 @@ class KVTransferServer:
         with self._lock:
             if conn not in self._waiting:  # closed to make room: the handle was not touched
                 return False
+            if not waiting:  # the puller closed it or it idled out: it stays waiting until its slot is back
+                return False
             self._waiting.discard(conn)
-        if not waiting:
-            return False
         handle, refusal = self._pull_line(lines, time.monotonic() + REQUEST_LINE_TIMEOUT_S)
         if refusal is not None:
             _refuse_request(conn, refusal)

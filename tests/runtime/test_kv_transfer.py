@@ -251,10 +251,20 @@ def test_a_puller_reuses_its_connection_and_each_pull_gets_its_own_kv(server, he
         puller.close()
 
 
+class SlowlyGivenBack(threading.BoundedSemaphore):
+    """Slots whose release takes a while, as on a loaded machine: the moment between a connection's
+    end and its slot's return, when a new connection must not be told "busy"."""
+
+    def release(self, n=1):
+        time.sleep(0.2)
+        super().release(n)
+
+
 def test_a_connection_waiting_between_pulls_gives_its_slot_to_a_new_one(held):
     held.handles.update({"req-2": ([0, 4, 2], 12), "req-3": ([4], 3)} | {f"busy-{i}": ([0], 4) for i in range(3)})
     server = kv_transfer.KVTransferServer("127.0.0.1", 0, held.k, held.v, held.lookup, BS, token=TOKEN,
                                           transfer_timeout_s=30.0, max_connections=4)
+    server._slots = SlowlyGivenBack(4)
     puller = kv_transfer.KVPuller(layout_of(held), 5, TOKEN)
     busy = [raw_pull(server, f"ADPKV2 GET busy-{i} {proof(TOKEN, f'busy-{i}')}\n".encode())[0]
             for i in range(3)]  # three slots held by pulls not yet acknowledged
@@ -268,6 +278,21 @@ def test_a_connection_waiting_between_pulls_gives_its_slot_to_a_new_one(held):
         puller.close()
         for conn in busy:
             conn.close()
+        server.close()
+
+
+def test_a_slot_on_its_way_back_is_not_busy(held):
+    held.handles.update({"req-2": ([0, 4, 2], 12)})
+    want = expected(held, "req-2")[0]
+    server = kv_transfer.KVTransferServer("127.0.0.1", 0, held.k, held.v, held.lookup, BS, token=TOKEN,
+                                          max_connections=1)
+    server._slots = SlowlyGivenBack(1)
+    try:
+        fetch(server.endpoint, "req-1", 5, layout_of(held), TOKENS, TOKEN)  # the one slot, ending with the fetch
+        wait(lambda: held.done == 1 and not server._waiting)  # the server saw it end; the slot not back yet
+        payload = fetch(server.endpoint, "req-2", 5, layout_of(held), 12, TOKEN)
+        assert torch.equal(payload.k, want)
+    finally:
         server.close()
 
 
