@@ -36,9 +36,12 @@ import pytest
 # Enough of the cluster tests' time (build/test-durations.json) that the second lane, with every test that needs
 # no cluster, ends about when the first does.
 SECOND_CLUSTER = ("tests/operator/test_model_sources_e2e.py", "tests/operator/test_termination.py")
-ALONE = ("tests/operator/test_stall_e2e.py", "tests/operator/test_vllm_fleet_e2e.py",
-         "tests/operator/test_vllm_dp_e2e.py", "tests/operator/test_scaling_k8s.py", "tests/runtime/test_hostile.py",
-         "tests/router/test_router_queue.py")
+# In the order they run. The vLLM modules go last: each leaves a replacement server starting (a DP=2 vLLM
+# start is six processes importing torch), which went on eating the cores under the next module's bounds
+# until its namespace's deletion reached the pod (test_hostile: 51 s run after nothing, 84 s after them).
+ALONE = ("tests/router/test_router_queue.py", "tests/runtime/test_hostile.py", "tests/operator/test_scaling_k8s.py",
+         "tests/operator/test_stall_e2e.py", "tests/operator/test_vllm_fleet_e2e.py",
+         "tests/operator/test_vllm_dp_e2e.py")
 # Long modules of few tests, each a group of its own: xdist orders groups by their count of tests, which put
 # these last, and the worker that took the last of them (test_gpu_check, 47 s) ended 43 s after the other,
 # which waited for it to begin the `alone` phase. Started right after the clusters, they leave the many
@@ -82,6 +85,9 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     lanes_dir = getattr(config, "workerinput", {}).get("adpfleet_lanes_dir")
     if not lanes_dir:  # not an xdist worker of ours
         return
+    # `alone` runs in ALONE's order (a group's tests go to its worker in the order collected); the same
+    # order in every worker, as xdist requires
+    items.sort(key=lambda item: ALONE.index(module) if (module := item.nodeid.split("::")[0]) in ALONE else -1)
     path = Path(lanes_dir) / f"{config.workerinput['workerid']}.json"
     path.with_suffix(".tmp").write_text(json.dumps(groups(items)))
     path.with_suffix(".tmp").replace(path)  # whole, before the worker says its collection is done

@@ -75,6 +75,8 @@ def test_modules_that_share_a_cluster_or_the_trio_run_in_one_worker(pytester):
     assert len(one(alone)) == 1, workers
     last_other_end = max(end for path, s in spans.items() if path not in alone for _, end in s)
     assert min(start for path in alone for start, _ in spans[path]) >= last_other_end, spans
+    # in ALONE's order, not the collection's (the last is the first collected here)
+    assert max(end for _, end in spans[lanes.ALONE[0]]) <= min(start for start, _ in spans[lanes.ALONE[-1]]), spans
     assert len(one(["tests/test_disagg.py", "tests/test_fuzz.py"])) == 1, workers
     # a long module of one test starts before the groups of more tests (after the clusters)
     first = lambda path: min(start for start, _ in spans[path])  # noqa: E731
