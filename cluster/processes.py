@@ -167,27 +167,47 @@ def signal_pod_processes(pod_uid: str, title: str, sig: int) -> list[int]:
     return [proc.pid for proc in targets]
 
 
-def freeze_busy_pod(pods: dict[str, str], title: str, running: Callable[[str], float], *, timeout: float = 60,
-                    tries: int = 5, settle_s: float = 0.5) -> tuple[str, float]:
+def freeze_busy_pod(pods: dict[str, str], title: str, running: Callable[[str], float | None], *, timeout: float = 60,
+                    tries: int = 5, settle_s: float = 0.5, poll_s: float = 0.5) -> tuple[str, float]:
     """SIGSTOP the `title` processes of a pod (`pods`: name -> uid) whose engine runs 2 requests or
-    more (`running(name)`: what its /metrics say); (its name, the time.time() of the signal).
+    more (`running(name)`: what its /metrics say, None when it did not answer); (its name, the
+    time.time() of the signal).
 
     A vLLM engine's gauges are the state of its last step: one frozen just as its requests ended
     reports 0 running and cannot be told from an idle one (docs/remediation.md, "Dialects"). So the
     frozen engine's gauges are read again once its last outputs have reached them (`settle_s`), and
-    a freeze that caught no request running is thawed and tried again."""
+    a freeze that caught no request running is thawed and tried again. A read that got no answer
+    says nothing either way: it is read again, frozen or not. The servers are read every `poll_s`,
+    not back to back: a vLLM exposition is ~90 KB, rendered on the API server's event loop between
+    its streams' tokens (a DP=2 server streaming to six clients beside a busy core took 2-10 s to
+    answer a read). The error says how many reads were answered and the most they showed."""
     deadline = time.monotonic() + timeout
+    seen: list[float | None] = []
+
+    def read(name: str) -> float | None:
+        seen.append(value := running(name))
+        return value
+
+    def timed_out() -> TimeoutError:
+        answered = [v for v in seen if v is not None]
+        return TimeoutError(f"no pod of {sorted(pods)} ran 2 requests within {timeout:g} s ({len(answered)} of "
+                            f"{len(seen)} reads answered, the most running {max(answered, default=None)})")
+
     for _ in range(tries):
-        while (busy := next((name for name in sorted(pods) if running(name) >= 2), None)) is None:
+        while (busy := next((name for name in sorted(pods) if (read(name) or 0) >= 2), None)) is None:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"no pod of {sorted(pods)} ran 2 requests within {timeout:g} s")
-            time.sleep(0.05)
+                raise timed_out()
+            time.sleep(poll_s)
         t_fault = time.time()
         signal_pod_processes(pods[busy], title, signal.SIGSTOP)
         time.sleep(settle_s)
-        if running(busy) >= 1:
+        while (frozen_with := read(busy)) is None and time.monotonic() < deadline:
+            time.sleep(poll_s)
+        if frozen_with is not None and frozen_with >= 1:
             return busy, t_fault
         signal_pod_processes(pods[busy], title, signal.SIGCONT)
+        if frozen_with is None:
+            raise timed_out()
     raise RuntimeError(f"{tries} freezes in a row caught an engine with no request running")
 
 

@@ -87,7 +87,22 @@ def test_a_freeze_that_caught_the_engine_without_work_is_thawed_and_tried_again(
     os.kill(proc.pid, signal.SIGCONT)
 
 
+def test_an_unanswered_read_is_read_again_and_never_taken_for_no_work(engine_core):
+    uid, proc = engine_core
+    seen = iter([None, 2, None, 1])  # no answer; busy; frozen, no answer (not "0 running"); frozen with work
+    states = []
+
+    def running(name: str) -> float | None:
+        states.append(proc.status())
+        return next(seen)
+    victim, _ = processes.freeze_busy_pod({"vf-aggregated-0": uid}, "VLLM::EngineCore", running, settle_s=0.01,
+                                          poll_s=0.01)
+    assert victim == "vf-aggregated-0" and states[2:] == [psutil.STATUS_STOPPED] * 2  # never thawed between
+    os.kill(proc.pid, signal.SIGCONT)
+
+
 def test_no_busy_engine_within_the_timeout_says_so(engine_core):
     uid, _ = engine_core
-    with pytest.raises(TimeoutError, match="ran 2 requests"):
-        processes.freeze_busy_pod({"p": uid}, "VLLM::EngineCore", lambda name: 1, timeout=0.2)
+    answered = r"ran 2 requests within 0.2 s \(\d+ of \d+ reads answered, the most running 1\)"
+    with pytest.raises(TimeoutError, match=answered):
+        processes.freeze_busy_pod({"p": uid}, "VLLM::EngineCore", lambda name: 1, timeout=0.2, poll_s=0.05)

@@ -74,16 +74,16 @@ def vllm_stall_fleet(name: str, model_dir: str, *, window: int, interval: int, s
     return {"apiVersion": names.API_VERSION, "kind": names.KIND, "metadata": {"name": name}, "spec": spec}
 
 
-def vllm_requests_running(pod, engine: int | None = None) -> float:
+def vllm_requests_running(pod, engine: int | None = None) -> float | None:
     """Requests the vLLM server `pod`'s engines (or only engine `engine`) report running (its /metrics, read as
-    the operator reads them); 0 when the server, sharing 2 loaded cores, did not answer within the read's
-    timeout (in a CI run: 5 s) — the caller reads again, as it does for an engine that is not busy enough —
-    and for an engine that has not served yet (its gauges appear with its first request)."""
+    the operator reads them); None when the server, sharing 2 loaded cores, did not answer within the read's
+    timeout (in a CI run: 5 s), which says nothing of its engines (the caller reads again); 0 for an engine
+    that has not served yet (its gauges appear with its first request)."""
     from adpfleet.operator.adapters.dialects import dialect_for
     try:
         text = httpx.get(f"http://{pod.status.pod_ip}:{names.SERVER_HTTP_PORT}/metrics", timeout=5).text
     except httpx.TimeoutException:
-        return 0.0
+        return None
     ranks = dialect_for("vllm").parse(text)
     return sum(r.requests_running or 0 for e, r in ranks.items() if engine is None or e == engine)
 
