@@ -28,7 +28,8 @@ def router_client(fleets, fleet: str) -> openai.OpenAI:
 
 
 def complete(fleets, fleet: str) -> openai.types.Completion:
-    return router_client(fleets, fleet).completions.create(model="tiny", prompt="The operator says", max_tokens=8)
+    return router_client(fleets, fleet).completions.create(model="tiny", prompt="The operator says", max_tokens=8,
+                                                              extra_body={"ignore_eos": True})
 
 
 def test_a_fleet_of_real_servers_serves_openai_through_its_router_rolls_and_goes_away(start_operator, fleets):
