@@ -77,17 +77,22 @@ class Event:
 
     @property
     def has_output(self) -> bool:
-        """Whether the client learns something from it: text, a finish reason or usage. A chat
-        stream's opening `{"role": "assistant"}` delta does not count, so a failure right after
-        it is still retried."""
+        """Whether it carries a token or tells the client something: a completion chunk (its text
+        may be empty while the server holds the token back), chat content, a finish reason or
+        usage. A chat stream's opening `{"role": "assistant"}` delta is not output, even with an
+        empty `content` (vLLM opens so, before any token), so a failure right after it is still
+        retried; a later delta with empty content is a token held back."""
         body = self.json()
         if not isinstance(body, dict):
             return False
         if body.get("usage"):
             return True
         for choice in body.get("choices") or []:
-            delta = choice.get("delta") or {}
-            if choice.get("text") or delta.get("content") or choice.get("finish_reason"):
+            if not isinstance(choice, dict):
+                continue
+            delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
+            if "text" in choice or choice.get("finish_reason") or delta.get("content") \
+                    or ("content" in delta and "role" not in delta):
                 return True
         return False
 

@@ -249,7 +249,10 @@ class CompletionRoutes:
                         break
                     ticket.start()
                     last = out
-                    if out.new_text or out.finished:
+                    # a chunk per output with tokens, its text empty while the detokenizer holds them
+                    # back (an unfinished UTF-8 sequence, a possible stop string), as vLLM streams: the
+                    # client's time to first token is its first chunk
+                    if out.new_token_ids or out.new_text or out.finished:
                         yield f"data: {json.dumps(p.fmt.chunk(out.new_text, out.finish_reason, first))}\n\n"
                         first = False
         except EngineUnavailable as e:  # the stream already started: end it with an explicit error

@@ -325,11 +325,17 @@ def test_an_event_the_stream_ended_in_is_dropped_not_relayed_half():
     assert [e.raw for e in events] == [b'data: {"choices": [{"text": "a"}]}\n\n']
 
 
-def test_a_chat_role_delta_is_not_output_but_content_usage_and_finish_are():
+def test_a_chat_role_delta_is_not_output_but_tokens_content_usage_and_finish_are():
     def out(body):
         return sse.Event(b"", json.dumps(body)).has_output
     assert not out({"choices": [{"delta": {"role": "assistant"}, "finish_reason": None}]})
+    assert not out({"choices": [{"delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})  # vLLM's
+    assert out({"choices": [{"delta": {"role": "assistant", "content": "x"}, "finish_reason": None}]})
     assert out({"choices": [{"delta": {"content": "x"}, "finish_reason": None}]})
+    # a token whose text the server holds back (an unfinished UTF-8 sequence, a possible stop string)
+    assert out({"choices": [{"delta": {"content": ""}, "finish_reason": None}]})
+    assert out({"choices": [{"text": "", "finish_reason": None}]})
+    assert not out({"choices": ["x", {"delta": "y"}]}) and not out({"choices": []})
     assert out({"choices": [{"text": "", "finish_reason": "stop"}]})
     assert out({"choices": [], "usage": {"prompt_tokens": 1}})
 

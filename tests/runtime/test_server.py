@@ -56,6 +56,18 @@ def test_streaming_concatenates_to_the_full_text_and_ends_with_usage(client):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
 
+def test_a_stream_has_a_chunk_per_token_even_while_its_text_is_held_back(client):
+    full = client.completions.create(model="tiny", prompt="stream me", max_tokens=20, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    # a stop string that begins with the first character: the detokenizer holds it back until the
+    # next token shows the stop string did not come. The chunk goes out anyway, its text empty (as
+    # vLLM streams): a client's first chunk is its first token
+    chunks = [c.choices[0] for c in client.completions.create(
+        model="tiny", prompt="stream me", max_tokens=20, temperature=0, stream=True, stop=[full[0] + "\u2603"],
+        extra_body={"ignore_eos": True})]
+    assert len(chunks) == 20 and chunks[0].text == "" and "".join(c.text for c in chunks) == full
+
+
 def test_stop_string_truncates_and_finishes(client):
     base = client.completions.create(model="tiny", prompt="Hello", max_tokens=12, temperature=0,
                                      extra_body={"ignore_eos": True}).choices[0].text
