@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 from adpfleet.contract.exposition import render
-from adpfleet.contract.metrics import (COUNTERS, FINISH_REASONS, GAUGES, IMBALANCE_BUCKETS, LATENCY_BUCKETS,
-                                       PADDING_OUTCOMES, PADDING_PHASES, Histogram)
+from adpfleet.contract.metrics import (COUNTERS, FINISH_REASONS, GAUGES, HISTOGRAMS, IMBALANCE_BUCKETS,
+                                       LATENCY_BUCKETS, PADDING_OUTCOMES, PADDING_PHASES, Histogram)
 from adpfleet.contract.signatures import Signature
 
 log = logging.getLogger("adpfleet.cluster.synthetic_metrics")
@@ -93,7 +93,8 @@ class SyntheticServer:
     def _rank(self, rank: int, load: Load, moving: float, stalled_for: float, progress_until: float):
         """One rank's counters: tokens and forwards while moving; while stalled, vetoed passes on every
         rank, empty batches on rank 1 (the starving one), and work that stays."""
-        stats = SimpleNamespace(**{f.field: 0.0 for f in (*COUNTERS, *GAUGES)})
+        stats = SimpleNamespace(**{f.field: 0.0 for f in (*COUNTERS, *GAUGES)},
+                                **{f.field: Histogram() for f in HISTOGRAMS})  # what no line below sets: empty
         tokens = TOKENS_PER_SECOND * moving
         stats.iterations = ITERATIONS_PER_SECOND * (moving + stalled_for)
         stats.forward_steps = ITERATIONS_PER_SECOND * moving

@@ -42,6 +42,8 @@ class RankStats:
     last_progress_timestamp: float = field(default_factory=time.time)
     time_to_first_token: Histogram = field(default_factory=Histogram)
     inter_token_latency: Histogram = field(default_factory=Histogram)
+    request_queue_time: Histogram = field(default_factory=Histogram)
+    request_prefill_time: Histogram = field(default_factory=Histogram)
     pass_imbalance: Histogram = field(default_factory=lambda: Histogram(IMBALANCE_BUCKETS))
     # internal (benchmarks), not exported
     requests_fetched: int = 0

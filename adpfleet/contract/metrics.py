@@ -72,6 +72,12 @@ HISTOGRAMS = (
            "token handed over by the context server, KV pull included).", "ttft"),
     Family("inter_token_latency", "adpfleet_inter_token_latency_seconds", "Seconds between two tokens of a request.",
            "itl"),
+    Family("request_queue_time", "adpfleet_request_queue_time_seconds",
+           "Seconds from a request's arrival on the rank to the first pass that ran its prompt (as vLLM's "
+           "request_queue_time_seconds; only requests whose prompt the rank computes)."),
+    Family("request_prefill_time", "adpfleet_request_prefill_time_seconds",
+           "Seconds from the first pass that ran a request's prompt to its first token: with the queue time, "
+           "its time to first token (as vLLM's request_prefill_time_seconds)."),
     Family("pass_imbalance", "adpfleet_pass_imbalance",
            "Per pass that ran on ADP ranks, max over mean of the ranks' scheduled tokens (padding dummies "
            "included): the lockstep imbalance (at most the number of ranks; not observed on one rank)."),

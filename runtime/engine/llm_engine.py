@@ -193,6 +193,9 @@ class LLMEngine:
             req.num_computed_tokens += n
             if not req.is_dummy:
                 prompt_tokens += n
+                if req.first_scheduled_time is None:
+                    req.first_scheduled_time = batch.scheduled_at
+                    self.stats.request_queue_time.observe(batch.scheduled_at - req.arrival_time)
                 if req.remaining_prompt_tokens == 0:
                     req.state = RequestState.GENERATION
         drafts = batch.decode_query_len - 1
@@ -262,6 +265,8 @@ class LLMEngine:
         now = time.monotonic()
         if req.last_token_time is None:
             self.stats.time_to_first_token.observe(now - req.arrival_time)
+            if req.first_scheduled_time is not None:  # its prompt ran here (not pulled from a context server)
+                self.stats.request_prefill_time.observe(now - req.first_scheduled_time)
         else:
             self.stats.inter_token_latency.observe(now - req.last_token_time)
         req.last_token_time = now

@@ -45,6 +45,7 @@ class Request:
     remote_kv: tuple[str, str] | None = None  # (endpoint, handle)
     first_token_id: int | None = None
     last_token_time: float | None = None  # monotonic time of the newest token: time to first token, inter-token latency
+    first_scheduled_time: float | None = None  # monotonic start of the first pass that ran its prompt
     kv_payload: object = None
     error: str | None = None  # set when something failed for this request alone; the engine fails it
     data_parallel_rank: int | None = None  # the ADP rank the router named (X-Data-Parallel-Rank), as vLLM's

@@ -16,6 +16,7 @@ the pass does not run.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -36,6 +37,7 @@ class ScheduledBatch:
     context: list[tuple[Request, int]] = field(default_factory=list)  # (request, chunk length)
     generation: list[Request] = field(default_factory=list)
     decode_query_len: int = 1
+    scheduled_at: float = field(default_factory=time.monotonic)  # when the pass was scheduled: its start
 
     @property
     def requests(self) -> list[Request]:
