@@ -133,13 +133,17 @@ class Arm:
             m = scrape(v)
             prompt, hits = m("vllm:prompt_tokens_total"), m("vllm:prefix_cache_hits_total")
             return {"prefill": prompt - hits, "hits": hits, "queries": m("vllm:prefix_cache_queries_total"),
-                    "vetoed": 0.0, "finished": m("vllm:request_success_total")}
+                    "vetoed": 0.0, "finished": m("vllm:request_success_total"),
+                    **{f"{key}_{part}": m(f"vllm:{name}_{part}") for key, name in LATENCY_SPLIT.items()
+                       for part in ("sum", "count")}}
         got = {s: scrape(s) for s in dict.fromkeys([*self.prefill, *self.decode])}
         out = {"prefill": sum(got[s]("adpfleet_prompt_tokens_total") for s in self.prefill),
                "hits": sum(got[s]("adpfleet_prefix_cache_hits_total") for s in self.prefill),
                "queries": sum(got[s]("adpfleet_prefix_cache_queries_total") for s in self.prefill),
                "vetoed": sum(m("adpfleet_forward_vetoed_total") for m in got.values()),
-               "finished": sum(got[s]("adpfleet_requests_finished_total") for s in self.decode)}
+               "finished": sum(got[s]("adpfleet_requests_finished_total") for s in self.decode),
+               **{f"{key}_{part}": sum(got[s](f"adpfleet_{name}_{part}") for s in self.prefill)
+                  for key, name in LATENCY_SPLIT.items() for part in ("sum", "count")}}
         # every rank of a server observes the same passes: rank 0's series are the server's
         adp = [got[s] for s in self.snapshots]
         for part in ("sum", "count"):
@@ -147,6 +151,13 @@ class Arm:
         for bound in IMBALANCE_BUCKETS:
             out[f"imb_le_{bound}"] = sum(m("adpfleet_pass_imbalance_bucket", rank="0", le=str(bound)) for m in adp)
         return out
+
+
+# Where a request's time to first token goes, as the servers that compute prompts observe it (the
+# histograms' sums and counts; vLLM's names, which adpfleet's follow): arrival to the first pass
+# that ran its prompt, and from there to its first token.
+LATENCY_SPLIT = {"server_ttft": "time_to_first_token_seconds", "queue": "request_queue_time_seconds",
+                 "prefill_time": "request_prefill_time_seconds"}
 
 
 def scrape(server: Process):
@@ -255,6 +266,7 @@ async def run_arm(part: Part, name: str, workload: Workload, salt: int, vocab: i
             "hit_tokens": d["hits"], "query_tokens": d["queries"], "ideal_hit_tokens": ideal_hit_tokens(sent),
             "vetoed_passes": d["vetoed"] if arm.dialect == "adpfleet" else None, "imbalance_samples": samples,
             "pass_imbalance": {k.removeprefix("imb_"): v for k, v in d.items() if k.startswith("imb_")},
+            "latency_split": {f"{k}_{part}": d[f"{k}_{part}"] for k in LATENCY_SPLIT for part in ("sum", "count")},
             "router": router_counts(arm.router) if arm.router else {}}
 
 
@@ -299,7 +311,19 @@ def summarize(runs: list[dict]) -> dict:
             "hit_vs_ideal": total["hit_tokens"] / max(1, total["ideal_hit_tokens"]),
             **imbalance_summary([s for r in runs for s in r["imbalance_samples"]]),
             **pass_imbalance_summary({k: sum(r["pass_imbalance"].get(k, 0) for r in runs)
-                                      for k in runs[0]["pass_imbalance"]}), "router": runs[-1]["router"]}
+                                      for k in runs[0]["pass_imbalance"]}),
+            **latency_split_summary(ttft, [r["latency_split"] for r in runs]), "router": runs[-1]["router"]}
+
+
+def latency_split_summary(ttft: list[float], splits: list[dict]) -> dict:
+    """Mean time to first token as the clients saw it, and as the servers that compute prompts
+    observed it, split into the queue before the first pass that ran the prompt and the prefill
+    from there (None: no observation). The clients' mean less the servers' is the router, the
+    wire and, on a disaggregated fleet, the KV transfer and the generation server's first step."""
+    total = {k: sum(s[k] for s in splits) for k in splits[0]}
+    means = {f"{k}_mean_s": total[f"{k}_sum"] / total[f"{k}_count"] if total[f"{k}_count"] else None
+             for k in LATENCY_SPLIT}
+    return {"client_ttft_mean_s": statistics.fmean(ttft) if ttft else None, **means}
 
 
 RATIOS = ("ttft_p50_s", "ttft_p99_s", "throughput_tok_s", "prefill_tokens")
@@ -332,6 +356,20 @@ def table(results: dict) -> str:
     return format_table(["part", "workload", "arm", "reqs", "TTFT p50 ms", "x base", "TTFT p99 ms", "x base", "tok/s",
                          "x base", "prefill tok", "x base", "hit rate", "hit/ideal", "pass imbal mean", "p50", "p90",
                          "p99", "passes > 1.25", "vetoed"], rows)
+
+
+def latency_table(results: dict) -> str:
+    """Where the time to first token goes: each arm's means, in ms."""
+    rows = []
+    for part, workloads in results.items():
+        for name, arms in workloads.get("workloads", {}).items():
+            for arm_name, a in arms.items():
+                ms = [None if a[k] is None else a[k] * 1000 for k in
+                      ("client_ttft_mean_s", "server_ttft_mean_s", "queue_mean_s", "prefill_time_mean_s")]
+                outside = None if None in ms[:2] else ms[0] - ms[1]
+                rows.append([part, name, arm_name, *map(dash, ms), dash(outside)])
+    return format_table(["part", "workload", "arm", "client TTFT ms", "server TTFT ms", "queue ms", "prefill ms",
+                         "client - server ms"], rows)
 
 
 def dash(value):
@@ -531,6 +569,7 @@ def main() -> None:
             results[name] = run_one_part(build, model_dir, logs, args, workloads, model["vocab_size"], salt)
             salt += 1000
     print(table(results))
+    print(latency_table(results))
     out = {"bench": "prefix_routing", "machine": machine_info(), "args": {k: str(v) for k, v in vars(args).items()},
            "model": "small (random Llama, ~34 M parameters)",
            "load_1m_after": round(os.getloadavg()[0], 2),  # machine_info has it at the start

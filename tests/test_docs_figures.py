@@ -204,3 +204,17 @@ def test_benchmarks_md_prefix_routing_table_is_bench_results_prefix_routing_json
                     f"{a['hit_vs_ideal']:.2f}", "-" if imbalance[0] is None else " / ".join(f"{v:.2f}" for v in imbalance),
                     "-" if over is None else f"{over * 100:.0f} %", "-" if vetoed is None else f"{vetoed:.0f}"]
         assert [c.replace("**", "") for c in cells] == expected, key
+
+
+def test_benchmarks_md_prefix_routing_tables_are_their_json():
+    page = (ROOT / "docs/benchmarks.md").read_text()
+    for name in ("prefix_routing.json", "prefix_routing-pressure.json"):
+        assert f"bench/results/{name}" in page
+        for part, p in json.loads((ROOT / "bench/results" / name).read_text())["results"].items():
+            for workload, arms in p["workloads"].items():
+                for arm, a in arms.items():
+                    ratio = a["vs_baseline_per_round_median"]["ttft_p50_s"]
+                    row = f"| {part} | {workload} | {arm} | {a['ttft_p50_s'] * 1000:,.0f} | {ratio:.2f} |"
+                    split = (f"| {part} | {workload} | {arm} | {a['client_ttft_mean_s'] * 1000:,.0f} | "
+                             f"{a['server_ttft_mean_s'] * 1000:,.0f} | {a['queue_mean_s'] * 1000:,.0f} | ")
+                    assert row in page and split in page, (name, part, workload, arm)

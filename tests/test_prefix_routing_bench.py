@@ -54,6 +54,17 @@ def test_imbalance_summaries_give_percentiles_and_the_share_over_the_bound():
     assert bench.pass_imbalance_summary({})["pass_imbalance_p50"] is None
 
 
+def test_the_latency_split_pools_the_rounds_sums_and_counts_into_means():
+    rounds = [{"server_ttft_sum": 3.0, "server_ttft_count": 2, "queue_sum": 2.0, "queue_count": 2,
+               "prefill_time_sum": 1.0, "prefill_time_count": 2},
+              {"server_ttft_sum": 1.0, "server_ttft_count": 2, "queue_sum": 0.0, "queue_count": 2,
+               "prefill_time_sum": 1.0, "prefill_time_count": 2}]
+    split = bench.latency_split_summary([1.5, 2.5], rounds)
+    assert split == {"client_ttft_mean_s": 2.0, "server_ttft_mean_s": 1.0, "queue_mean_s": 0.5,
+                     "prefill_time_mean_s": 0.5}
+    assert bench.latency_split_summary([], [dict.fromkeys(rounds[0], 0)]) == dict.fromkeys(split)
+
+
 def test_parts_pick_the_arms_and_an_unknown_part_is_refused(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["prefix_routing.py", "--parts", "vllm,disaggregated"])
     assert list(bench.plan(bench.parse_args())) == ["disaggregated", "engine"]
