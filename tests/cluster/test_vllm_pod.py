@@ -14,6 +14,7 @@ cached. The tests run in the order written: the last deletes the pod.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 import time
@@ -35,6 +36,7 @@ pytestmark = [pytest.mark.k8s, pytest.mark.vllm, pytest.mark.slow]
 KEY = "pod-key"
 CACHE_DIR = VLLM_CACHE_DIR  # where the pod mounts the session's cache directory: where the operator would
 FLAT_FOR_S = 1.5  # the tiny model makes ~100 steps a second here: 1.5 s of none is no accident
+MAX_TOKENS = 4000  # the tiny model's context is 4096
 
 
 def vllm_pod(name: str, model_dir: str, cache_dir: str) -> dict:
@@ -107,28 +109,70 @@ def test_a_request_without_the_api_key_is_refused_but_health_and_metrics_are_ope
 
 
 def test_a_frozen_engine_core_answers_health_with_work_and_no_progress(vllm):
-    client = vllm.client(timeout=120)
-    stream = client.completions.create(model="tiny", prompt="the engine", max_tokens=4000, stream=True,
-                                       extra_body={"ignore_eos": True})
-    chunks = iter(stream)
-    next(chunks)  # the request is running
-    ended: list = []  # how the reader's stream ended, once it has
-    reader = threading.Thread(target=_read_until_closed, args=(chunks, ended), daemon=True)
+    generated = _progress(vllm)[0]
+    with vllm.frozen(ENGINE_CORE) as frozen, _long_stream(vllm) as ended:
+        assert len(frozen) == 1  # the one engine of a DP=1 server, found by its title
+        settled = _begun_in_pulses(vllm, frozen, generated)
+        assert settled[0] - generated < MAX_TOKENS  # still running when it froze
+        time.sleep(FLAT_FOR_S)  # flatness is a claim about time: it needs some to pass
+        assert _progress(vllm) == settled
+        assert httpx.get(vllm.url + "/health", timeout=5).status_code == 200
+        # work as the operator's vLLM dialect counts it (running + waiting)
+        work = {g: metric(vllm, f"vllm:num_requests_{g}", engine="0") for g in ("running", "waiting")}
+        assert sum(work.values()) == 1, (work, ended)
+        _signal(frozen, signal.SIGCONT)
+        wait_for(lambda: _progress(vllm)[0] > settled[0], timeout=30, what="tokens after the thaw")
+
+
+def _begun_in_pulses(vllm: VllmPod, frozen: list[int], generated: float, pulse_s: float = 0.1,
+                     timeout: float = 60) -> tuple[float, float]:
+    """Let the frozen engine run `pulse_s` at a time until its counters show tokens past `generated`;
+    its settled progress then, frozen again.
+
+    The engine runs ahead of its stream (the request's 4,000 tokens in ~7 s on a quiet machine): a
+    freeze timed by the stream's first chunk came after the whole request, three tries in a row, on a
+    loaded CI host. Sent to a frozen engine and let run in pulses timed here, the request has made at
+    most a pulse's tokens (and whatever a descheduled test adds to one) when the engine stops."""
+    deadline = time.monotonic() + timeout
+    while (settled := _settled_progress(vllm))[0] == generated:
+        assert time.monotonic() < deadline, f"the engine, let run {pulse_s:g} s at a time, began no request"
+        _signal(frozen, signal.SIGCONT)
+        time.sleep(pulse_s)
+        _signal(frozen, signal.SIGSTOP)
+    return settled
+
+
+def _signal(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        os.kill(pid, sig)
+
+
+@contextlib.contextmanager
+def _long_stream(vllm: VllmPod):
+    """A MAX_TOKENS streaming request, sent and read by a thread for the block (nothing waits for its
+    chunks: the engine may be frozen) and closed after it; yields how its stream ended, once it has."""
+    streams: list = []
+    ended: list = []
+
+    def send_and_read() -> None:
+        read = 0
+        try:
+            stream = vllm.client(timeout=120).completions.create(
+                model="tiny", prompt="the engine", max_tokens=MAX_TOKENS, stream=True, extra_body={"ignore_eos": True})
+            streams.append(stream)
+            for _ in stream:
+                read += 1
+            ended.append(f"ended after {read} chunks")
+        except (httpx.HTTPError, openai.APIError) as e:
+            ended.append(f"{type(e).__name__} after {read} chunks: {e}")
+
+    reader = threading.Thread(target=send_and_read, daemon=True)
     reader.start()
     try:
-        with vllm.frozen(ENGINE_CORE) as frozen:
-            assert len(frozen) == 1  # the one engine of a DP=1 server, found by its title
-            settled = _settled_progress(vllm)
-            time.sleep(FLAT_FOR_S)  # flatness is a claim about time: it needs some to pass
-            assert _progress(vllm) == settled
-            assert httpx.get(vllm.url + "/health", timeout=5).status_code == 200
-            # work as the operator's vLLM dialect counts it (running + waiting): one CI run read
-            # running 0 here, so the message says where the request was
-            work = {g: metric(vllm, f"vllm:num_requests_{g}", engine="0") for g in ("running", "waiting")}
-            assert sum(work.values()) == 1, (work, ended)
-        wait_for(lambda: _progress(vllm)[0] > settled[0], timeout=30, what="tokens after the thaw")
+        yield ended
     finally:
-        stream.close()
+        for stream in streams:
+            stream.close()
         reader.join(30)
 
 
@@ -137,17 +181,6 @@ def test_deleting_the_pod_ends_every_process_of_it(vllm):
     vllm.cluster.wait_for_pod_gone(vllm.ns, vllm.name, timeout=30)
     wait_for(lambda: vllm.group not in processes.live_groups(), timeout=10,
              what="every process of the vLLM pod (engine and worker included) to exit")
-
-
-def _read_until_closed(chunks, ended: list) -> None:
-    """Reads the stream to its end (the test closes it at its end); `ended` gets how it ended."""
-    read = 0
-    try:
-        for _ in chunks:
-            read += 1
-        ended.append(f"ended after {read} more chunks")
-    except (httpx.HTTPError, openai.APIError) as e:
-        ended.append(f"{type(e).__name__} after {read} more chunks: {e}")
 
 
 def _progress(server: VllmPod) -> tuple[float, float]:
