@@ -168,10 +168,11 @@ def signal_pod_processes(pod_uid: str, title: str, sig: int) -> list[int]:
 
 
 def freeze_busy_pod(pods: dict[str, str], title: str, running: Callable[[str], float | None], *, timeout: float = 60,
-                    tries: int = 5, settle_s: float = 0.5, poll_s: float = 0.5) -> tuple[str, float]:
-    """SIGSTOP the `title` processes of a pod (`pods`: name -> uid) whose engine runs 2 requests or
-    more (`running(name)`: what its /metrics say, None when it did not answer); (its name, the
-    time.time() of the signal).
+                    tries: int = 5, settle_s: float = 0.5, poll_s: float = 0.5, busy: float = 2) -> tuple[str, float]:
+    """SIGSTOP the `title` processes of a pod (`pods`: name -> uid) whose engine runs `busy` requests
+    or more (`running(name)`: what its /metrics say, None when it did not answer); (its name, the
+    time.time() of the signal). Two by default: an engine frozen as one request ends still has the
+    other; a load that seldom puts two on an engine asks for one and more tries.
 
     A vLLM engine's gauges are the state of its last step: one frozen just as its requests ended
     reports 0 running and cannot be told from an idle one (docs/remediation.md, "Dialects"). So the
@@ -190,22 +191,22 @@ def freeze_busy_pod(pods: dict[str, str], title: str, running: Callable[[str], f
 
     def timed_out() -> TimeoutError:
         answered = [v for v in seen if v is not None]
-        return TimeoutError(f"no pod of {sorted(pods)} ran 2 requests within {timeout:g} s ({len(answered)} of "
+        return TimeoutError(f"no pod of {sorted(pods)} ran {busy:g} requests within {timeout:g} s ({len(answered)} of "
                             f"{len(seen)} reads answered, the most running {max(answered, default=None)})")
 
     for _ in range(tries):
-        while (busy := next((name for name in sorted(pods) if (read(name) or 0) >= 2), None)) is None:
+        while (victim := next((name for name in sorted(pods) if (read(name) or 0) >= busy), None)) is None:
             if time.monotonic() > deadline:
                 raise timed_out()
             time.sleep(poll_s)
         t_fault = time.time()
-        signal_pod_processes(pods[busy], title, signal.SIGSTOP)
+        signal_pod_processes(pods[victim], title, signal.SIGSTOP)
         time.sleep(settle_s)
-        while (frozen_with := read(busy)) is None and time.monotonic() < deadline:
+        while (frozen_with := read(victim)) is None and time.monotonic() < deadline:
             time.sleep(poll_s)
         if frozen_with is not None and frozen_with >= 1:
-            return busy, t_fault
-        signal_pod_processes(pods[busy], title, signal.SIGCONT)
+            return victim, t_fault
+        signal_pod_processes(pods[victim], title, signal.SIGCONT)
         if frozen_with is None:
             raise timed_out()
     raise RuntimeError(f"{tries} freezes in a row caught an engine with no request running")

@@ -106,3 +106,12 @@ def test_no_busy_engine_within_the_timeout_says_so(engine_core):
     answered = r"ran 2 requests within 0.2 s \(\d+ of \d+ reads answered, the most running 1\)"
     with pytest.raises(TimeoutError, match=answered):
         processes.freeze_busy_pod({"p": uid}, "VLLM::EngineCore", lambda name: 1, timeout=0.2, poll_s=0.05)
+
+
+def test_a_load_that_seldom_runs_two_can_ask_for_one(engine_core):
+    uid, proc = engine_core
+    seen = iter([0, 1, 1])  # idle; one running; frozen with it
+    victim, _ = processes.freeze_busy_pod({"p": uid}, "VLLM::EngineCore", lambda name: next(seen), settle_s=0.01,
+                                          poll_s=0.01, busy=1)
+    assert victim == "p" and proc.status() == psutil.STATUS_STOPPED
+    os.kill(proc.pid, signal.SIGCONT)
