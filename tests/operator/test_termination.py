@@ -48,13 +48,13 @@ def role(servers: int) -> dict:
 
 
 class Stream:
-    """A long streamed completion through the router, read on a thread."""
+    """A long streamed completion of `tokens` through the router, read on a thread."""
 
-    def __init__(self, url: str):
-        self.events, self.error = [], None
+    def __init__(self, url: str, tokens: int = STREAM_TOKENS):
+        self.events, self.error, self.tokens = [], None, tokens
         self.started_at, self.ended_at = time.monotonic(), None
         self.ended = threading.Event()
-        body = {"model": "tiny", "prompt": "go", "max_tokens": STREAM_TOKENS, "ignore_eos": True, "stream": True,
+        body = {"model": "tiny", "prompt": "go", "max_tokens": tokens, "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True}}
         threading.Thread(target=self._read, args=(url, body), daemon=True).start()
 
@@ -74,7 +74,7 @@ class Stream:
     @property
     def completed(self) -> bool:
         usage = next((e["usage"] for e in self.events if e.get("usage")), {})
-        return self.error is None and usage.get("completion_tokens") == STREAM_TOKENS
+        return self.error is None and usage.get("completion_tokens") == self.tokens
 
     def __repr__(self) -> str:
         return f"Stream(error={self.error!r}, last={self.events[-1:]})"
@@ -82,18 +82,22 @@ class Stream:
 
 class Chains:
     """`n` streams in flight through the router at all times, until `stop()` or `until()` holds
-    (checked before each new stream: a deletion seen stops the chains at once)."""
+    (checked before each new stream: a deletion seen stops the chains at once).
+
+    Chain i's streams are STREAM_TOKENS + 150 i long. Streams of one length, begun together, are
+    batched together and end on the same pass: the chains' gaps between a stream and the next came
+    together, and a SIGTERM that fell in one found a server running none of them (one CI run)."""
 
     def __init__(self, url: str, n: int, until: Callable[[], bool] = lambda: False):
         self.streams: list[Stream] = []
         self._stop = threading.Event()
         self._until = until
-        for _ in range(n):
-            threading.Thread(target=self._chain, args=(url,), daemon=True).start()
+        for i in range(n):
+            threading.Thread(target=self._chain, args=(url, STREAM_TOKENS + 150 * i), daemon=True).start()
 
-    def _chain(self, url: str) -> None:
+    def _chain(self, url: str, tokens: int) -> None:
         while not self._stop.is_set() and not self._until():
-            stream = Stream(url)
+            stream = Stream(url, tokens)
             self.streams.append(stream)
             stream.ended.wait(150)
 
