@@ -44,7 +44,10 @@ def test_modules_that_share_a_cluster_or_the_trio_run_in_one_worker(pytester):
     pytester.makeconftest(CONFTEST)
     pytester.makeini("[pytest]\nmarkers =\n    k8s: the cluster\n    vllm: vLLM\n")
     (pytester.path / "tests" / "operator").mkdir(parents=True)
-    files = {"tests/test_pods.py": module("k8s_cluster"), "tests/test_fleet.py": module("k8s_cluster"),
+    # The cluster's tests take a while, as the real ones do: with none, its worker ran all nine and took the next
+    # group before the other worker, waiting for the unit after its one EARLY test, began that test (a CI run)
+    files = {"tests/test_pods.py": module("k8s_cluster", seconds=0.3),
+             "tests/test_fleet.py": module("k8s_cluster", seconds=0.3),
              "tests/test_vllm.py": module(None, marker="vllm"),  # marked: a cluster test without the fixture
              lanes.SECOND_CLUSTER[0]: module("k8s_cluster", tests=1),  # fewer tests than any other group
              lanes.ALONE[0]: module("k8s_cluster"), lanes.ALONE[-1]: module(None),
