@@ -67,9 +67,9 @@ def test_only_engine_0_of_a_dp2_vllm_server_frozen_is_hung_on_rank_0_and_the_ser
             wait_for(lambda: load.completed_since(time.time() - 120) >= 2, timeout=240, what="traffic")
             assert op.metric("adpfleet_operator_stalls_detected_total") == 0  # busy, both engines stepping
             watch = ProgressWatch(pod, engine=0)
-            # engine 0 alone, of the six clients' requests: one CI run's reads (16 in 60 s, the API server
-            # slow to render them beside six streams) never showed it more than one running, so one will do;
-            # a freeze that catches it with none is thawed and tried again
+            # engine 0 alone, of six clients' requests: the clients are threads of this session, which the busy
+            # pod's session starves (docs/cluster.md, autogroups), and one CI run's 16 reads in 60 s never showed it
+            # more than one running; so one will do, and a freeze that catches it with none is thawed and tried again
             victim, t_fault = processes.freeze_busy_pod({pod.metadata.name: pod.metadata.uid}, ENGINE_0,
                                                         lambda name: vllm_requests_running(pod, engine=0),
                                                         busy=1, tries=10, timeout=120)
