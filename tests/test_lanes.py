@@ -44,8 +44,9 @@ def test_modules_that_share_a_cluster_or_the_trio_run_in_one_worker(pytester):
     pytester.makeconftest(CONFTEST)
     pytester.makeini("[pytest]\nmarkers =\n    k8s: the cluster\n    vllm: vLLM\n")
     (pytester.path / "tests" / "operator").mkdir(parents=True)
-    # The cluster's tests take a while, as the real ones do: with none, its worker ran all nine and took the next
-    # group before the other worker, waiting for the unit after its one EARLY test, began that test (a CI run)
+    # The cluster's tests take a while, as the real ones do: with none, its worker can run all nine and take the next
+    # group before the other worker, waiting for the unit after its one EARLY test, begins that test (likely one CI
+    # run's failure: a passing run's first starts were 2-15 ms apart)
     files = {"tests/test_pods.py": module("k8s_cluster", seconds=0.3),
              "tests/test_fleet.py": module("k8s_cluster", seconds=0.3),
              "tests/test_vllm.py": module(None, marker="vllm"),  # marked: a cluster test without the fixture

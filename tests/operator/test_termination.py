@@ -85,8 +85,9 @@ class Chains:
     (checked before each new stream: a deletion seen stops the chains at once).
 
     Chain i's streams are STREAM_TOKENS + 150 i long. Streams of one length, begun together, are
-    batched together and end on the same pass: the chains' gaps between a stream and the next came
-    together, and a SIGTERM that fell in one found a server running none of them (one CI run)."""
+    batched together and end on the same pass: the chains' gaps between a stream and the next come
+    together, and a SIGTERM that falls in one finds a server running none of them (the likely cause
+    of one CI run's "ran no stream when its SIGTERM came")."""
 
     def __init__(self, url: str, n: int, until: Callable[[], bool] = lambda: False):
         self.streams: list[Stream] = []
