@@ -111,6 +111,16 @@ class Sent:
     done: float = 0.0
 
 
+# Where a request's time to first token goes, as the servers that compute prompts observe it (the
+# histograms' sums and counts; vLLM's names, which adpfleet's follow): arrival to the first pass
+# that ran its prompt, and from there to its first token.
+LATENCY_SPLIT = {"server_ttft": "time_to_first_token_seconds", "queue": "request_queue_time_seconds",
+                 "prefill_time": "request_prefill_time_seconds"}
+# each part's sum and count: the field an arm's counters give it -> its series, less the dialect's prefix
+LATENCY_FIELDS = {f"{key}_{part}": f"{name}_{part}"
+                  for key, name in LATENCY_SPLIT.items() for part in ("sum", "count")}
+
+
 @dataclass
 class Arm:
     """One way of serving the workload: the URL its requests go to and the servers that count them.
@@ -134,16 +144,15 @@ class Arm:
             prompt, hits = m("vllm:prompt_tokens_total"), m("vllm:prefix_cache_hits_total")
             return {"prefill": prompt - hits, "hits": hits, "queries": m("vllm:prefix_cache_queries_total"),
                     "vetoed": 0.0, "finished": m("vllm:request_success_total"),
-                    **{f"{key}_{part}": m(f"vllm:{name}_{part}") for key, name in LATENCY_SPLIT.items()
-                       for part in ("sum", "count")}}
+                    **{field: m("vllm:" + series) for field, series in LATENCY_FIELDS.items()}}
         got = {s: scrape(s) for s in dict.fromkeys([*self.prefill, *self.decode])}
         out = {"prefill": sum(got[s]("adpfleet_prompt_tokens_total") for s in self.prefill),
                "hits": sum(got[s]("adpfleet_prefix_cache_hits_total") for s in self.prefill),
                "queries": sum(got[s]("adpfleet_prefix_cache_queries_total") for s in self.prefill),
                "vetoed": sum(m("adpfleet_forward_vetoed_total") for m in got.values()),
                "finished": sum(got[s]("adpfleet_requests_finished_total") for s in self.decode),
-               **{f"{key}_{part}": sum(got[s](f"adpfleet_{name}_{part}") for s in self.prefill)
-                  for key, name in LATENCY_SPLIT.items() for part in ("sum", "count")}}
+               **{field: sum(got[s]("adpfleet_" + series) for s in self.prefill)
+                  for field, series in LATENCY_FIELDS.items()}}
         # every rank of a server observes the same passes: rank 0's series are the server's
         adp = [got[s] for s in self.snapshots]
         for part in ("sum", "count"):
@@ -151,13 +160,6 @@ class Arm:
         for bound in IMBALANCE_BUCKETS:
             out[f"imb_le_{bound}"] = sum(m("adpfleet_pass_imbalance_bucket", rank="0", le=str(bound)) for m in adp)
         return out
-
-
-# Where a request's time to first token goes, as the servers that compute prompts observe it (the
-# histograms' sums and counts; vLLM's names, which adpfleet's follow): arrival to the first pass
-# that ran its prompt, and from there to its first token.
-LATENCY_SPLIT = {"server_ttft": "time_to_first_token_seconds", "queue": "request_queue_time_seconds",
-                 "prefill_time": "request_prefill_time_seconds"}
 
 
 def scrape(server: Process):
@@ -266,7 +268,7 @@ async def run_arm(part: Part, name: str, workload: Workload, salt: int, vocab: i
             "hit_tokens": d["hits"], "query_tokens": d["queries"], "ideal_hit_tokens": ideal_hit_tokens(sent),
             "vetoed_passes": d["vetoed"] if arm.dialect == "adpfleet" else None, "imbalance_samples": samples,
             "pass_imbalance": {k.removeprefix("imb_"): v for k, v in d.items() if k.startswith("imb_")},
-            "latency_split": {f"{k}_{part}": d[f"{k}_{part}"] for k in LATENCY_SPLIT for part in ("sum", "count")},
+            "latency_split": {field: d[field] for field in LATENCY_FIELDS},
             "router": router_counts(arm.router) if arm.router else {}}
 
 

@@ -121,7 +121,8 @@ def test_a_frozen_engine_core_answers_health_with_work_and_no_progress(vllm):
         # work as the operator's vLLM dialect counts it (running + waiting)
         work = {g: metric(vllm, f"vllm:num_requests_{g}", engine="0") for g in ("running", "waiting")}
         assert sum(work.values()) == 1, (work, ended)
-        _signal(frozen, signal.SIGCONT)
+        for pid in frozen:
+            os.kill(pid, signal.SIGCONT)
         wait_for(lambda: _progress(vllm)[0] > settled[0], timeout=30, what="tokens after the thaw")
 
 
@@ -151,11 +152,6 @@ def _real_time() -> None:
     """SCHED_FIFO for this process, where allowed (root, CAP_SYS_NICE): no CFS task can delay it."""
     with contextlib.suppress(PermissionError):
         os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(10))
-
-
-def _signal(pids: list[int], sig: int) -> None:
-    for pid in pids:
-        os.kill(pid, sig)
 
 
 @contextlib.contextmanager
